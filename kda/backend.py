@@ -1,0 +1,57 @@
+"""What every backend implements: availability, per-config support, and a built step function.
+
+A backend lives in ``backends/<name>/`` and exposes one object ``BACKEND`` (or, for a package
+holding two kernels, ``BACKENDS``) of a :class:`Backend` subclass. The registry
+(:mod:`kda.registry`) imports them lazily, so a backend whose dependencies are missing costs
+nothing and reports why through :meth:`Backend.availability`.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Callable, List, Optional
+
+import torch
+
+from kda.config import KdaArgs, KdaConfig
+
+#: A built step: reads the validated args and writes out / state / conv_state / records.
+StepFn = Callable[[KdaArgs], None]
+
+
+class Backend(abc.ABC):
+    """One implementation of the fused decode step.
+
+    Subclasses set :attr:`name` and :attr:`description` and implement the three methods.
+    """
+
+    #: Registry name, e.g. "triton".
+    name: str = ""
+    #: One line for the README's backend table and for logs.
+    description: str = ""
+    #: Devices this backend runs on ("cpu", "cuda").
+    device_types: tuple = ("cuda",)
+
+    @abc.abstractmethod
+    def availability(self) -> Optional[str]:
+        """None when the backend can run in this process, else the reason it cannot.
+
+        Must be cheap after the first call and must not raise.
+        """
+
+    def unsupported(self, cfg: KdaConfig, device: torch.device) -> List[str]:
+        """Reasons this backend cannot serve ``cfg`` on ``device``; empty when it can."""
+        reasons = []
+        if device.type not in self.device_types:
+            reasons.append(f"{self.name} runs on {'/'.join(self.device_types)}, "
+                           f"tensors are on {device.type}")
+        return reasons
+
+    @abc.abstractmethod
+    def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:
+        """Return the step function for ``cfg`` (compiling or loading it once).
+
+        Called only after :meth:`availability` is None and :meth:`unsupported` is empty.
+        The returned function must not synchronize with the host, read device-side values on
+        the host, or allocate per call beyond what the caching allocator serves (CUDA graphs).
+        """

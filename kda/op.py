@@ -1,0 +1,206 @@
+"""The public entry points: :func:`kda_decode` (per call) and :class:`KdaDecode` (built once).
+
+Both run one fused KDA decode step (contract: ``docs/contract.md``) for every (request,
+head) item: short causal conv + SiLU over the cached window, q/k L2 norm, the low-rank
+forget gate and its decay, the delta-rule update of the 128x128 fp32 state, and the gated
+RMSNorm, with paged state, null slots and speculative verify.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from kda import registry
+from kda.backend import StepFn
+from kda.config import KdaArgs, KdaConfig
+from kda.validate import KdaArgumentError, config_from_args, validate_args, validate_config
+
+_build_lock = threading.Lock()
+_steps: Dict[Tuple[str, KdaConfig, str], StepFn] = {}
+
+
+def _step_fn(backend, cfg: KdaConfig, device: torch.device) -> StepFn:
+    key = (backend.name, cfg, str(device))
+    fn = _steps.get(key)
+    if fn is None:
+        with _build_lock:
+            fn = _steps.get(key)
+            if fn is None:
+                fn = backend.build(cfg, device)
+                _steps[key] = fn
+    return fn
+
+
+_resolved: Dict[tuple, StepFn] = {}
+
+
+def _resolved_step(cfg: KdaConfig, device: torch.device, explicit: Optional[str]) -> StepFn:
+    """The step function for this call's backend choice, resolved once per choice and config."""
+    key = (registry.requested_name(explicit), cfg, str(device))
+    fn = _resolved.get(key)
+    if fn is None:
+        fn = _step_fn(registry.resolve(cfg, device, explicit), cfg, device)
+        _resolved[key] = fn
+    return fn
+
+
+def _alloc_out(x: torch.Tensor, N: int, dim: int) -> torch.Tensor:
+    return torch.empty(N, dim, dtype=torch.bfloat16, device=x.device)
+
+
+def kda_decode(
+    x: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: Optional[torch.Tensor],
+    conv_state: torch.Tensor,
+    f_a: torch.Tensor,
+    f_b: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    output_gate: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    num_accepted_tokens: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    norm_eps: float = 1e-5,
+    lower_bound: Optional[float] = None,
+    gate_mode: int = 0,
+    v_record: Optional[torch.Tensor] = None,
+    kg_record: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+    backend: Optional[str] = None,
+) -> torch.Tensor:
+    """One fused KDA decode step for R requests x H heads; returns ``out``.
+
+    Shapes: H heads (from ``A_log``), D = 128, dim = H*D, R requests, T tokens per request
+    (1, or ``state_indices.shape[1]`` for speculative verify), N = R*T rows, L the conv window.
+
+    Args:
+      x: [N, 3*dim] bf16, q|k|v projections before the conv; row n = r*T + t.
+      conv_weight: [3, 4, dim] fp32 (bf16 accepted); tap 3 multiplies the current token.
+      conv_bias: [3*dim] fp32 or None.
+      conv_state: [slots, 3*dim, L] bf16 (fp32 accepted), window-first (strides [s, 1, 3*dim])
+        or dim-first (strides [s, L, 1]); rewritten in place for live items.
+      f_a: [N, 128] bf16, low-rank gate activations.
+      f_b: [dim, 128] bf16, gate up-projection rows of these heads.
+      beta: [N, H] bf16 logits (sigmoid applied here).
+      A_log: [H] fp32. dt_bias: [dim] fp32.
+      state: [slots, H, 128(v), 128(k)] fp32, V-major; updated in place (not in record mode).
+      state_indices: [R] int32 (T=1) or [R, T] int32 (verify): slot per request / draft position.
+        Ids <= 0 or >= slots are null: the item outputs zeros and writes nothing else.
+      output_gate: [N, dim] bf16 logits of the output gate.
+      norm_weight: [128] fp32 (bf16 accepted), gated RMSNorm weight shared by all heads.
+      num_accepted_tokens: [R] int32, required for T > 1; clamped to 1..T on the device.
+      scale: q scale, default 128**-0.5. norm_eps: RMSNorm eps (the L2-norm eps is 1e-6).
+      lower_bound: None for the softplus gate, or a float in [-5, 0) for the bounded gate.
+      gate_mode: 0 or 1, accumulation order of the gate projection (see the contract).
+      v_record: [slots, H, T, 128] fp32 and kg_record: [slots, H, T, 256] bf16, both or
+        neither: record mode (state read but not written; u, raw k and raw gate recorded at
+        row ``state_indices[r, 0]``).
+      out: [N, dim] bf16 to write into (for CUDA graphs); allocated when None.
+      backend: a name from :data:`kda.registry.CHOICES`; default from ``--kda_backend``,
+        ``$KDA_BACKEND``, else "auto".
+
+    Returns:
+      ``out`` [N, dim] bf16.
+
+    Raises:
+      KdaArgumentError (a ValueError): an invalid argument; the message names it, what was
+        expected and what was given. Nothing has been written.
+      KdaBackendError: unknown backend name, or the chosen backend cannot serve the call.
+
+    Formulas: the contract, section 2 (after fla-core's ``naive_recurrent_kda`` and
+    ``naive_kda_gate`` / ``naive_kda_lowerbound_gate``, with the rounding points of section 3).
+    """
+    if (v_record is None) != (kg_record is None):
+        missing = "kg_record" if kg_record is None else "v_record"
+        raise KdaArgumentError(missing, "record mode needs both v_record and kg_record, got only one")
+    cfg = config_from_args(x, conv_weight, conv_bias, conv_state, state_indices, A_log, norm_weight,
+                           lower_bound=lower_bound, gate_mode=gate_mode, record=v_record is not None,
+                           scale=scale, norm_eps=norm_eps)
+    validate_config(cfg)
+    if out is None and isinstance(x, torch.Tensor):
+        out = _alloc_out(x, x.shape[0], cfg.dim)
+    args = KdaArgs(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias, state,
+                   state_indices, num_accepted_tokens, output_gate, norm_weight, out, v_record,
+                   kg_record)
+    validate_args(cfg, args)
+    if state_indices.shape[0] == 0:
+        return out
+    _resolved_step(cfg, x.device, backend)(args)
+    return out
+
+
+class KdaDecode:
+    """A decode step built once for a static configuration and called every step.
+
+    Construction resolves the backend and compiles (or loads) its kernel for ``cfg``; a call
+    then costs only the launch. Arguments are fully validated on the first call and again
+    whenever the batch size changes (``validate="first"``, the default), or on every call
+    (``validate="always"``). Between re-validations the tensors must keep the dtypes, layouts
+    and devices they were validated with.
+
+    Example::
+
+        step = KdaDecode(KdaConfig(num_heads=32), device="cuda")
+        out = step(x, conv_weight, None, conv_state, f_a, f_b, beta, A_log, dt_bias, state,
+                   state_indices, output_gate, norm_weight, out=out_buf)
+
+    Args:
+      cfg: the static configuration (see :class:`kda.config.KdaConfig`).
+      device: the device the tensors will be on (default: current CUDA device, else CPU).
+      backend: a backend name or "auto" (default: flag / env / auto, as for :func:`kda_decode`).
+      validate: "first" or "always".
+
+    Raises:
+      KdaArgumentError: invalid ``cfg`` or ``validate``; at call time, as :func:`kda_decode`.
+      KdaBackendError: as :func:`kda_decode`, at construction.
+    """
+
+    def __init__(self, cfg: KdaConfig, *, device=None, backend: Optional[str] = None,
+                 validate: str = "first"):
+        validate_config(cfg)
+        if validate not in ("first", "always"):
+            raise KdaArgumentError("validate", f"expected 'first' or 'always', got {validate!r}")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+                else torch.device("cpu")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.cfg = cfg
+        self.device = device
+        self.backend = registry.resolve(cfg, device, backend)
+        self._step = _step_fn(self.backend, cfg, device)
+        self._always = validate == "always"
+        self._validated_key = None
+
+    @property
+    def backend_name(self) -> str:
+        """The name of the backend this object runs."""
+        return self.backend.name
+
+    def __call__(self, x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias,
+                 state, state_indices, output_gate, norm_weight, *, num_accepted_tokens=None,
+                 v_record=None, kg_record=None, out=None) -> torch.Tensor:
+        """Run one step; arguments as :func:`kda_decode` (scalars come from the config)."""
+        if out is None:
+            out = _alloc_out(x, x.shape[0], self.cfg.dim)
+        args = KdaArgs(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias,
+                       state, state_indices, num_accepted_tokens, output_gate, norm_weight, out,
+                       v_record, kg_record)
+        key = (x.shape[0], state_indices.shape[0])
+        if self._always or key != self._validated_key:
+            if x.device != self.device:
+                raise KdaArgumentError("x", f"expected device {self.device} (this KdaDecode's), got {x.device}")
+            validate_args(self.cfg, args)
+            self._validated_key = key
+        if state_indices.shape[0]:
+            self._step(args)
+        return out

@@ -1,0 +1,249 @@
+"""The PyTorch reference of the fused KDA decode step: it defines the project's numerics.
+
+Every formula here is section 2 of the contract (``docs/contract.md``); the bf16 rounding
+points are those of its section 3 (conv output y, raw gate rg, recurrence output o, out).
+It is vectorized over requests and heads (no Python loop over items; one loop over the T
+tokens) and never reads device-side values on the host, so it also runs on a GPU and under
+CUDA-graph capture.
+
+Two precisions:
+
+* ``"bf16"`` (default): the contract exactly. FP32 everywhere except the four bf16 rounding
+  points. The conv taps are fused multiply-adds, emulated exactly by one float64 product and
+  sum per tap rounded to fp32 (a float32 x float32 product is exact in float64). The gate
+  projection follows ``gate_mode``'s accumulation order: each 16-wide step is summed exactly
+  (float64) and rounded once to fp32, as a tensor-core k16 step does, and the steps are
+  chained in fp32 in the mode's order.
+* ``"float64"``: the same math in float64 with no bf16 rounding anywhere, for error
+  analysis (how far is a backend, and the reference itself, from the exact function).
+
+Entry points: :func:`reference_step` (a backend step function: writes in place) and
+:func:`reference_compute` (functional: returns every result without touching the inputs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from kda.config import GATE_RANK, HEAD_DIM, L2_NORM_EPS, KdaArgs, KdaConfig
+
+D = HEAD_DIM
+
+
+@dataclasses.dataclass
+class ReferenceResult:
+    """Everything one step produces, before it is written to the caller's buffers.
+
+    Shapes (R requests, T tokens, H heads): ``out`` [R*T, H*D]; ``live`` [R] bool;
+    ``new_window`` [R, 3*dim, T+2] (positions 0..T+1 of the rewritten window);
+    ``states`` [R, T, H, D, D] (state after each token); ``u`` [R, H, T, D];
+    ``k_raw`` [R, H, T, D] (conv output of k, before the L2 norm); ``rg`` [R, H, T, D] (raw
+    gate before dt_bias); ``src``, ``conv_slot`` [R] int64. Dtypes are float32 (float64 in
+    float64 mode), ``out`` is bf16 in bf16 mode.
+    """
+
+    out: torch.Tensor
+    live: torch.Tensor
+    src: torch.Tensor
+    conv_slot: torch.Tensor
+    new_window: torch.Tensor
+    states: torch.Tensor
+    u: torch.Tensor
+    k_raw: torch.Tensor
+    rg: torch.Tensor
+
+
+def _slots(cfg: KdaConfig, state_indices: torch.Tensor, num_accepted: Optional[torch.Tensor],
+           num_slots: int):
+    """(src, conv_slot, off, live) per request, as the contract's liveness rule says."""
+    idx = state_indices.long()
+    if idx.dim() == 1:
+        src = idx
+        conv_slot = idx
+        off = torch.zeros_like(idx)
+    else:
+        T = idx.shape[1]
+        a = num_accepted.long().clamp(1, T)
+        src = idx.gather(1, (a - 1)[:, None])[:, 0]
+        conv_slot = idx[:, 0]
+        off = a - 1
+    live = (src > 0) & (src < num_slots) & (conv_slot > 0) & (conv_slot < num_slots)
+    return src, conv_slot, off, live
+
+
+def reference_compute(cfg: KdaConfig, args: KdaArgs, precision: str = "bf16") -> ReferenceResult:
+    """Compute one decode step functionally (inputs untouched).
+
+    Args:
+      cfg: the static configuration (validated).
+      args: the step's tensors (validated; ``out``/records are not read).
+      precision: "bf16" (the contract's numerics) or "float64" (no rounding, float64 math).
+
+    Returns:
+      A :class:`ReferenceResult`.
+
+    Raises:
+      ValueError: on an unknown ``precision``.
+    """
+    if precision not in ("bf16", "float64"):
+        raise ValueError(f"precision: expected 'bf16' or 'float64', got {precision!r}")
+    exact = precision == "float64"
+    ft = torch.float64 if exact else torch.float32
+
+    def rnd(t: torch.Tensor) -> torch.Tensor:
+        """A bf16 rounding point (identity in float64 mode)."""
+        return t if exact else t.to(torch.bfloat16).to(ft)
+
+    H, T, dim = cfg.num_heads, cfg.T, cfg.dim
+    R = args.state_indices.shape[0]
+    num_slots = args.state.shape[0]
+    dev = args.x.device
+    src, conv_slot, off, live = _slots(cfg, args.state_indices, args.num_accepted_tokens, num_slots)
+    # Dead requests read slot 0 (any valid slot would do) and their results are discarded.
+    src_c = torch.where(live, src, torch.zeros_like(src))
+    cs_c = torch.where(live, conv_slot, torch.zeros_like(conv_slot))
+
+    # ---- conv + SiLU -------------------------------------------------------------------
+    win = args.conv_state[cs_c]                                         # [R, 3dim, L]
+    pos = (off[:, None] + torch.arange(3, device=dev)[None, :])         # [R, 3]
+    hist = win.gather(2, pos[:, None, :].expand(R, 3 * dim, 3))         # [R, 3dim, 3]
+    x = args.x.view(R, T, 3 * dim)
+    s = torch.cat([hist.to(ft), x.to(ft).transpose(1, 2)], dim=2)      # [R, 3dim, T+3]
+    w = args.conv_weight.to(ft).permute(0, 2, 1).reshape(3 * dim, 4)   # [3dim, 4] (tap e)
+    if args.conv_bias is not None:
+        acc0 = args.conv_bias.to(ft)[None, :, None].expand(R, 3 * dim, T)
+    else:
+        acc0 = torch.zeros(R, 3 * dim, T, dtype=ft, device=dev)
+    acc = acc0
+    for e in range(4):
+        if exact:
+            acc = acc + s[:, :, e:e + T] * w[None, :, e:e + 1]
+        else:  # fma(s, w, acc) in fp32: exact product and sum in float64, rounded once
+            acc = (acc.double() + s[:, :, e:e + T].double() * w[None, :, e:e + 1].double()).float()
+    y = rnd(F.silu(acc))                                                 # [R, 3dim, T]
+    new_window = torch.cat([s[:, :, 1:3], x.to(ft).transpose(1, 2)], dim=2)  # [R, 3dim, T+2]
+
+    y = y.view(R, 3, H, D, T).permute(0, 1, 2, 4, 3)                   # [R, 3, H, T, D]
+    q, k, v = y[:, 0], y[:, 1], y[:, 2]                                  # [R, H, T, D]
+    q_hat = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + L2_NORM_EPS) * cfg.scale
+    k_hat = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + L2_NORM_EPS)
+
+    # ---- gate ----------------------------------------------------------------------------
+    f_a = args.f_a.view(R, T, GATE_RANK).double()
+    f_b = args.f_b.view(H, D, GATE_RANK).double()
+    if exact:
+        rg = torch.einsum("hkj,rtj->rhtk", f_b, f_a)
+    else:
+        # exact 16-wide partial sums, each rounded once to fp32 (a tensor-core k16 step)
+        part = torch.einsum("hkcj,rtcj->rhtkc", f_b.view(H, D, 8, 16),
+                            f_a.view(R, T, 8, 16)).float()              # [R, H, T, D, 8]
+        if cfg.gate_mode == 0:
+            rg = part[..., 0]
+            for c in range(1, 8):
+                rg = rg + part[..., c]
+        else:
+            chains = [part[..., 2 * i] + part[..., 2 * i + 1] for i in range(4)]
+            rg = ((chains[0] + chains[1]) + chains[2]) + chains[3]
+    rg = rnd(rg.to(ft))                                                  # [R, H, T, D]
+    g = rg + args.dt_bias.to(ft).view(1, H, 1, D)
+    A = torch.exp(args.A_log.to(ft)).view(1, H, 1, 1)
+    if cfg.lower_bound is None:
+        gk = -A * torch.where(g > 20.0, g, torch.log1p(torch.exp(g)))
+    else:
+        gk = cfg.lower_bound * torch.sigmoid(A * g)
+    alpha = torch.exp(gk)                                                # [R, H, T, D]
+    beta = torch.sigmoid(args.beta.view(R, T, H).to(ft)).permute(0, 2, 1)  # [R, H, T]
+
+    # ---- recurrence ------------------------------------------------------------------------
+    S = args.state[src_c].to(ft)                                         # [R, H, D(v), D(k)] (a copy)
+    o = torch.empty(R, H, T, D, dtype=ft, device=dev)
+    u_all = torch.empty(R, H, T, D, dtype=ft, device=dev)
+    states = torch.empty(R, T, H, D, D, dtype=ft, device=dev) if T > 1 else None
+    for t in range(T):
+        S.mul_(alpha[:, :, t, None, :])                                  # decay key columns
+        kt = k_hat[:, :, t]
+        Sk = torch.matmul(S, kt[..., None])[..., 0]
+        u = beta[:, :, t, None] * (v[:, :, t] - Sk)
+        S.addcmul_(u[..., None], kt[:, :, None, :])                      # rank-1 update
+        o[:, :, t] = torch.matmul(S, q_hat[:, :, t, :, None])[..., 0]
+        u_all[:, :, t] = u
+        if states is not None:
+            states[:, t] = S
+    if states is None:
+        states = S.unsqueeze(1)
+
+    # ---- gated RMSNorm -----------------------------------------------------------------------
+    ob = rnd(o)
+    gate = torch.sigmoid(args.output_gate.view(R, T, H, D).permute(0, 2, 1, 3).to(ft))
+    normed = ob * torch.rsqrt((ob * ob).mean(-1, keepdim=True) + cfg.norm_eps)
+    res = normed * args.norm_weight.to(ft) * gate                        # [R, H, T, D]
+    res = torch.where(live[:, None, None, None], res, torch.zeros_like(res))
+    out = res.permute(0, 2, 1, 3).reshape(R * T, dim)
+    out = out if exact else out.to(torch.bfloat16)
+    return ReferenceResult(out=out, live=live, src=src, conv_slot=conv_slot,
+                           new_window=new_window, states=states, u=u_all, k_raw=k, rg=rg)
+
+
+def _masked_scatter_(buf: torch.Tensor, index: torch.Tensor, valid: torch.Tensor,
+                     values: torch.Tensor) -> None:
+    """buf[index[i]] = values[i] where valid[i]; nothing else in ``buf`` changes.
+
+    On the CPU the valid rows are selected directly. On a GPU there is no host sync: invalid
+    rows are redirected to slot 0 and rewrite slot 0 with its own current contents, which
+    leaves every bit of the buffer as it was (so the step can be captured in a CUDA graph).
+    """
+    values = values.to(buf.dtype)
+    if buf.device.type == "cpu":
+        if not bool(valid.all()):
+            sel = valid.nonzero()[:, 0]
+            index, values = index[sel], values[sel]
+        buf.index_put_((index,), values)
+        return
+    index = torch.where(valid, index, torch.zeros_like(index))
+    keep = buf[0:1].expand_as(values)
+    shape = (-1,) + (1,) * (values.dim() - 1)
+    buf.index_put_((index,), torch.where(valid.view(shape), values, keep))
+
+
+def reference_step(cfg: KdaConfig, args: KdaArgs) -> None:
+    """Run one decode step with the reference and write the results in place.
+
+    Writes ``args.out`` (all rows), and for live items: the conv window positions 0..T+1 of
+    ``conv_state[conv_slot]``; the state (T=1: ``state[src]``; T>1: ``state[state_indices[r, t]]``
+    after token t, skipped where that index is <= 0 or >= slots; record mode: nothing) and, in
+    record mode, ``v_record`` / ``kg_record`` rows ``conv_slot``. Dead items write zeros to
+    their output rows and nothing else.
+
+    Args:
+      cfg: static configuration. args: validated tensors (see :class:`kda.config.KdaArgs`).
+    """
+    res = reference_compute(cfg, args, "bf16")
+    R, T, H = args.state_indices.shape[0], cfg.T, cfg.num_heads
+    num_slots = args.state.shape[0]
+    args.out.copy_(res.out)
+    live = res.live
+
+    # conv window: positions 0..T+1 of the conv slot, via a [slots, L, 3dim] or [slots, 3dim, L] view
+    cs = args.conv_state
+    win_new = res.new_window.to(cs.dtype)                                # [R, 3dim, T+2]
+    for j in range(T + 2):
+        _masked_scatter_(cs[:, :, j], res.conv_slot, live, win_new[:, :, j])
+
+    if cfg.record:
+        vr, kr = args.v_record, args.kg_record
+        _masked_scatter_(vr, res.conv_slot, live, res.u)
+        kg = torch.cat([res.k_raw, res.rg], dim=-1)                      # [R, H, T, 2D]
+        _masked_scatter_(kr, res.conv_slot, live, kg)
+        return
+    if args.state_indices.dim() == 1:
+        _masked_scatter_(args.state, res.src, live, res.states[:, 0])
+        return
+    idx = args.state_indices.long()
+    for t in range(T):
+        tgt = idx[:, t]
+        valid = live & (tgt > 0) & (tgt < num_slots)
+        _masked_scatter_(args.state, tgt, valid, res.states[:, t])

@@ -1,0 +1,176 @@
+"""The backend registry: lazy loading, availability with reasons, support checks, and choice.
+
+Names: ``reference``, ``triton``, ``cutedsl`` (the persistent streamed CuTe DSL kernel),
+``cutedsl_wide`` (one CTA per item), ``cuda`` (the CUDA C++ extension), plus ``auto``.
+
+How a call's backend is chosen, first match wins:
+
+1. the ``backend=`` argument of :func:`kda.kda_decode` / :class:`kda.KdaDecode`;
+2. the absl flag ``--kda_backend`` (defined in :mod:`kda.flags`) when it was given;
+3. the environment variable ``KDA_BACKEND``;
+4. ``auto``: the first backend of :func:`kda.auto.auto_order` that is available here and
+   supports the configuration.
+
+An explicit name that cannot serve the call raises :class:`KdaBackendError` with every
+reason; an unknown name raises listing the valid names. The backend actually used for each
+(requested name, configuration) is logged once.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from absl import logging
+
+from kda.backend import Backend
+from kda.config import KdaConfig
+
+#: Every backend name, in the order the README lists them.
+BACKEND_NAMES = ("reference", "triton", "cutedsl", "cutedsl_wide", "cuda")
+#: Valid values of the flag / env var / ``backend=`` argument.
+CHOICES = ("auto",) + BACKEND_NAMES
+_MODULES = {
+    "reference": "backends.reference",
+    "triton": "backends.triton",
+    "cutedsl": "backends.cutedsl",
+    "cutedsl_wide": "backends.cutedsl",
+    "cuda": "backends.cuda",
+}
+ENV_VAR = "KDA_BACKEND"
+
+_lock = threading.Lock()
+_loaded: Dict[str, Backend] = {}
+_logged = set()
+
+
+class KdaBackendError(RuntimeError):
+    """The requested backend does not exist, is not available, or cannot serve the call."""
+
+
+class _Missing(Backend):
+    """Stands in for a backend whose package failed to import."""
+
+    def __init__(self, name: str, reason: str):
+        self.name = name
+        self.description = "(not importable)"
+        self._reason = reason
+
+    def availability(self) -> Optional[str]:
+        return self._reason
+
+    def build(self, cfg, device):  # pragma: no cover - never called: unavailable
+        raise KdaBackendError(self._reason)
+
+
+def get_backend(name: str) -> Backend:
+    """The :class:`Backend` object named ``name`` (imported on first use).
+
+    Raises:
+      KdaBackendError: ``name`` is not a backend name.
+    """
+    if name not in _MODULES:
+        raise KdaBackendError(f"unknown KDA backend {name!r}; valid names: {', '.join(CHOICES)}")
+    with _lock:
+        if name in _loaded:
+            return _loaded[name]
+        try:
+            mod = importlib.import_module(_MODULES[name])
+            objs = getattr(mod, "BACKENDS", None) or (getattr(mod, "BACKEND"),)
+            found = {b.name: b for b in objs}
+            backend = found[name]
+        except Exception as e:  # noqa: BLE001 - any import failure makes it unavailable
+            backend = _Missing(name, f"cannot import {_MODULES[name]}: {type(e).__name__}: {e}")
+        _loaded[name] = backend
+        return backend
+
+
+def availability(name: str) -> Optional[str]:
+    """None when backend ``name`` can run in this process, else why not."""
+    try:
+        return get_backend(name).availability()
+    except KdaBackendError as e:
+        return str(e)
+
+
+def status() -> List[Tuple[str, Optional[str], str]]:
+    """[(name, reason it is unavailable or None, description)] for every backend."""
+    rows = []
+    for name in BACKEND_NAMES:
+        b = get_backend(name)
+        rows.append((name, b.availability(), b.description))
+    return rows
+
+
+def requested_name(explicit: Optional[str] = None) -> Tuple[str, str]:
+    """The backend name requested for a call and where it came from.
+
+    Order: ``explicit`` argument, ``--kda_backend`` flag (if given on the command line),
+    ``KDA_BACKEND`` environment variable, else "auto".
+
+    Returns:
+      (name, source) with source one of "argument", "flag", "env", "default".
+    """
+    if explicit is not None:
+        return explicit, "argument"
+    from kda import flags as kda_flags  # local: defining the flag must not need this module
+    flag = kda_flags.flag_value()
+    if flag is not None:
+        return flag, "flag --kda_backend"
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return env.strip(), f"env {ENV_VAR}"
+    return "auto", "default"
+
+
+def unsupported_reasons(name: str, cfg: KdaConfig, device: torch.device) -> List[str]:
+    """Why backend ``name`` cannot serve ``cfg`` on ``device`` (empty when it can)."""
+    b = get_backend(name)
+    why = b.availability()
+    if why is not None:
+        return [f"unavailable: {why}"]
+    return list(b.unsupported(cfg, device))
+
+
+def resolve(cfg: KdaConfig, device: torch.device, explicit: Optional[str] = None) -> Backend:
+    """Pick the backend for ``cfg`` on ``device`` as the module docstring says.
+
+    Raises:
+      KdaBackendError: unknown name (lists the valid ones), or the chosen backend cannot serve
+        the call (lists every reason), or no backend at all can (auto; lists each one's reasons).
+    """
+    name, source = requested_name(explicit)
+    if name not in CHOICES:
+        raise KdaBackendError(f"unknown KDA backend {name!r} (from {source}); valid names: "
+                              f"{', '.join(CHOICES)}")
+    if name == "auto":
+        from kda.auto import auto_order
+        tried = []
+        for cand in auto_order(cfg, device):
+            why = unsupported_reasons(cand, cfg, device)
+            if not why:
+                backend = get_backend(cand)
+                _log_once(name, source, backend, cfg, device)
+                return backend
+            tried.append(f"{cand}: {'; '.join(why)}")
+        raise KdaBackendError(f"no KDA backend can serve {cfg.short()} on {device}: " + " | ".join(tried))
+    why = unsupported_reasons(name, cfg, device)
+    if why:
+        raise KdaBackendError(f"KDA backend {name!r} (from {source}) cannot serve {cfg.short()} on "
+                              f"{device}: {'; '.join(why)}")
+    backend = get_backend(name)
+    _log_once(name, source, backend, cfg, device)
+    return backend
+
+
+def _log_once(requested: str, source: str, backend: Backend, cfg: KdaConfig,
+              device: torch.device) -> None:
+    key = (requested, backend.name, cfg, str(device))
+    if key in _logged:
+        return
+    _logged.add(key)
+    logging.info("KDA decode backend: %s (requested %s via %s) for %s on %s",
+                 backend.name, requested, source, cfg.short(), device)

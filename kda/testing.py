@@ -1,0 +1,315 @@
+"""Shared case generation, poisoning and comparison for tests and benchmarks.
+
+One generator serves the conformance suite, the per-backend tests, the benchmarks and the
+serve tool, so every consumer exercises the same layouts:
+
+* :func:`make_case` draws fresh random inputs for a :class:`kda.config.KdaConfig` and a batch
+  of R requests: slot ids, null slots (0 and -1), out-of-range accepted counts, in-place
+  aliasing of the source slot with a token's write slot, both conv-cache layouts (real
+  strided storage, not a contiguous copy), optional padded row and slot strides.
+* Every buffer the step may write (out, records) and every cache element the step must not
+  read (unreferenced slots, slot 0, window positions outside the read range) is filled with
+  NaN poison, so a stray read shows up as NaN and a stray write as a changed poison bit.
+* :func:`compare_step` checks a backend's buffers against the reference's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, List, Optional
+
+import torch
+
+from kda.config import GATE_RANK, HEAD_DIM, KdaArgs, KdaConfig
+
+D = HEAD_DIM
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseSpec:
+    """One conformance case: a config plus the batch and what the slot ids look like.
+
+    Attributes:
+      cfg: the static configuration.
+      R: requests in the batch.
+      null_frac: fraction of requests whose source slot is null (0 or -1) or out of range.
+      alias: make some requests' token write slots alias their source slot (T>1).
+      padded: use row strides larger than the row width and slot strides larger than a page.
+      seed: the random seed.
+    """
+
+    cfg: KdaConfig
+    R: int
+    null_frac: float = 0.25
+    alias: bool = True
+    padded: bool = False
+    seed: int = 0
+
+    @property
+    def id(self) -> str:
+        s = f"{self.cfg.short()}-R{self.R}"
+        if self.null_frac == 0:
+            s += "-nonull"
+        if self.padded:
+            s += "-padded"
+        return s + f"-s{self.seed}"
+
+
+def _randn(shape, dtype, device, gen, scale=1.0, offset=0.0):
+    return (torch.randn(shape, generator=gen, dtype=torch.float32) * scale + offset).to(
+        device=device, dtype=dtype)
+
+
+def _rows(n: int, width: int, dtype, device, gen, padded: bool, scale=1.0) -> torch.Tensor:
+    """A [n, width] tensor whose row stride is padded by 8 elements when ``padded``."""
+    pad = 8 if padded else 0
+    full = _randn((n, width + pad), dtype, device, gen, scale)
+    return full[:, :width]
+
+
+def make_case(spec: CaseSpec, device="cpu") -> KdaArgs:
+    """Draw a fresh random case for ``spec`` on ``device``, with poison where nothing may go.
+
+    Slot assignment: slots are 1..slots-1 (slot 0 is the null slot), each request gets its own
+    distinct slots (one per token position for T>1). A ``null_frac`` share of requests get a
+    dead source (0, -1 or >= slots); for T>1 some non-source token positions are null
+    (their state write is skipped), accepted counts include values outside 1..T (clamped),
+    and with ``alias`` some requests' token write slots equal their source slot.
+
+    Returns:
+      KdaArgs with ``out`` (and records) NaN-poisoned. Deterministic for a given spec.
+    """
+    cfg = spec.cfg
+    gen = torch.Generator().manual_seed(spec.seed)
+    H, T, L, dim = cfg.num_heads, cfg.T, cfg.window, cfg.dim
+    R, N = spec.R, spec.R * cfg.T
+    slots = R * T + 3
+    nan = float("nan")
+
+    # ---- slot ids ---------------------------------------------------------------------
+    perm = torch.randperm(slots - 1, generator=gen)[: R * T] + 1
+    idx = perm.view(R, T).clone()
+    nacc = torch.randint(1, T + 1, (R,), generator=gen)
+    if T > 1:
+        # accepted counts outside 1..T are clamped by the op
+        odd = torch.rand(R, generator=gen) < 0.15
+        nacc = torch.where(odd, torch.tensor([0, T + 3])[torch.randint(0, 2, (R,), generator=gen)], nacc)
+    a = nacc.clamp(1, T)
+    dead = torch.rand(R, generator=gen) < spec.null_frac
+    if R > 1 and spec.null_frac > 0 and not dead.any():
+        dead[0] = True
+    if spec.null_frac < 1 and dead.all():
+        dead[-1] = False
+    bad_ids = torch.tensor([0, -1, slots, 0])
+    for r in range(R):
+        if dead[r]:
+            choice = bad_ids[torch.randint(0, 4, (1,), generator=gen)].item()
+            if T == 1 or torch.rand(1, generator=gen).item() < 0.7:
+                idx[r, a[r] - 1] = choice          # dead source
+            else:
+                idx[r, 0] = choice                 # dead conv slot, live source
+        elif T > 1:
+            for t in range(T):
+                if t != a[r] - 1 and t != 0 and torch.rand(1, generator=gen).item() < 0.2:
+                    idx[r, t] = [0, -1][t % 2]      # skipped state write
+            if spec.alias and torch.rand(1, generator=gen).item() < 0.5:
+                t = torch.randint(0, T, (1,), generator=gen).item()
+                idx[r, t] = idx[r, a[r] - 1]        # write slot aliases the source slot
+    state_indices = idx[:, 0].contiguous() if T == 1 else idx.contiguous()
+    state_indices = state_indices.to(torch.int32)
+    num_accepted = nacc.to(torch.int32) if T > 1 else None
+
+    src = idx[torch.arange(R), a - 1]
+    cslot = idx[:, 0]
+    live = (src > 0) & (src < slots) & (cslot > 0) & (cslot < slots)
+
+    # ---- caches -------------------------------------------------------------------------
+    pad_slot = 64 if spec.padded else 0
+    state_store = torch.full((slots, H * D * D + pad_slot), nan, dtype=torch.float32)
+    state = state_store[:, : H * D * D].view(slots, H, D, D)
+    for r in range(R):
+        if live[r]:
+            state[src[r]] = _randn((H, D, D), torch.float32, "cpu", gen, 0.5)
+    cs_dtype = cfg.conv_state_dtype
+    pad_cs = 8 if spec.padded else 0
+    if cfg.conv_layout == "SD":
+        store = torch.full((slots, L * 3 * dim + pad_cs), nan, dtype=cs_dtype)
+        conv_state = store[:, : L * 3 * dim].view(slots, L, 3 * dim).transpose(1, 2)
+    else:
+        store = torch.full((slots, 3 * dim * L + pad_cs), nan, dtype=cs_dtype)
+        conv_state = store[:, : 3 * dim * L].view(slots, 3 * dim, L)
+    for r in range(R):
+        if live[r]:
+            off = a[r].item() - 1
+            conv_state[cslot[r], :, off:off + 3] = _randn((3 * dim, 3), cs_dtype, "cpu", gen)
+
+    # ---- operands -----------------------------------------------------------------------
+    x = _rows(N, 3 * dim, torch.bfloat16, "cpu", gen, spec.padded)
+    f_a = _rows(N, GATE_RANK, torch.bfloat16, "cpu", gen, spec.padded)
+    beta = _rows(N, H, torch.bfloat16, "cpu", gen, spec.padded, scale=2.0)
+    output_gate = _rows(N, dim, torch.bfloat16, "cpu", gen, spec.padded, scale=2.0)
+    out_store = torch.full((N, dim + (8 if spec.padded else 0)), nan, dtype=torch.bfloat16)
+    out = out_store[:, :dim]
+    conv_weight = _randn((3, 4, dim), cfg.conv_weight_dtype, "cpu", gen, 0.5)
+    conv_bias = _randn((3 * dim,), torch.float32, "cpu", gen, 0.2) if cfg.has_conv_bias else None
+    f_b = _randn((dim, GATE_RANK), torch.bfloat16, "cpu", gen, 1.0 / math.sqrt(GATE_RANK))
+    A_log = torch.log(torch.rand(H, generator=gen) * 15 + 1)
+    dt_bias = _randn((dim,), torch.float32, "cpu", gen, 1.0, -1.0)
+    norm_weight = _randn((D,), cfg.norm_weight_dtype, "cpu", gen, 0.1, 1.0)
+    v_record = kg_record = None
+    if cfg.record:
+        v_record = torch.full((slots, H, T, D), nan, dtype=torch.float32)
+        kg_record = torch.full((slots, H, T, 2 * D), nan, dtype=torch.bfloat16)
+
+    args = KdaArgs(
+        x=x, conv_weight=conv_weight, conv_bias=conv_bias, conv_state=conv_state, f_a=f_a,
+        f_b=f_b, beta=beta, A_log=A_log, dt_bias=dt_bias, state=state,
+        state_indices=state_indices, num_accepted_tokens=num_accepted,
+        output_gate=output_gate, norm_weight=norm_weight, out=out, v_record=v_record,
+        kg_record=kg_record)
+    return args_to(args, device)
+
+
+def _restrided(t: Optional[torch.Tensor], fn) -> Optional[torch.Tensor]:
+    """Apply ``fn`` to the storage-owning base of ``t`` and re-view the result like ``t``."""
+    if t is None:
+        return None
+    base = t._base if t._base is not None else t
+    return fn(base).as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def clone_args(args: KdaArgs) -> KdaArgs:
+    """Deep copy preserving strides (including the storage padding of strided views)."""
+    return KdaArgs(*[_restrided(t, torch.Tensor.clone) for t in args])
+
+
+def args_to(args: KdaArgs, device) -> KdaArgs:
+    """Move every tensor to ``device`` preserving strides."""
+    return KdaArgs(*[_restrided(t, lambda b: b.to(device)) for t in args])
+
+
+#: The buffers a step may write.
+WRITTEN = ("out", "state", "conv_state", "v_record", "kg_record")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    itype = {torch.float32: torch.int32, torch.bfloat16: torch.int16,
+             torch.float64: torch.int64}[t.dtype]
+    return t.contiguous().view(itype)
+
+
+def bits_equal(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    """True when a and b hold the same bits (NaN payloads included)."""
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and a.dtype == b.dtype and bool(
+        torch.equal(_bits(a.cpu()), _bits(b.cpu())))
+
+
+@dataclasses.dataclass
+class Tolerance:
+    """|actual - expected| <= atol + rtol*|expected| must hold for all but ``frac`` of the
+    elements, and ``loose_*`` must hold for all of them. NaN never passes."""
+
+    atol: float
+    rtol: float
+    frac: float = 0.01
+    loose_atol: float = 0.1
+    loose_rtol: float = 0.1
+
+
+#: Default tolerances per buffer (see docs/testing.md for the reasoning).
+TOLERANCES: Dict[str, Tolerance] = {
+    "out": Tolerance(atol=1e-3, rtol=2 ** -7),
+    "state": Tolerance(atol=1e-5, rtol=1e-4),
+    "v_record": Tolerance(atol=1e-5, rtol=1e-4),
+    "kg_record": Tolerance(atol=1e-3, rtol=2 ** -7),
+}
+
+
+def compare_step(actual: KdaArgs, expected: KdaArgs, before: KdaArgs,
+                 tolerances: Optional[Dict[str, Tolerance]] = None) -> List[str]:
+    """Compare a backend's written buffers with the reference's; return the failures.
+
+    Rules: (1) every element the reference left bit-identical to ``before`` must be
+    bit-identical in ``actual`` (dead items, unreferenced slots, window positions >= T+2,
+    poison); (2) the conv window matches the reference exactly; (3) every other element is
+    within its :class:`Tolerance`; (4) no NaN where the reference has none; (5) out elements
+    that the reference set to exact zero (the rows of dead items) are exact zeros.
+    """
+    tol = dict(TOLERANCES)
+    tol.update(tolerances or {})
+    errors = []
+    a_out, e_out = actual.out.cpu(), expected.out.cpu()
+    zero = e_out == 0
+    if (a_out[zero] != 0).any() or torch.isnan(a_out[zero]).any():
+        errors.append(f"out: {int(((a_out != 0) & zero).sum())} elements are not exact zeros where the "
+                      "reference writes zeros (dead items)")
+    for name in WRITTEN:
+        a, e, b = getattr(actual, name), getattr(expected, name), getattr(before, name)
+        if e is None:
+            continue
+        a_, e_, b_ = a.cpu(), e.cpu(), b.cpu()
+        same_ref = _bits(e_) == _bits(b_)
+        a_bits, e_bits = _bits(a_), _bits(e_)
+        if name == "out":
+            same_ref = torch.zeros_like(same_ref)  # every out element is written
+        changed = (a_bits != _bits(b_)) & same_ref
+        if changed.any():
+            errors.append(f"{name}: {int(changed.sum())} elements changed that the reference "
+                          f"left untouched (first at {tuple(changed.nonzero()[0].tolist())})")
+        if name == "conv_state":
+            diff = a_bits != e_bits
+            if diff.any():
+                errors.append(f"conv_state: {int(diff.sum())} window elements differ from the "
+                              f"reference (must be exact; first at {tuple(diff.nonzero()[0].tolist())})")
+            continue
+        wm = ~same_ref
+        av, ev = a_.float()[wm], e_.float()[wm]
+        if av.numel() == 0:
+            continue
+        nan_bad = torch.isnan(av) & ~torch.isnan(ev)
+        if nan_bad.any():
+            errors.append(f"{name}: {int(nan_bad.sum())} NaN where the reference is finite")
+            continue
+        t = tol[name]
+        err = (av - ev).abs()
+        fin = torch.isfinite(ev)
+        bad = (err > t.atol + t.rtol * ev.abs()) & fin
+        loose = (err > t.loose_atol + t.loose_rtol * ev.abs()) & fin
+        frac = bad.float().mean().item()
+        if frac > t.frac:
+            errors.append(f"{name}: {frac:.2%} of written elements beyond atol={t.atol} "
+                          f"rtol={t.rtol} (allowed {t.frac:.2%}); max err {err.max().item():.3g}")
+        if loose.any():
+            errors.append(f"{name}: {int(loose.sum())} elements beyond the loose bound; "
+                          f"max err {err.max().item():.3g}")
+    return errors
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 over the elements where b is finite."""
+    a, b = a.double().cpu(), b.double().cpu()
+    m = torch.isfinite(b)
+    return float((a[m] - b[m]).norm() / b[m].norm().clamp_min(1e-30))
+
+
+def step_bytes(cfg: KdaConfig, live_requests: int) -> int:
+    """Fewest bytes one step must move for ``live_requests`` live requests (the floor's numerator).
+
+    Per live item (request, head): the 64 KiB fp32 state page read once; T page writes (record
+    mode writes T*(D*4 + 2D*2) record bytes instead); its bf16 operands per token: x (3*D),
+    output gate (D), out (D), beta (1); its window: 3 history positions read and T+2 written,
+    3*D channels each, in the cache dtype. Per live request: f_a (128 bf16 per token).
+    Parameters shared by all requests (conv weights, f_b, A_log, dt_bias, norm weight) stay in
+    L2 and are not counted.
+    """
+    T = cfg.T
+    page = D * D * 4
+    writes = T * (D * 4 + 2 * D * 2) if cfg.record else T * page
+    cs = torch.tensor([], dtype=cfg.conv_state_dtype).element_size()
+    operands = T * ((3 * D + D + D) * 2 + 2)
+    window = 3 * D * (3 + T + 2) * cs
+    per_item = page + writes + operands + window
+    return live_requests * (cfg.num_heads * per_item + T * GATE_RANK * 2)

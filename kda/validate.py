@@ -1,0 +1,275 @@
+"""Argument validation for the decode step: every error names the argument, what was expected
+and what was given, and is raised before anything is written.
+
+Only host-side metadata is read (dtype, shape, strides, device, data pointer alignment);
+device-side values (slot ids, accepted counts) are never read here: their out-of-range
+behaviour is defined by the contract (dead items, clamped counts) instead.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from kda.config import CONV_LAYOUTS, GATE_RANK, HEAD_DIM, KdaArgs, KdaConfig
+
+D = HEAD_DIM
+
+
+class KdaArgumentError(ValueError):
+    """A decode-step argument is invalid. ``arg`` names it."""
+
+    def __init__(self, arg: str, message: str):
+        super().__init__(f"{arg}: {message}")
+        self.arg = arg
+
+
+def _fmt_dtype(dt) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def _check_tensor(name: str, t, dtypes: Sequence[torch.dtype], shape: Sequence[int],
+                  device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise KdaArgumentError(name, f"expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise KdaArgumentError(name, f"expected dtype {' or '.join(_fmt_dtype(d) for d in dtypes)}, "
+                                     f"got {_fmt_dtype(t.dtype)}")
+    if tuple(t.shape) != tuple(shape):
+        raise KdaArgumentError(name, f"expected shape {list(shape)}, got {list(t.shape)}")
+    if t.device != device:
+        raise KdaArgumentError(name, f"expected device {device} (the device of x), got {t.device}")
+    return t
+
+
+def _check_contiguous(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise KdaArgumentError(name, f"expected a contiguous tensor, got strides {list(t.stride())} "
+                                     f"for shape {list(t.shape)}")
+
+
+def _check_rows(name: str, t: torch.Tensor, vector: bool = True) -> None:
+    """Last stride 1; for vector rows also a row stride multiple of 8 and 16-byte alignment."""
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise KdaArgumentError(name, f"expected the last dimension contiguous (stride 1), "
+                                     f"got strides {list(t.stride())}")
+    if t.shape[0] > 1 and t.stride(0) < t.shape[1]:
+        raise KdaArgumentError(name, f"expected a row stride >= {t.shape[1]}, got {t.stride(0)}")
+    if vector:
+        if t.shape[0] > 1 and t.stride(0) % 8:
+            raise KdaArgumentError(name, f"expected a row stride that is a multiple of 8 elements "
+                                         f"(16-byte vector access), got {t.stride(0)}")
+        if t.numel() and t.data_ptr() % 16:
+            raise KdaArgumentError(name, "expected 16-byte aligned data, got an address "
+                                         f"{t.data_ptr() % 16} bytes past alignment")
+
+
+def conv_layout_of(conv_state: torch.Tensor) -> Optional[str]:
+    """"SD" (window-first), "DS" (dim-first) or None for any other stride pattern."""
+    if conv_state.dim() != 3:
+        return None
+    _, C, L = conv_state.shape
+    s = conv_state.stride()
+    if (s[1] == 1 or C == 1) and (s[2] == C or L == 1):
+        return "SD"
+    if (s[2] == 1 or L == 1) and (s[1] == L or C == 1):
+        return "DS"
+    return None
+
+
+def config_from_args(x, conv_weight, conv_bias, conv_state, state_indices, A_log,
+                     norm_weight, *, lower_bound=None, gate_mode=0, record=False,
+                     scale=None, norm_eps=1e-5) -> KdaConfig:
+    """Derive the static :class:`KdaConfig` of a call from its tensors and scalars.
+
+    Raises KdaArgumentError for what the derivation itself needs (head count, layout, T).
+    """
+    if not isinstance(A_log, torch.Tensor) or A_log.dim() != 1 or A_log.shape[0] < 1:
+        raise KdaArgumentError("A_log", "expected a 1-D tensor [H] with H >= 1, got "
+                               + (f"shape {list(A_log.shape)}" if isinstance(A_log, torch.Tensor)
+                                  else type(A_log).__name__))
+    H = A_log.shape[0]
+    if not isinstance(state_indices, torch.Tensor) or state_indices.dim() not in (1, 2):
+        raise KdaArgumentError("state_indices", "expected an int32 tensor [R] (T=1) or [R, T], got "
+                               + (f"shape {list(state_indices.shape)}"
+                                  if isinstance(state_indices, torch.Tensor) else type(state_indices).__name__))
+    T = 1 if state_indices.dim() == 1 else state_indices.shape[1]
+    if T < 1:
+        raise KdaArgumentError("state_indices", f"expected T = state_indices.shape[1] >= 1, got {T}")
+    if not isinstance(conv_state, torch.Tensor) or conv_state.dim() != 3:
+        raise KdaArgumentError("conv_state", "expected a 3-D tensor [slots, 3*dim, L], got "
+                               + (f"shape {list(conv_state.shape)}" if isinstance(conv_state, torch.Tensor)
+                                  else type(conv_state).__name__))
+    layout = conv_layout_of(conv_state)
+    if layout is None:
+        raise KdaArgumentError("conv_state", "expected window-first strides [s, 1, 3*dim] (SD) or "
+                                             f"dim-first strides [s, L, 1] (DS), got {list(conv_state.stride())}")
+    if scale is None:
+        scale = D ** -0.5
+    return KdaConfig(
+        num_heads=H, T=T, window=conv_state.shape[2], conv_layout=layout,
+        lower_bound=None if lower_bound is None else float(lower_bound),
+        gate_mode=gate_mode, has_conv_bias=conv_bias is not None, record=bool(record),
+        scale=float(scale), norm_eps=float(norm_eps), conv_state_dtype=conv_state.dtype,
+        conv_weight_dtype=getattr(conv_weight, "dtype", torch.float32),
+        norm_weight_dtype=getattr(norm_weight, "dtype", torch.float32))
+
+
+def validate_config(cfg: KdaConfig) -> None:
+    """Check the static configuration's scalars and ranges."""
+    if cfg.num_heads < 1:
+        raise KdaArgumentError("A_log", f"expected H >= 1 heads, got {cfg.num_heads}")
+    if cfg.T < 1:
+        raise KdaArgumentError("state_indices", f"expected T >= 1, got {cfg.T}")
+    if cfg.window < cfg.T + 2:
+        raise KdaArgumentError("conv_state", f"window too short for T={cfg.T}: expected L >= T + 2 = "
+                                             f"{cfg.T + 2} positions, got L = {cfg.window}")
+    if cfg.conv_layout not in CONV_LAYOUTS:
+        raise KdaArgumentError("conv_state", f"expected layout in {CONV_LAYOUTS}, got {cfg.conv_layout!r}")
+    if cfg.lower_bound is not None:
+        lb = cfg.lower_bound
+        if not (isinstance(lb, float) and math.isfinite(lb) and -5.0 <= lb < 0.0):
+            raise KdaArgumentError("lower_bound", f"expected None or a float in [-5, 0), got {lb!r}")
+    if cfg.gate_mode not in (0, 1):
+        raise KdaArgumentError("gate_mode", f"expected 0 or 1, got {cfg.gate_mode!r}")
+    if not (math.isfinite(cfg.scale) and cfg.scale > 0):
+        raise KdaArgumentError("scale", f"expected a finite float > 0, got {cfg.scale!r}")
+    if not (math.isfinite(cfg.norm_eps) and cfg.norm_eps > 0):
+        raise KdaArgumentError("norm_eps", f"expected a finite float > 0, got {cfg.norm_eps!r}")
+    if cfg.conv_state_dtype not in (torch.bfloat16, torch.float32):
+        raise KdaArgumentError("conv_state", f"expected dtype bfloat16 or float32, got "
+                                             f"{_fmt_dtype(cfg.conv_state_dtype)}")
+    if cfg.conv_weight_dtype not in (torch.float32, torch.bfloat16):
+        raise KdaArgumentError("conv_weight", f"expected dtype float32 or bfloat16, got "
+                                              f"{_fmt_dtype(cfg.conv_weight_dtype)}")
+    if cfg.norm_weight_dtype not in (torch.float32, torch.bfloat16):
+        raise KdaArgumentError("norm_weight", f"expected dtype float32 or bfloat16, got "
+                                              f"{_fmt_dtype(cfg.norm_weight_dtype)}")
+
+
+def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
+    """Check every tensor of a call against ``cfg``; raise :class:`KdaArgumentError` on the first
+    problem. Reads only metadata (never device values), writes nothing."""
+    validate_config(cfg)
+    H, T, L, dim = cfg.num_heads, cfg.T, cfg.window, cfg.dim
+    x = args.x
+    if not isinstance(x, torch.Tensor):
+        raise KdaArgumentError("x", f"expected a torch.Tensor, got {type(x).__name__}")
+    dev = x.device
+    if x.dim() != 2:
+        raise KdaArgumentError("x", f"expected a 2-D tensor [N, 3*dim], got shape {list(x.shape)}")
+    if x.shape[1] != 3 * dim:
+        if x.shape[1] % (3 * D) == 0:
+            raise KdaArgumentError("x", f"expected {3 * dim} channels (3 x H={H} heads x D={D}, H from "
+                                        f"A_log), got {x.shape[1]} (= {x.shape[1] // (3 * D)} heads)")
+        raise KdaArgumentError("x", f"expected 3*H*D = {3 * dim} channels with head dim D = {D}, "
+                                    f"got {x.shape[1]}")
+    si = args.state_indices
+    R = si.shape[0]
+    N = R * T
+    if x.shape[0] != N:
+        raise KdaArgumentError("x", f"expected N = R*T = {N} rows (R = {R} from state_indices, T = {T}), "
+                                    f"got {x.shape[0]}")
+    _check_tensor("x", x, (torch.bfloat16,), (N, 3 * dim), dev)
+    _check_rows("x", x)
+    _check_tensor("state_indices", si, (torch.int32,), (R,) if si.dim() == 1 else (R, T), dev)
+    _check_contiguous("state_indices", si)
+    if T > 1:
+        if args.num_accepted_tokens is None:
+            raise KdaArgumentError("num_accepted_tokens", f"required when T > 1 (T = {T}), got None")
+        _check_tensor("num_accepted_tokens", args.num_accepted_tokens, (torch.int32,), (R,), dev)
+        _check_contiguous("num_accepted_tokens", args.num_accepted_tokens)
+    elif args.num_accepted_tokens is not None:
+        raise KdaArgumentError("num_accepted_tokens", "expected None for T = 1 (state_indices is "
+                                                      "[R]); pass state_indices [R, T] for verify")
+    _check_tensor("conv_weight", args.conv_weight, (cfg.conv_weight_dtype,), (3, 4, dim), dev)
+    _check_contiguous("conv_weight", args.conv_weight)
+    if cfg.has_conv_bias:
+        _check_tensor("conv_bias", args.conv_bias, (torch.float32,), (3 * dim,), dev)
+        _check_contiguous("conv_bias", args.conv_bias)
+    elif args.conv_bias is not None:
+        raise KdaArgumentError("conv_bias", "the configuration has no conv bias, but one was passed")
+    st = args.state
+    if not isinstance(st, torch.Tensor) or st.dim() != 4:
+        raise KdaArgumentError("state", "expected a 4-D tensor [slots, H, 128, 128], got "
+                               + (f"shape {list(st.shape)}" if isinstance(st, torch.Tensor) else type(st).__name__))
+    slots = st.shape[0]
+    _check_tensor("state", st, (torch.float32,), (slots, H, D, D), dev)
+    if slots < 1:
+        raise KdaArgumentError("state", "expected at least one slot (slot 0 is the null slot), got 0")
+    if st.stride()[1:] != (D * D, D, 1):
+        raise KdaArgumentError("state", f"expected each slot's [H, 128(v), 128(k)] page contiguous "
+                                        f"(V-major, strides [s, {D * D}, {D}, 1]), got strides {list(st.stride())}")
+    if slots > 1 and (st.stride(0) < H * D * D or st.stride(0) % 4):
+        raise KdaArgumentError("state", f"expected a slot stride >= {H * D * D} and a multiple of 4 "
+                                        f"elements, got {st.stride(0)}")
+    if st.data_ptr() % 16:
+        raise KdaArgumentError("state", "expected 16-byte aligned data")
+    cs = args.conv_state
+    if cs.shape[0] != slots:
+        raise KdaArgumentError("conv_state", f"mismatched slot counts: expected {slots} slots (as state), "
+                                             f"got {cs.shape[0]}")
+    _check_tensor("conv_state", cs, (cfg.conv_state_dtype,), (slots, 3 * dim, L), dev)
+    layout = conv_layout_of(cs)
+    if layout != cfg.conv_layout:
+        raise KdaArgumentError("conv_state", f"expected the {cfg.conv_layout} layout, got strides "
+                                             f"{list(cs.stride())} ({layout or 'neither layout'})")
+    inner = 3 * dim * L
+    if slots > 1 and (cs.stride(0) < inner or cs.stride(0) % 8):
+        raise KdaArgumentError("conv_state", f"expected a slot stride >= {inner} and a multiple of 8 "
+                                             f"elements, got {cs.stride(0)}")
+    if cs.data_ptr() % 16:
+        raise KdaArgumentError("conv_state", "expected 16-byte aligned data")
+    _check_tensor("f_a", args.f_a, (torch.bfloat16,), (N, GATE_RANK), dev)
+    _check_rows("f_a", args.f_a)
+    _check_tensor("f_b", args.f_b, (torch.bfloat16,), (dim, GATE_RANK), dev)
+    _check_contiguous("f_b", args.f_b)
+    _check_tensor("beta", args.beta, (torch.bfloat16,), (N, H), dev)
+    _check_rows("beta", args.beta, vector=False)
+    _check_tensor("A_log", args.A_log, (torch.float32,), (H,), dev)
+    _check_contiguous("A_log", args.A_log)
+    _check_tensor("dt_bias", args.dt_bias, (torch.float32,), (dim,), dev)
+    _check_contiguous("dt_bias", args.dt_bias)
+    _check_tensor("output_gate", args.output_gate, (torch.bfloat16,), (N, dim), dev)
+    _check_rows("output_gate", args.output_gate)
+    _check_tensor("norm_weight", args.norm_weight, (cfg.norm_weight_dtype,), (D,), dev)
+    _check_contiguous("norm_weight", args.norm_weight)
+    _check_tensor("out", args.out, (torch.bfloat16,), (N, dim), dev)
+    _check_rows("out", args.out)
+    if cfg.record:
+        for name, dt, width in (("v_record", torch.float32, D), ("kg_record", torch.bfloat16, 2 * D)):
+            t = getattr(args, name)
+            if t is None:
+                raise KdaArgumentError(name, "required in record mode, got None")
+            _check_tensor(name, t, (dt,), (slots, H, T, width), dev)
+            _check_contiguous(name, t)
+    else:
+        for name in ("v_record", "kg_record"):
+            if getattr(args, name) is not None:
+                raise KdaArgumentError(name, "given without record mode; pass both v_record and "
+                                             "kg_record to enable it")
+    _check_no_overlap(args)
+
+
+def _check_no_overlap(args: KdaArgs) -> None:
+    """The written buffers must not share memory with each other or with any input."""
+    written = [(n, getattr(args, n)) for n in ("out", "state", "conv_state", "v_record", "kg_record")
+               if getattr(args, n) is not None]
+    spans = []
+    for name, t in args._asdict().items():
+        if t is None or t.numel() == 0:
+            continue
+        lo = t.data_ptr()
+        hi = lo + (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+        spans.append((name, lo, hi))
+    for wname, w in written:
+        if w.numel() == 0:
+            continue
+        wlo = w.data_ptr()
+        whi = wlo + (sum((s - 1) * st for s, st in zip(w.shape, w.stride())) + 1) * w.element_size()
+        for name, lo, hi in spans:
+            if name != wname and lo < whi and wlo < hi:
+                raise KdaArgumentError(wname, f"overlaps the memory of {name}: written buffers must "
+                                              "not alias any other argument")

@@ -1,0 +1,73 @@
+"""The conformance matrix: which (config, batch) cases every backend must pass.
+
+``ci``: small shapes that the reference and the Triton interpreter run in minutes on two CPU
+cores, yet cover every axis of the contract's matrix: heads 1/4/12, T 1/2/5/8, both conv
+layouts, both gates (lower_bound -5 and -1.5), gate_mode 0/1, conv bias, record mode, fp32
+conv cache, bf16 conv/norm weights, longer windows, padded strides, null slots (0, -1, out of
+range, dead conv slot), out-of-range accepted counts and aliasing write slots.
+
+``full``: the GPU matrix: H in {1, 4, 8, 12, 16, 32, 96}, R from 1 to 512, T in {1, 2, 5, 8},
+every layout x gate combination for every H and T, the other axes rotated through.
+"""
+
+import itertools
+
+import torch
+
+from kda.config import KdaConfig
+from kda.testing import CaseSpec
+
+
+def _cfg(H, T, layout="SD", lb=None, gm=0, bias=False, record=False, extra_window=0,
+         cs32=False, bf16_weights=False):
+    return KdaConfig(num_heads=H, T=T, window=T + 2 + extra_window, conv_layout=layout,
+                     lower_bound=lb, gate_mode=gm, has_conv_bias=bias, record=record,
+                     conv_state_dtype=torch.float32 if cs32 else torch.bfloat16,
+                     conv_weight_dtype=torch.bfloat16 if bf16_weights else torch.float32,
+                     norm_weight_dtype=torch.bfloat16 if bf16_weights else torch.float32)
+
+
+def ci_cases():
+    c = [
+        CaseSpec(_cfg(1, 1), R=1, null_frac=0.0),
+        CaseSpec(_cfg(4, 1), R=5),
+        CaseSpec(_cfg(4, 1, "DS", lb=-5.0, gm=1, bias=True), R=4),
+        CaseSpec(_cfg(12, 1, "SD", gm=1, extra_window=2), R=2),
+        CaseSpec(_cfg(2, 1, "DS", cs32=True, bf16_weights=True), R=3, padded=True),
+        CaseSpec(_cfg(2, 2), R=4),
+        CaseSpec(_cfg(2, 2, "DS", lb=-1.5, bias=True), R=4, padded=True),
+        CaseSpec(_cfg(2, 5, "SD", lb=-5.0, gm=1), R=4),
+        CaseSpec(_cfg(2, 5, "DS", extra_window=3), R=5),
+        CaseSpec(_cfg(1, 8, "SD", bias=True, cs32=True), R=3),
+        CaseSpec(_cfg(1, 8, "DS", lb=-5.0, gm=1, bf16_weights=True), R=3),
+        CaseSpec(_cfg(2, 1, record=True), R=3),
+        CaseSpec(_cfg(2, 5, "DS", record=True, bias=True), R=4),
+        CaseSpec(_cfg(2, 2, "SD", lb=-5.0, record=True, gm=1), R=3, padded=True),
+        CaseSpec(_cfg(4, 2), R=3, null_frac=1.0),
+    ]
+    return c
+
+
+def full_cases():
+    heads = (1, 4, 8, 12, 16, 32, 96)
+    Ts = (1, 2, 5, 8)
+    combos = list(itertools.product(("SD", "DS"), (None, -5.0)))
+    batches = (1, 3, 17, 64, 128, 512)
+    cases = []
+    i = 0
+    for H in heads:
+        for T in Ts:
+            for layout, lb in combos:
+                R = batches[i % len(batches)]
+                while R * H * T > 16384 and R > 1:   # keep one case's state pool < ~2 GiB
+                    R //= 2
+                cfg = _cfg(H, T, layout, lb=lb, gm=i % 2, bias=(i // 2) % 2 == 1,
+                           record=(i % 5 == 3), extra_window=(i % 3), cs32=(i % 7 == 4),
+                           bf16_weights=(i % 11 == 6))
+                cases.append(CaseSpec(cfg, R=R, padded=(i % 4 == 1), null_frac=0.25, seed=i))
+                i += 1
+    return cases
+
+
+def cases(matrix: str):
+    return ci_cases() if matrix == "ci" else full_cases()

@@ -1,0 +1,162 @@
+"""Bad inputs raise the documented error naming the argument, and nothing is written.
+
+Validation runs in the common layer before any backend is touched, so these checks are
+parametrized by backend: whichever backend is asked for, the same error comes first and
+every buffer keeps its bits.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+import kda
+from kda.config import KdaConfig
+from kda.registry import KdaBackendError
+from kda.testing import CaseSpec, bits_equal, clone_args, make_case
+from kda.validate import KdaArgumentError
+
+CFG1 = KdaConfig(num_heads=2, T=1, window=3)
+CFG2 = KdaConfig(num_heads=2, T=2, window=4)
+
+
+def _kwargs(args, **over):
+    kw = dict(x=args.x, conv_weight=args.conv_weight, conv_bias=args.conv_bias,
+              conv_state=args.conv_state, f_a=args.f_a, f_b=args.f_b, beta=args.beta,
+              A_log=args.A_log, dt_bias=args.dt_bias, state=args.state,
+              state_indices=args.state_indices, output_gate=args.output_gate,
+              norm_weight=args.norm_weight, num_accepted_tokens=args.num_accepted_tokens,
+              v_record=args.v_record, kg_record=args.kg_record, out=args.out)
+    kw.update(over)
+    return kw
+
+
+def _transposed_x(a):
+    t = a.x.t().contiguous().t()
+    return {"x": t}
+
+
+# (id, config, overrides, expected argument name, expected substring)
+BAD = [
+    ("x-dtype", CFG1, lambda a: {"x": a.x.half()}, "x", "dtype bfloat16"),
+    ("x-shape", CFG1, lambda a: {"x": a.x[:, :-8]}, "x", "channels"),
+    ("x-heads", CFG1, lambda a: {"x": torch.cat([a.x, a.x[:, :384]], 1)}, "x", "heads"),
+    ("x-stride", CFG1, _transposed_x, "x", "stride"),
+    ("x-rows", CFG1, lambda a: {"x": a.x[:1]}, "x", "rows"),
+    ("conv_weight-shape", CFG1, lambda a: {"conv_weight": a.conv_weight[:, :3]}, "conv_weight", "shape"),
+    ("conv_weight-dtype", CFG1, lambda a: {"conv_weight": a.conv_weight.double()}, "conv_weight", "dtype"),
+    ("conv_bias-shape", dataclasses.replace(CFG1, has_conv_bias=True),
+     lambda a: {"conv_bias": a.conv_bias[:-1]}, "conv_bias", "shape"),
+    ("conv_state-window", CFG2, lambda a: {"conv_state": a.conv_state[:, :, :3]}, "conv_state",
+     "window too short"),
+    ("conv_state-layout", CFG1,
+     lambda a: {"conv_state": torch.zeros(a.conv_state.shape[0], 2 * a.conv_state.shape[1], 3,
+                                          dtype=torch.bfloat16)[:, ::2]},
+     "conv_state", "window-first strides"),
+    ("conv_state-slots", CFG1, lambda a: {"conv_state": a.conv_state[:-1]}, "conv_state",
+     "mismatched slot counts"),
+    ("conv_state-dtype", CFG1, lambda a: {"conv_state": a.conv_state.half()}, "conv_state", "dtype"),
+    ("f_a-shape", CFG1, lambda a: {"f_a": a.f_a[:, :64]}, "f_a", "shape"),
+    ("f_b-dtype", CFG1, lambda a: {"f_b": a.f_b.float()}, "f_b", "dtype"),
+    ("beta-shape", CFG1, lambda a: {"beta": a.beta[:, :1]}, "beta", "shape"),
+    ("A_log-dtype", CFG1, lambda a: {"A_log": a.A_log.double()}, "A_log", "dtype"),
+    ("A_log-heads", CFG1, lambda a: {"A_log": torch.cat([a.A_log, a.A_log])}, "x", "heads"),
+    ("dt_bias-shape", CFG1, lambda a: {"dt_bias": a.dt_bias[:128]}, "dt_bias", "shape"),
+    ("state-dtype", CFG1, lambda a: {"state": a.state.to(torch.bfloat16)}, "state", "dtype"),
+    ("state-kmajor-view", CFG1, lambda a: {"state": a.state.transpose(2, 3)}, "state", "V-major"),
+    ("state-heads", CFG1, lambda a: {"state": a.state[:, :1]}, "state", "shape"),
+    ("state_indices-dtype", CFG1, lambda a: {"state_indices": a.state_indices.long()}, "state_indices", "int32"),
+    ("state_indices-count", CFG1, lambda a: {"state_indices": a.state_indices[:-1]}, "x", "R*T"),
+    ("num_accepted-missing", CFG2, lambda a: {"num_accepted_tokens": None}, "num_accepted_tokens", "required"),
+    ("num_accepted-dtype", CFG2, lambda a: {"num_accepted_tokens": a.num_accepted_tokens.long()},
+     "num_accepted_tokens", "dtype"),
+    ("num_accepted-for-T1", CFG1, lambda a: {"num_accepted_tokens": a.state_indices.clone()},
+     "num_accepted_tokens", "None"),
+    ("output_gate-shape", CFG1, lambda a: {"output_gate": a.output_gate[:, :128]}, "output_gate", "shape"),
+    ("norm_weight-shape", CFG1, lambda a: {"norm_weight": torch.ones(64)}, "norm_weight", "shape"),
+    ("out-dtype", CFG1, lambda a: {"out": a.out.float()}, "out", "dtype"),
+    ("out-aliases-x", CFG1, lambda a: {"out": a.x[:, :256]}, "out", "overlaps"),
+    ("device", CFG1, lambda a: {"f_b": a.f_b.to("meta")}, "f_b", "device"),
+    ("record-half", CFG1, lambda a: {"v_record": torch.zeros(a.state.shape[0], 2, 1, 128)}, "kg_record",
+     "both"),
+    ("record-shape", dataclasses.replace(CFG1, record=True),
+     lambda a: {"v_record": a.v_record[:, :, :, :64]}, "v_record", "shape"),
+]
+
+BAD_SCALARS = [
+    ("lower_bound-low", {"lower_bound": -6.0}, "lower_bound"),
+    ("lower_bound-zero", {"lower_bound": 0.0}, "lower_bound"),
+    ("lower_bound-pos", {"lower_bound": 0.5}, "lower_bound"),
+    ("lower_bound-nan", {"lower_bound": float("nan")}, "lower_bound"),
+    ("gate_mode", {"gate_mode": 2}, "gate_mode"),
+    ("norm_eps", {"norm_eps": 0.0}, "norm_eps"),
+    ("scale", {"scale": float("inf")}, "scale"),
+]
+
+
+def _assert_untouched(args, before):
+    for name in ("out", "state", "conv_state", "v_record", "kg_record"):
+        assert bits_equal(getattr(args, name), getattr(before, name)), f"{name} was written"
+
+
+@pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
+def test_bad_tensor(case, backend_name):
+    _, cfg, override, arg, text = case
+    args = make_case(CaseSpec(cfg, R=3, null_frac=0.0))
+    before = clone_args(args)
+    with pytest.raises(KdaArgumentError) as ei:
+        kda.kda_decode(**_kwargs(args, **override(args)), lower_bound=cfg.lower_bound,
+                       backend=backend_name)
+    assert ei.value.arg == arg, str(ei.value)
+    assert text in str(ei.value), str(ei.value)
+    assert str(ei.value).startswith(f"{arg}: ")
+    _assert_untouched(args, before)
+
+
+@pytest.mark.parametrize("case", BAD_SCALARS, ids=[b[0] for b in BAD_SCALARS])
+def test_bad_scalar(case, backend_name):
+    _, over, arg = case
+    args = make_case(CaseSpec(CFG1, R=2))
+    before = clone_args(args)
+    with pytest.raises(KdaArgumentError) as ei:
+        kda.kda_decode(**_kwargs(args), backend=backend_name, **over)
+    assert ei.value.arg == arg
+    assert "expected" in str(ei.value) and "got" in str(ei.value)
+    _assert_untouched(args, before)
+
+
+def test_unknown_backend_lists_names():
+    args = make_case(CaseSpec(CFG1, R=2))
+    before = clone_args(args)
+    with pytest.raises(KdaBackendError) as ei:
+        kda.kda_decode(**_kwargs(args), backend="tensorrt")
+    for name in kda.CHOICES:
+        assert name in str(ei.value)
+    _assert_untouched(args, before)
+
+
+def test_explicit_backend_that_cannot_serve_gives_reasons(monkeypatch):
+    from kda import registry
+
+    args = make_case(CaseSpec(CFG1, R=2))
+    before = clone_args(args)
+    unusable = [n for n in registry.BACKEND_NAMES
+                if registry.unsupported_reasons(n, CFG1, args.x.device)]
+    if not unusable:
+        pytest.skip("every backend can serve this case here")
+    name = unusable[0]
+    with pytest.raises(KdaBackendError) as ei:
+        kda.kda_decode(**_kwargs(args), backend=name)
+    for reason in registry.unsupported_reasons(name, CFG1, args.x.device):
+        assert reason in str(ei.value)
+    _assert_untouched(args, before)
+
+
+def test_empty_batch_is_a_no_op(backend_name, require_backend, kda_device):
+    require_backend(backend_name, CFG1, kda_device)
+    args = make_case(CaseSpec(CFG1, R=2), kda_device)
+    empty = torch.empty(0, dtype=torch.int32, device=kda_device)
+    out = kda.kda_decode(**_kwargs(args, x=args.x[:0], f_a=args.f_a[:0], beta=args.beta[:0],
+                                   output_gate=args.output_gate[:0], out=None,
+                                   state_indices=empty), backend=backend_name)
+    assert out.shape == (0, CFG1.dim)

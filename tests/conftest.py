@@ -1,0 +1,73 @@
+"""pytest options shared by every test of the project.
+
+--kda-backends=a,b       only these backends (default: every registered backend)
+--kda-require-backends   a backend that cannot run here FAILS instead of being skipped
+                         (use on the GPU machine, where every backend must run)
+--kda-matrix=ci|full     the conformance matrix: small shapes (CI, CPU) or the full one (GPU)
+--kda-device=cpu|cuda    device for the cases (default: cuda when available, else cpu)
+"""
+
+import pytest
+import torch
+
+
+def pytest_addoption(parser):
+    g = parser.getgroup("kda")
+    g.addoption("--kda-backends", default="", help="comma-separated backend names to test")
+    g.addoption("--kda-require-backends", action="store_true",
+                help="fail (instead of skip) when a selected backend cannot run here")
+    g.addoption("--kda-matrix", default="ci", choices=("ci", "full"),
+                help="conformance matrix size")
+    g.addoption("--kda-device", default=None, choices=("cpu", "cuda"), help="device for the cases")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device")
+
+
+@pytest.fixture(scope="session")
+def kda_device(pytestconfig) -> torch.device:
+    d = pytestconfig.getoption("--kda-device")
+    if d is None:
+        d = "cuda" if torch.cuda.is_available() else "cpu"
+    if d == "cuda" and not torch.cuda.is_available():
+        pytest.fail("--kda-device=cuda but no CUDA device is available")
+    return torch.device(d)
+
+
+@pytest.fixture(scope="session")
+def kda_matrix(pytestconfig) -> str:
+    return pytestconfig.getoption("--kda-matrix")
+
+
+def selected_backends(config):
+    from kda.registry import BACKEND_NAMES
+    want = [b for b in config.getoption("--kda-backends").split(",") if b]
+    unknown = [b for b in want if b not in BACKEND_NAMES]
+    if unknown:
+        raise pytest.UsageError(f"--kda-backends: unknown {unknown}; valid: {BACKEND_NAMES}")
+    return want or list(BACKEND_NAMES)
+
+
+def pytest_generate_tests(metafunc):
+    if "backend_name" in metafunc.fixturenames:
+        metafunc.parametrize("backend_name", selected_backends(metafunc.config))
+
+
+@pytest.fixture
+def require_backend(pytestconfig):
+    """require_backend(name, cfg, device) -> Backend, or skip (fail with --kda-require-backends)."""
+    from kda.registry import get_backend, unsupported_reasons
+
+    strict = pytestconfig.getoption("--kda-require-backends")
+
+    def check(name, cfg, device):
+        why = unsupported_reasons(name, cfg, device)
+        if why:
+            msg = f"backend {name} cannot run {cfg.short()} on {device}: {'; '.join(why)}"
+            if strict:
+                pytest.fail(msg)
+            pytest.skip(msg)
+        return get_backend(name)
+
+    return check

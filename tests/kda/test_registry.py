@@ -1,0 +1,108 @@
+"""Backend choice: argument > --kda_backend flag > $KDA_BACKEND > auto; logging once; errors."""
+
+import logging as pylogging
+
+import pytest
+import torch
+from absl import flags
+
+import kda
+from kda import registry
+from kda.config import KdaConfig
+from kda.registry import KdaBackendError
+from kda.testing import CaseSpec, make_case
+
+FLAGS = flags.FLAGS
+CFG = KdaConfig(num_heads=2)
+
+
+@pytest.fixture
+def parsed_flags():
+    def parse(*argv):
+        FLAGS.unparse_flags()
+        FLAGS(["prog", *argv])
+    yield parse
+    FLAGS.unparse_flags()
+
+
+def test_status_lists_every_backend_with_a_reason_or_none():
+    rows = registry.status()
+    assert [r[0] for r in rows] == list(registry.BACKEND_NAMES)
+    for name, why, desc in rows:
+        assert why is None or (isinstance(why, str) and why)
+    assert dict((r[0], r[1]) for r in rows)["reference"] is None
+
+
+def test_default_is_auto_and_auto_picks_reference_on_cpu(monkeypatch):
+    monkeypatch.delenv("KDA_BACKEND", raising=False)
+    assert registry.requested_name() == ("auto", "default")
+    assert registry.resolve(CFG, torch.device("cpu")).name == "reference"
+
+
+def test_env_var(monkeypatch):
+    monkeypatch.setenv("KDA_BACKEND", "reference")
+    assert registry.requested_name() == ("reference", "env KDA_BACKEND")
+
+
+def test_flag_wins_over_env(monkeypatch, parsed_flags):
+    monkeypatch.setenv("KDA_BACKEND", "triton")
+    parsed_flags("--kda_backend=reference")
+    assert registry.requested_name() == ("reference", "flag --kda_backend")
+    # and an explicit argument wins over both
+    assert registry.requested_name("cuda") == ("cuda", "argument")
+
+
+def test_flag_rejects_unknown_names(parsed_flags):
+    with pytest.raises(flags.IllegalFlagValueError) as ei:
+        parsed_flags("--kda_backend=tensorrt")
+    assert "cutedsl_wide" in str(ei.value)
+
+
+def test_unknown_env_name_lists_valid_names(monkeypatch):
+    monkeypatch.setenv("KDA_BACKEND", "tensorrt")
+    with pytest.raises(KdaBackendError) as ei:
+        registry.resolve(CFG, torch.device("cpu"))
+    msg = str(ei.value)
+    assert "env KDA_BACKEND" in msg and all(n in msg for n in registry.CHOICES)
+
+
+def test_choice_is_logged_once(monkeypatch, caplog):
+    from absl import logging as absl_logging
+    monkeypatch.delenv("KDA_BACKEND", raising=False)
+    registry._logged.clear()
+    absl_logging.set_verbosity(absl_logging.INFO)
+    cfg = KdaConfig(num_heads=3)
+    with caplog.at_level(pylogging.INFO):
+        for _ in range(3):
+            registry.resolve(cfg, torch.device("cpu"), "reference")
+    hits = [r for r in caplog.records if "KDA decode backend: reference" in r.getMessage()]
+    assert len(hits) == 1
+
+
+def test_kda_decode_object_validates_once(monkeypatch):
+    from kda import op
+    calls = []
+    real = op.validate_args
+    monkeypatch.setattr(op, "validate_args", lambda *a: (calls.append(1), real(*a)))
+    step = kda.KdaDecode(CFG, device="cpu", backend="reference")
+    a = make_case(CaseSpec(CFG, R=3))
+    for _ in range(3):
+        step(a.x, a.conv_weight, a.conv_bias, a.conv_state, a.f_a, a.f_b, a.beta, a.A_log,
+             a.dt_bias, a.state, a.state_indices, a.output_gate, a.norm_weight, out=a.out)
+    assert len(calls) == 1
+    b = make_case(CaseSpec(CFG, R=5))   # a new batch size validates again
+    step(b.x, b.conv_weight, b.conv_bias, b.conv_state, b.f_a, b.f_b, b.beta, b.A_log,
+         b.dt_bias, b.state, b.state_indices, b.output_gate, b.norm_weight)
+    assert len(calls) == 2
+    assert step.backend_name == "reference"
+
+
+def test_kda_decode_object_matches_functional_form():
+    a = make_case(CaseSpec(CFG, R=4, seed=9))
+    out1 = kda.KdaDecode(CFG, device="cpu")(
+        a.x, a.conv_weight, a.conv_bias, a.conv_state.clone(), a.f_a, a.f_b, a.beta, a.A_log,
+        a.dt_bias, a.state.clone(), a.state_indices, a.output_gate, a.norm_weight)
+    out2 = kda.kda_decode(a.x, a.conv_weight, a.conv_bias, a.conv_state.clone(), a.f_a, a.f_b,
+                          a.beta, a.A_log, a.dt_bias, a.state.clone(), a.state_indices,
+                          a.output_gate, a.norm_weight)
+    assert torch.equal(out1, out2)
