@@ -1,0 +1,190 @@
+"""Benchmark the fused KDA decode step: our backends and the fla-core peers in one run.
+
+Every ``//tools/bench`` target is this program with ``--backends`` preset:
+
+    bazel run //tools/bench:cutedsl -- --heads=32 --batches=1,8,32,128,512 --tokens=1,2,5
+    bazel run //tools/bench:all                    # every available backend + the peers
+    python3 -m tools.bench.bench --backends=all --out_dir=docs/results/h200   # GPU machine
+
+Per cell: median time, the copy-bandwidth floor (bytes the step must move / copy bandwidth
+measured in the same run) and floor/time, side by side for every backend and peer. Writes
+a table to the terminal and ``bench-<tag>.json`` plus ``bench-<tag>.png`` (fraction of floor
+vs R, one panel per T) to ``--out_dir``. See :mod:`tools.bench.harness` for the method.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from typing import List
+
+import torch
+from absl import app, flags, logging
+
+from kda import registry
+from kda.config import KdaConfig
+from tools.bench import harness, peers
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("backends", ["all"], "backends to measure (names, or 'all' = every available one)")
+flags.DEFINE_list("peers", ["auto"], "peers: fla_recurrent, fla_unfused, 'auto' (both where they "
+                  "run) or 'none'")
+flags.DEFINE_list("heads", ["32"], "H values (Kimi-Linear TP1..8: 32,16,8,4; K3-style: 12,24,48,96)")
+flags.DEFINE_list("batches", None, "R values (default GPU: 1,8,32,128,512; CPU: 1,8,32,128)")
+flags.DEFINE_list("tokens", ["1", "2", "5"], "T values")
+flags.DEFINE_enum("gate", "softplus", ["softplus", "bounded"], "gate kind (bounded: lower_bound -5)")
+flags.DEFINE_enum("layout", "SD", ["SD", "DS"], "conv cache layout")
+flags.DEFINE_integer("gate_mode", 0, "gate accumulation order")
+flags.DEFINE_float("pool_gib", None, "state pool size in GiB (default 8 on GPU, 0.5 on CPU)")
+flags.DEFINE_integer("sets", 8, "rotating slot sets")
+flags.DEFINE_integer("iters", None, "timed iterations per cell (default 200 GPU, 5 CPU)")
+flags.DEFINE_integer("warmup", None, "warm-up iterations (default 20 GPU, 1 CPU)")
+flags.DEFINE_enum("mode", "auto", ["auto", "graph", "eager"], "GPU timing: CUDA-graph replay or eager")
+flags.DEFINE_string("out_dir", "", "where to write JSON and PNG (default: print only)")
+flags.DEFINE_string("tag", "", "file name tag (default: gpu name and date)")
+flags.DEFINE_float("max_items", 20000, "skip cells with more R*H items than this on the CPU")
+
+
+def _git_commit() -> str:
+    try:
+        root = os.environ.get("BUILD_WORKSPACE_DIRECTORY") or os.path.dirname(os.path.dirname(
+            os.path.dirname(os.path.abspath(__file__))))
+        return subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def _plot(cells: List[harness.Cell], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    Ts = sorted({c.T for c in cells})
+    fig, axes = plt.subplots(1, len(Ts), figsize=(5 * len(Ts), 4), squeeze=False)
+    for ax, T in zip(axes[0], Ts):
+        for name in dict.fromkeys(c.backend for c in cells):
+            pts = sorted((c.R, c.frac) for c in cells if c.backend == name and c.T == T)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("requests R")
+        ax.set_ylabel("fraction of copy-bandwidth floor")
+        ax.set_ylim(0, 1.05)
+        ax.set_title(f"T = {T}")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv):
+    del argv
+    from rich.console import Console
+    from rich.progress import track
+    from rich.table import Table
+
+    console = Console()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gpu = device.type == "cuda"
+    if not gpu:
+        console.print("[bold yellow]No CUDA device: these are CPU wall-clock timings, NOT GPU timings.[/]")
+    names = registry.BACKEND_NAMES if FLAGS.backends == ["all"] else FLAGS.backends
+    for n in names:
+        if n not in registry.BACKEND_NAMES:
+            raise app.UsageError(f"--backends: unknown {n!r}; valid: {registry.BACKEND_NAMES}")
+    want_peers = list(peers.PEERS) if FLAGS.peers == ["auto"] else \
+        [] if FLAGS.peers == ["none"] else FLAGS.peers
+    peer_why = peers.available(device)
+    if peer_why and want_peers:
+        console.print(f"peers skipped: {peer_why}")
+        want_peers = []
+    batches = [int(b) for b in (FLAGS.batches or (["1", "8", "32", "128", "512"] if gpu
+                                                  else ["1", "8", "32", "128"]))]
+    tokens = [int(t) for t in FLAGS.tokens]
+    iters = FLAGS.iters or (200 if gpu else 5)
+    warmup = FLAGS.warmup if FLAGS.warmup is not None else (20 if gpu else 1)
+    pool = FLAGS.pool_gib if FLAGS.pool_gib is not None else (8.0 if gpu else 0.5)
+    copy_bw = harness.copy_bandwidth(device, 2.0 if gpu else 0.25)
+    dev_name = torch.cuda.get_device_name() if gpu else platform.processor() or "cpu"
+    console.print(f"device: {dev_name}; copy bandwidth {copy_bw / 1e12:.3f} TB/s (read+write); "
+                  f"state pool {pool} GiB, {FLAGS.sets} rotating slot sets, {iters} iterations")
+
+    runners = []
+    for n in names:
+        why = registry.availability(n)
+        if why:
+            console.print(f"[dim]{n}: skipped ({why})[/]")
+            continue
+        runners.append((n, harness.backend_step(n)))
+    runners += [(p, harness.peer_step(p)) for p in want_peers]
+
+    cells: List[harness.Cell] = []
+    grid = [(int(H), T, R) for H in FLAGS.heads for T in tokens for R in batches]
+    for H, T, R in track(grid, description="cells", console=console):
+        if not gpu and R * H > FLAGS.max_items:
+            continue
+        cfg = KdaConfig(num_heads=H, T=T, window=T + 2, conv_layout=FLAGS.layout,
+                        lower_bound=-5.0 if FLAGS.gate == "bounded" else None,
+                        gate_mode=FLAGS.gate_mode)
+        wl = harness.Workload(cfg, R, device, pool, FLAGS.sets)
+        for name, make in runners:
+            why = registry.unsupported_reasons(name, cfg, device) if name in registry.BACKEND_NAMES else []
+            if why:
+                logging.info("%s cannot run %s: %s", name, cfg.short(), why)
+                continue
+            if name == "triton" and not gpu and R * H > 8:
+                continue   # the interpreter: tiny shapes only
+            try:
+                cells.append(harness.measure(name, make, wl, copy_bw, iters, warmup, FLAGS.mode))
+            except Exception as e:  # noqa: BLE001 - one failing cell must not hide the others
+                console.print(f"[red]{name} H={H} T={T} R={R} failed: {type(e).__name__}: {e}[/]")
+        del wl
+        if gpu:
+            torch.cuda.empty_cache()
+
+    order = list(dict.fromkeys(c.backend for c in cells))
+    tab = Table(title=f"fused KDA decode step, {dev_name}, H={','.join(FLAGS.heads)}, {FLAGS.gate} gate, "
+                      f"{FLAGS.layout}: median us (fraction of copy-bandwidth floor)"
+                      + ("" if gpu else "  [CPU wall clock, not GPU timings]"))
+    tab.add_column("H")
+    tab.add_column("T")
+    tab.add_column("R")
+    tab.add_column("floor us", justify="right")
+    for n in order:
+        tab.add_column(n, justify="right")
+    keys = list(dict.fromkeys((c.H, c.T, c.R) for c in cells))
+    for key in keys:
+        row = {c.backend: c for c in cells if (c.H, c.T, c.R) == key}
+        floor = next(iter(row.values())).floor_us
+        tab.add_row(str(key[0]), str(key[1]), str(key[2]), f"{floor:.1f}",
+                    *[f"{row[n].time_us:.1f} ({row[n].frac:.2f})" if n in row else "-" for n in order])
+    console.print(tab)
+
+    if FLAGS.out_dir:
+        os.makedirs(FLAGS.out_dir, exist_ok=True)
+        tag = FLAGS.tag or f"{'h200' if 'H200' in dev_name else dev_name.replace(' ', '_')}"
+        meta = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": dev_name, "gpu": gpu, "commit": _git_commit(),
+            "command": " ".join(sys.argv), "copy_bandwidth_Bps": copy_bw,
+            "torch": torch.__version__, "python": platform.python_version(),
+            "pool_gib": pool, "sets": FLAGS.sets, "iters": iters, "gate": FLAGS.gate,
+            "layout": FLAGS.layout, "gate_mode": FLAGS.gate_mode,
+            "timing": "median of CUDA-event timed CUDA-graph replays" if gpu else "CPU wall clock",
+        }
+        path = os.path.join(FLAGS.out_dir, f"bench-{tag}.json")
+        with open(path, "w") as f:
+            json.dump({"meta": meta, "cells": [c.__dict__ for c in cells]}, f, indent=1)
+        _plot(cells, os.path.join(FLAGS.out_dir, f"bench-{tag}.png"),
+              f"{dev_name} {meta['date']} commit {meta['commit']}")
+        console.print(f"wrote {path} and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)

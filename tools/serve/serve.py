@@ -1,0 +1,278 @@
+"""The main job: serve a Kimi-Linear KDA layer step by step, as an inference server does.
+
+Requests arrive and finish (continuous batching); each is prefilled with fla-core, then
+decoded with the fused op of the selected backend (``--kda_backend``, ``$KDA_BACKEND``, or
+auto) over a paged slot pool, in a batch padded with null slots to a bucket size; with
+``--spec_tokens=T`` > 1 every step is a speculative verify of T tokens with a random accepted
+count fed back as ``num_accepted_tokens``. Every generated token's layer output is checked
+against fla-core run over the request's whole sequence; the maximum error is reported.
+
+    bazel run //tools/serve -- --kda_backend=auto
+    bazel run //tools/serve -- --spec_tokens=3 --num_requests=32 --max_batch=16
+    python3 -m tools.serve.serve --kda_backend=cutedsl --num_heads=16   # (GPU machine)
+
+Parameters come from a safetensors file with the Hugging Face Kimi-Linear names
+(``--checkpoint``); by default a seeded SYNTHETIC checkpoint of the real shapes is written once
+to ``$KDA_CACHE_DIR`` (default ``~/.cache/kda``) and used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from typing import Dict, List, Optional
+
+import torch
+from absl import app, flags, logging
+
+import kda  # noqa: F401  (defines --kda_backend)
+from kda import registry
+from kda.config import KdaConfig
+from kda.testing import TOLERANCES
+from tools.serve import checkpoint as ckpt
+from tools.serve.layer import KdaLayer
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("checkpoint", "", "safetensors file with HF Kimi-Linear parameter names "
+                    "(default: a synthetic checkpoint of the real shapes, written once)")
+flags.DEFINE_integer("layer", 0, "layer index in the checkpoint's parameter names")
+flags.DEFINE_integer("num_heads", 32, "KDA heads on this GPU (Kimi-Linear: 32/16/8/4 at TP 1/2/4/8)")
+flags.DEFINE_integer("tp_rank", 0, "tensor-parallel rank: serves heads [rank*H, (rank+1)*H)")
+flags.DEFINE_float("lower_bound", None, "bounded gate lower bound in [-5, 0) (default: softplus gate)")
+flags.DEFINE_integer("gate_mode", 0, "gate projection accumulation order (0 or 1)")
+flags.DEFINE_enum("conv_layout", "SD", ["SD", "DS"], "conv cache layout")
+flags.DEFINE_float("norm_eps", 1e-5, "gated RMSNorm eps")
+flags.DEFINE_integer("spec_tokens", 1, "T: tokens per request per step (>1: speculative verify)")
+flags.DEFINE_integer("num_requests", 12, "requests to serve")
+flags.DEFINE_integer("max_batch", 8, "most requests decoded together")
+flags.DEFINE_string("prompt_len", "8:48", "prompt length range lo:hi")
+flags.DEFINE_string("gen_len", "8:24", "generated tokens per request, range lo:hi")
+flags.DEFINE_float("arrival_rate", 0.7, "mean new requests per step")
+flags.DEFINE_integer("seed", 0, "random seed")
+flags.DEFINE_string("device", "auto", "cpu, cuda or auto")
+flags.DEFINE_string("check_against", "", "also run every step with this backend on copies of the "
+                    "caches and require agreement step for step (e.g. reference)")
+flags.DEFINE_float("max_rel_err", 0.05, "fail when a token's layer output is further than this "
+                   "(relative L2) from fla-core over the whole sequence")
+
+
+@dataclasses.dataclass
+class Request:
+    rid: int
+    arrival: int
+    prompt_len: int
+    gen_len: int
+    gen: torch.Generator
+    slots: List[int] = dataclasses.field(default_factory=list)
+    hidden: List[torch.Tensor] = dataclasses.field(default_factory=list)   # accepted tokens
+    outputs: List[torch.Tensor] = dataclasses.field(default_factory=list)  # decode outputs
+    accepted: int = 1
+    generated: int = 0
+
+
+def _range(spec: str):
+    lo, hi = (int(v) for v in spec.split(":"))
+    return lo, hi
+
+
+def _bucket(n: int, cap: int) -> int:
+    b = 1
+    while b < n:
+        b *= 2
+    return min(max(b, 1), max(cap, n))
+
+
+class SlotPool:
+    """Slot ids 1..size-1 (0 is the null slot) handed out in rows of T."""
+
+    def __init__(self, size: int):
+        self.free = list(range(size - 1, 0, -1))
+
+    def take(self, n: int) -> List[int]:
+        if len(self.free) < n:
+            raise RuntimeError("slot pool exhausted")
+        return [self.free.pop() for _ in range(n)]
+
+    def give(self, ids: List[int]) -> None:
+        self.free.extend(ids)
+
+
+def default_checkpoint() -> str:
+    root = os.environ.get("KDA_CACHE_DIR", os.path.expanduser("~/.cache/kda"))
+    path = os.path.join(root, "checkpoints", "kimi_linear_kda_layer_SYNTHETIC_seed0.safetensors")
+    if not os.path.exists(path):
+        logging.info("writing the synthetic checkpoint %s", path)
+        ckpt.write_synthetic(path, seed=0)
+    return path
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv):
+    del argv
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    console = Console()
+    if FLAGS.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(FLAGS.device)
+    T, H = FLAGS.spec_tokens, FLAGS.num_heads
+    path = FLAGS.checkpoint or default_checkpoint()
+    params, meta = ckpt.load_layer(path, FLAGS.layer)
+    label = "SYNTHETIC" if "SYNTHETIC" in meta.get("content", "") else "checkpoint"
+    cfg = KdaConfig(num_heads=H, T=T, window=T + 2, conv_layout=FLAGS.conv_layout,
+                    lower_bound=FLAGS.lower_bound, gate_mode=FLAGS.gate_mode,
+                    norm_eps=FLAGS.norm_eps)
+    layer = KdaLayer(params, cfg, head0=FLAGS.tp_rank * H, device=device)
+    check_op = kda.KdaDecode(cfg, device=device, backend=FLAGS.check_against) \
+        if FLAGS.check_against else None
+    requested, source = registry.requested_name()
+    console.print(f"[bold]KDA layer[/] {label} parameters from {path}: hidden={layer.hidden}, "
+                  f"heads [{FLAGS.tp_rank * H}, {(FLAGS.tp_rank + 1) * H}) of "
+                  f"{params['A_log'].numel()}, {cfg.short()}")
+    console.print(f"[bold]backend[/] {layer.op.backend_name} (requested {requested} via {source}) "
+                  f"on {device}" + (f"; every step also checked against {check_op.backend_name}"
+                                    if check_op else ""))
+
+    # ---- caches -------------------------------------------------------------------------
+    slots = FLAGS.max_batch * T + 1
+    dim = cfg.dim
+    state = torch.zeros(slots, H, 128, 128, dtype=torch.float32, device=device)
+    if cfg.conv_layout == "SD":
+        conv_state = torch.zeros(slots, cfg.window, 3 * dim, dtype=torch.bfloat16,
+                                 device=device).transpose(1, 2)
+    else:
+        conv_state = torch.zeros(slots, 3 * dim, cfg.window, dtype=torch.bfloat16, device=device)
+    pool = SlotPool(slots)
+
+    # ---- the request stream ---------------------------------------------------------------
+    g = torch.Generator().manual_seed(FLAGS.seed)
+    plo, phi = _range(FLAGS.prompt_len)
+    glo, ghi = _range(FLAGS.gen_len)
+    pending: List[Request] = []
+    arrival = 0.0
+    for rid in range(FLAGS.num_requests):
+        pending.append(Request(rid, int(arrival), int(torch.randint(plo, phi + 1, (1,), generator=g)),
+                               int(torch.randint(glo, ghi + 1, (1,), generator=g)),
+                               torch.Generator().manual_seed(FLAGS.seed * 7919 + rid)))
+        arrival += float(torch.empty(1).exponential_(1.0 / FLAGS.arrival_rate, generator=g)) \
+            if FLAGS.arrival_rate > 0 else 0
+    total_tokens = sum(r.gen_len for r in pending)
+
+    def hidden(req: Request, n: int) -> torch.Tensor:
+        return torch.randn(n, layer.hidden, generator=req.gen).to(torch.bfloat16).to(device)
+
+    active: Dict[int, Request] = {}
+    step_ms: List[float] = []
+    accepted_tokens = 0
+    max_err = {"abs": 0.0, "rel": 0.0}
+    step_check_fail = []
+    padded_rows = 0
+    step = 0
+    t_start = time.perf_counter()
+    with Progress(TextColumn("[bold]decode"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("decode", total=total_tokens, info="")
+        while pending or active:
+            # admit arrivals: prefill with fla-core, place state and window in the slot row
+            while pending and pending[0].arrival <= step and len(active) < FLAGS.max_batch:
+                req = pending.pop(0)
+                req.slots = pool.take(T)
+                prompt = hidden(req, req.prompt_len)
+                res = layer.sequence(prompt)
+                s0 = req.slots[0]
+                state[s0] = res.state
+                conv_state[s0, :, 0:3] = res.window.to(conv_state.dtype)
+                req.hidden.append(prompt)
+                active[req.rid] = req
+            if not active:
+                step += 1
+                continue
+            reqs = list(active.values())
+            R = len(reqs)
+            Rp = _bucket(R, FLAGS.max_batch)
+            padded_rows += (Rp - R) * T
+            rows = [r.slots for r in reqs] + [[[0, -1][i % 2]] * T for i in range(Rp - R)]
+            idx = torch.tensor(rows, dtype=torch.int32, device=device)
+            state_indices = idx[:, 0].contiguous() if T == 1 else idx
+            nacc = torch.tensor([r.accepted for r in reqs] + [1] * (Rp - R), dtype=torch.int32,
+                                device=device) if T > 1 else None
+            new_h = [hidden(r, T) for r in reqs]
+            pad_h = torch.randn((Rp - R) * T, layer.hidden, generator=g).to(torch.bfloat16).to(device)
+            h = torch.cat(new_h + [pad_h]) if Rp > R else torch.cat(new_h)
+            if check_op is not None:
+                st2, cs2 = state.clone(), conv_state.clone()
+            _sync(device)
+            t0 = time.perf_counter()
+            y, o = layer.decode(h, conv_state, state, state_indices, nacc)
+            _sync(device)
+            t1 = time.perf_counter()
+            step_ms.append((t1 - t0) * 1e3)
+            if check_op is not None:
+                y2, o2 = layer.decode(h, cs2, st2, state_indices, nacc, op=check_op)
+                tol = TOLERANCES["out"]
+                bad = ((o.float() - o2.float()).abs() > tol.loose_atol + tol.loose_rtol * o2.float().abs())
+                frac = ((o.float() - o2.float()).abs() > tol.atol + tol.rtol * o2.float().abs()).float().mean()
+                if bad.any() or frac > tol.frac or not torch.equal(cs2, conv_state):
+                    step_check_fail.append(step)
+            if Rp > R and bool((o[R * T:] != 0).any()):
+                raise AssertionError(f"step {step}: padded (null-slot) rows are not zero")
+            # accept a random prefix of each request's T tokens
+            done = []
+            for i, req in enumerate(reqs):
+                a = int(torch.randint(1, T + 1, (1,), generator=req.gen)) if T > 1 else 1
+                a = min(a, req.gen_len - req.generated)
+                req.hidden.append(new_h[i][:a])
+                req.outputs.append(y[i * T:i * T + a])
+                req.accepted = a
+                req.generated += a
+                accepted_tokens += a
+                bar.advance(task, a)
+                if req.generated >= req.gen_len:
+                    done.append(req)
+            for req in done:
+                seq = torch.cat(req.hidden)
+                ref = layer.sequence(seq).layer_out[req.prompt_len:].float()
+                got = torch.cat(req.outputs).float()
+                err = (got - ref).abs().max().item()
+                rel = ((got - ref).norm() / ref.norm()).item()
+                max_err["abs"] = max(max_err["abs"], err)
+                max_err["rel"] = max(max_err["rel"], rel)
+                pool.give(req.slots)
+                del active[req.rid]
+            bar.update(task, info=f"batch {R}/{Rp}  step {step_ms[-1]:.2f} ms")
+            step += 1
+    wall = time.perf_counter() - t_start
+
+    tab = Table(title=f"KDA decode served with backend {layer.op.backend_name} on {device}")
+    tab.add_column("metric")
+    tab.add_column("value", justify="right")
+    tab.add_row("requests / decode steps", f"{FLAGS.num_requests} / {len(step_ms)}")
+    tab.add_row("tokens per step (T)", str(T))
+    tab.add_row("accepted tokens", str(accepted_tokens))
+    tab.add_row("padded (null-slot) rows, all zero", str(padded_rows))
+    tab.add_row("layer step latency median / p90 (ms)",
+                f"{statistics.median(step_ms):.3f} / {sorted(step_ms)[int(0.9 * (len(step_ms) - 1))]:.3f}")
+    tab.add_row("accepted tokens / s (layer steps)", f"{accepted_tokens / (sum(step_ms) / 1e3):.1f}")
+    tab.add_row("wall time incl. prefill and checks (s)", f"{wall:.2f}")
+    tab.add_row("max |error| vs fla-core whole sequence", f"{max_err['abs']:.4g}")
+    tab.add_row("max relative L2 error per request", f"{max_err['rel']:.4g}")
+    if check_op is not None:
+        tab.add_row(f"steps disagreeing with {check_op.backend_name}", str(len(step_check_fail)))
+    console.print(tab)
+    ok = max_err["rel"] <= FLAGS.max_rel_err and not step_check_fail
+    console.print("[bold green]CHECK PASSED[/]" if ok else "[bold red]CHECK FAILED[/]",
+                  f"(every generated token vs fla-core over the whole sequence; limit rel {FLAGS.max_rel_err})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    app.run(main)
