@@ -128,9 +128,8 @@ def make_case(spec: CaseSpec, device="cpu") -> KdaArgs:
     pad_slot = 64 if spec.padded else 0
     state_store = torch.full((slots, H * D * D + pad_slot), nan, dtype=torch.float32)
     state = state_store[:, : H * D * D].view(slots, H, D, D)
-    for r in range(R):
-        if live[r]:
-            state[src[r]] = _randn((H, D, D), torch.float32, "cpu", gen, 0.5)
+    live_src = src[live]
+    state[live_src] = _randn((len(live_src), H, D, D), torch.float32, "cpu", gen, 0.5)
     cs_dtype = cfg.conv_state_dtype
     pad_cs = 8 if spec.padded else 0
     if cfg.conv_layout == "SD":
@@ -139,10 +138,10 @@ def make_case(spec: CaseSpec, device="cpu") -> KdaArgs:
     else:
         store = torch.full((slots, 3 * dim * L + pad_cs), nan, dtype=cs_dtype)
         conv_state = store[:, : 3 * dim * L].view(slots, 3 * dim, L)
-    for r in range(R):
-        if live[r]:
-            off = a[r].item() - 1
-            conv_state[cslot[r], :, off:off + 3] = _randn((3 * dim, 3), cs_dtype, "cpu", gen)
+    lr = torch.nonzero(live)[:, 0]
+    hist = _randn((len(lr), 3 * dim, 3), cs_dtype, "cpu", gen)
+    for j in range(3):   # window positions off..off+2 of each live conv slot
+        conv_state[cslot[lr], :, (a[lr] - 1 + j)] = hist[:, :, j]
 
     # ---- operands -----------------------------------------------------------------------
     x = _rows(N, 3 * dim, torch.bfloat16, "cpu", gen, spec.padded)
