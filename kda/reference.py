@@ -57,9 +57,8 @@ class ReferenceResult:
     rg: torch.Tensor
 
 
-def _slots(cfg: KdaConfig, state_indices: torch.Tensor, num_accepted: Optional[torch.Tensor],
-           num_slots: int):
-    """(src, conv_slot, off, live) per request, as the contract's liveness rule says."""
+def liveness(state_indices: torch.Tensor, num_accepted: Optional[torch.Tensor], num_slots: int):
+    """(src, conv_slot, off, live) per request (int64 / bool [R]), by the contract's rule."""
     idx = state_indices.long()
     if idx.dim() == 1:
         src = idx
@@ -102,7 +101,7 @@ def reference_compute(cfg: KdaConfig, args: KdaArgs, precision: str = "bf16") ->
     R = args.state_indices.shape[0]
     num_slots = args.state.shape[0]
     dev = args.x.device
-    src, conv_slot, off, live = _slots(cfg, args.state_indices, args.num_accepted_tokens, num_slots)
+    src, conv_slot, off, live = liveness(args.state_indices, args.num_accepted_tokens, num_slots)
     # Dead requests read slot 0 (any valid slot would do) and their results are discarded.
     src_c = torch.where(live, src, torch.zeros_like(src))
     cs_c = torch.where(live, conv_slot, torch.zeros_like(conv_slot))

@@ -227,15 +227,49 @@ TOLERANCES: Dict[str, Tolerance] = {
 }
 
 
+def written_masks(before: KdaArgs) -> Dict[str, torch.Tensor]:
+    """Per written buffer, the elements the contract lets this step write (CPU bool masks).
+
+    Derived from the slot ids and accepted counts (not from values): out: everything; state:
+    the pages of live items' write slots (none in record mode); conv_state: positions 0..T+1
+    of live conv slots; records: the rows of live conv slots.
+    """
+    from kda.reference import liveness
+    idx = before.state_indices.cpu().long()
+    T = 1 if idx.dim() == 1 else idx.shape[1]
+    nacc = before.num_accepted_tokens.cpu() if before.num_accepted_tokens is not None else None
+    slots = before.state.shape[0]
+    src, cslot, _, live = liveness(idx, nacc, slots)
+    record = before.v_record is not None
+    masks = {"out": torch.ones(before.out.shape, dtype=torch.bool)}
+    st = torch.zeros(slots, dtype=torch.bool)
+    if not record:
+        targets = src[live] if T == 1 else idx[live].flatten()
+        targets = targets[(targets > 0) & (targets < slots)]
+        st[targets] = True
+    masks["state"] = st.view(-1, 1, 1, 1).expand(before.state.shape)
+    cs = torch.zeros(before.conv_state.shape, dtype=torch.bool)
+    cs[cslot[live], :, : T + 2] = True
+    masks["conv_state"] = cs
+    rows = torch.zeros(slots, dtype=torch.bool)
+    rows[cslot[live]] = True
+    for name in ("v_record", "kg_record"):
+        t = getattr(before, name)
+        if t is not None:
+            masks[name] = rows.view(-1, 1, 1, 1).expand(t.shape)
+    return masks
+
+
 def compare_step(actual: KdaArgs, expected: KdaArgs, before: KdaArgs,
                  tolerances: Optional[Dict[str, Tolerance]] = None) -> List[str]:
     """Compare a backend's written buffers with the reference's; return the failures.
 
-    Rules: (1) every element the reference left bit-identical to ``before`` must be
-    bit-identical in ``actual`` (dead items, unreferenced slots, window positions >= T+2,
-    poison); (2) the conv window matches the reference exactly; (3) every other element is
-    within its :class:`Tolerance`; (4) no NaN where the reference has none; (5) out elements
-    that the reference set to exact zero (the rows of dead items) are exact zeros.
+    Rules: (1) every element outside what the step may write (:func:`written_masks`: dead
+    items, unreferenced slots, window positions >= T+2, poison) is bit-identical to
+    ``before``; (2) the conv window matches the reference exactly; (3) every written element
+    of out, state and records is within its :class:`Tolerance`; (4) no NaN where the
+    reference has none; (5) out elements the reference set to exact zero (the rows of dead
+    items) are exact zeros.
     """
     tol = dict(TOLERANCES)
     tol.update(tolerances or {})
@@ -245,26 +279,27 @@ def compare_step(actual: KdaArgs, expected: KdaArgs, before: KdaArgs,
     if (a_out[zero] != 0).any() or torch.isnan(a_out[zero]).any():
         errors.append(f"out: {int(((a_out != 0) & zero).sum())} elements are not exact zeros where the "
                       "reference writes zeros (dead items)")
+    masks = written_masks(before)
     for name in WRITTEN:
         a, e, b = getattr(actual, name), getattr(expected, name), getattr(before, name)
         if e is None:
             continue
         a_, e_, b_ = a.cpu(), e.cpu(), b.cpu()
-        same_ref = _bits(e_) == _bits(b_)
-        a_bits, e_bits = _bits(a_), _bits(e_)
-        if name == "out":
-            same_ref = torch.zeros_like(same_ref)  # every out element is written
-        changed = (a_bits != _bits(b_)) & same_ref
+        a_bits, e_bits, b_bits = _bits(a_), _bits(e_), _bits(b_)
+        wm = masks[name]
+        stray = (e_bits != b_bits) & ~wm
+        if stray.any():   # the reference itself must respect the masks
+            errors.append(f"{name}: the reference wrote outside the written mask (harness bug)")
+        changed = (a_bits != b_bits) & ~wm
         if changed.any():
-            errors.append(f"{name}: {int(changed.sum())} elements changed that the reference "
-                          f"left untouched (first at {tuple(changed.nonzero()[0].tolist())})")
+            errors.append(f"{name}: {int(changed.sum())} elements changed outside what the step may "
+                          f"write (first at {tuple(changed.nonzero()[0].tolist())})")
         if name == "conv_state":
             diff = a_bits != e_bits
             if diff.any():
                 errors.append(f"conv_state: {int(diff.sum())} window elements differ from the "
                               f"reference (must be exact; first at {tuple(diff.nonzero()[0].tolist())})")
             continue
-        wm = ~same_ref
         av, ev = a_.float()[wm], e_.float()[wm]
         if av.numel() == 0:
             continue

@@ -125,7 +125,18 @@ def main(argv=None) -> int:
     ap.add_argument("--pdl", default="on", choices=("on", "off", "both"))
     ap.add_argument("--layout", default="SD", choices=("SD", "DS"))
     ap.add_argument("--json", default=None, help="write the rows here as JSON")
+    ap.add_argument("--profile", action="store_true",
+                    help="only launch the first (T, R) a few times, no graph (for ncu)")
     a = ap.parse_args(argv)
+    if a.profile:
+        from backends.cuda import BACKEND
+        T, R = int(a.T.split(",")[0]), int(a.R.split(",")[0])
+        cfg = KdaConfig(num_heads=a.H, T=T, window=T + 2, conv_layout=a.layout)
+        step = BACKEND.build(cfg, torch.device("cuda"))
+        for args in make_sets(cfg, R, 4):
+            step(args)
+        torch.cuda.synchronize()
+        return 0
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth: {bw / 1e12:.3f} TB/s")
     pdls = {"on": [True], "off": [False], "both": [True, False]}[a.pdl]

@@ -7,7 +7,8 @@ every written buffer with :func:`kda.testing.compare_step`. Beyond the single st
 back to back on the same pool (the programmatic-dependent-launch path must not race), bit
 repeatability, CUDA-graph capture, and the public entry point.
 
-Skipped without an sm_90 GPU. On the GPU machine::
+Skipped without an sm_90 GPU (failed instead under ``--kda-require-backends``). On the GPU
+machine::
 
     python3 -m pytest tests/backends/cuda -v
 """
@@ -32,8 +33,15 @@ def _skip_reason():
     return why
 
 
-_why = _skip_reason()
-pytestmark = pytest.mark.skipif(_why is not None, reason=f"cuda backend unavailable: {_why}")
+@pytest.fixture(autouse=True)
+def _require_cuda_backend(pytestconfig):
+    """Skip without an sm_90 GPU; fail instead under --kda-require-backends (the GPU machine)."""
+    why = _skip_reason()
+    if why is not None:
+        msg = f"cuda backend unavailable: {why}"
+        if pytestconfig.getoption("--kda-require-backends", default=False):
+            pytest.fail(msg)
+        pytest.skip(msg)
 
 DEV = torch.device("cuda")
 

@@ -1,0 +1,99 @@
+"""The ``cuda`` backend: the streamed fused decode kernel in CUDA C++ (sm_90a).
+
+The kernel (``kda_decode.cu``) is compiled on first use by :mod:`backends.cuda.build` and
+cached on disk; ``python3 -m backends.cuda.build`` compiles it ahead of time.
+
+Environment:
+  KDA_CUDA_PDL=0   launch without programmatic dependent launch (default: on).
+  KDA_CACHE_DIR    where the compiled extension is kept (see build.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import List, Optional
+
+import torch
+
+from kda.backend import Backend, StepFn
+from kda.config import CONV_LAYOUTS, KdaArgs, KdaConfig
+
+#: Tokens per request the kernel is instantiated for.
+MAX_T = 8
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    description = ("CUDA C++ streamed kernel for sm_90a: persistent CTAs, cp.async-prefetched "
+                   "state pages, mma.sync gate projection, PDL")
+    device_types = ("cuda",)
+
+    def __init__(self) -> None:
+        self._availability: Optional[str] = None
+        self._checked = False
+
+    def availability(self) -> Optional[str]:
+        if self._checked:
+            return self._availability
+        self._checked = True
+        try:
+            if not torch.cuda.is_available():
+                self._availability = "no CUDA device visible to torch"
+            elif not any(torch.cuda.get_device_capability(i) == (9, 0)
+                         for i in range(torch.cuda.device_count())):
+                self._availability = "needs an sm_90 GPU (H100 / H200); the kernel is built for sm_90a"
+            else:
+                from backends.cuda import build
+
+                built = build._built_library(build.cache_dir(), build.module_name()) is not None
+                if not built and shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
+                    self._availability = "the extension is not built and nvcc is not on PATH"
+        except Exception as e:  # availability must not raise
+            self._availability = f"cuda backend check failed: {e!r}"
+        return self._availability
+
+    def unsupported(self, cfg: KdaConfig, device: torch.device) -> List[str]:
+        reasons = super().unsupported(cfg, device)
+        if device.type == "cuda" and torch.cuda.is_available():
+            cap = torch.cuda.get_device_capability(device)
+            if cap != (9, 0):
+                reasons.append(f"kernel is built for sm_90a, device is sm_{cap[0]}{cap[1]}")
+        if not 1 <= cfg.T <= MAX_T:
+            reasons.append(f"T={cfg.T}: the kernel supports T in 1..{MAX_T} (gate MMA has 8 columns)")
+        if cfg.window < cfg.T + 2:
+            reasons.append(f"window {cfg.window} < T + 2")
+        if cfg.num_heads < 1:
+            reasons.append("num_heads must be >= 1")
+        if cfg.gate_mode not in (0, 1):
+            reasons.append(f"gate_mode {cfg.gate_mode} is not 0 or 1")
+        if cfg.conv_layout not in CONV_LAYOUTS:
+            reasons.append(f"conv layout {cfg.conv_layout!r} is not one of {CONV_LAYOUTS}")
+        if cfg.conv_state_dtype not in (torch.bfloat16, torch.float32):
+            reasons.append(f"conv_state dtype {cfg.conv_state_dtype} is not bf16 / fp32")
+        if cfg.conv_weight_dtype not in (torch.bfloat16, torch.float32):
+            reasons.append(f"conv_weight dtype {cfg.conv_weight_dtype} is not bf16 / fp32")
+        if cfg.norm_weight_dtype not in (torch.bfloat16, torch.float32):
+            reasons.append(f"norm_weight dtype {cfg.norm_weight_dtype} is not bf16 / fp32")
+        return reasons
+
+    def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:
+        from backends.cuda import build
+
+        ext = build.load()
+        H, T, record = cfg.num_heads, cfg.T, cfg.record
+        scale, eps, lb, gm = float(cfg.scale), float(cfg.norm_eps), cfg.lower_bound, cfg.gate_mode
+        lb = None if lb is None else float(lb)
+        pdl = os.environ.get("KDA_CUDA_PDL", "1") != "0"
+        launch = ext.step
+
+        def step(a: KdaArgs) -> None:
+            launch(a.x, a.conv_weight, a.conv_bias, a.conv_state, a.f_a, a.f_b, a.beta, a.A_log,
+                   a.dt_bias, a.state, a.state_indices, a.num_accepted_tokens, a.output_gate,
+                   a.norm_weight, a.out, a.v_record, a.kg_record, H, T, scale, eps, lb, gm,
+                   record, pdl)
+
+        return step
+
+
+BACKEND = CudaBackend()

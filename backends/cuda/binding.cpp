@@ -1,0 +1,130 @@
+// Torch extension around kda_decode_launch: tensors -> KdaParams, launched on the current
+// CUDA stream. Validation of shapes and dtypes is the caller's (kda.config.KdaArgs); this file
+// checks only what the kernel's addressing relies on (devices, alignment, layouts), cheaply.
+#include <torch/extension.h>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cstdint>
+
+#include "kda_decode.h"
+
+namespace {
+
+bool aligned(const at::Tensor& t, int bytes) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0;
+}
+
+void check_cuda(const at::Tensor& t, const at::Tensor& ref, const char* name) {
+  TORCH_CHECK(t.device() == ref.device(), "kda cuda: ", name, " is on ", t.device(),
+              ", expected ", ref.device());
+}
+
+void step(const at::Tensor& x, const at::Tensor& conv_weight,
+          const c10::optional<at::Tensor>& conv_bias, const at::Tensor& conv_state,
+          const at::Tensor& f_a, const at::Tensor& f_b, const at::Tensor& beta,
+          const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& state,
+          const at::Tensor& state_indices, const c10::optional<at::Tensor>& num_accepted,
+          const at::Tensor& output_gate, const at::Tensor& norm_weight, const at::Tensor& out,
+          const c10::optional<at::Tensor>& v_record, const c10::optional<at::Tensor>& kg_record,
+          int64_t num_heads, int64_t T, double scale, double norm_eps,
+          c10::optional<double> lower_bound, int64_t gate_mode, bool record, bool use_pdl) {
+  TORCH_CHECK(x.is_cuda(), "kda cuda: tensors must be on a CUDA device");
+  for (const auto* t : {&conv_weight, &conv_state, &f_a, &f_b, &beta, &A_log, &dt_bias, &state,
+                        &state_indices, &output_gate, &norm_weight, &out}) {
+    check_cuda(*t, x, "an input");
+  }
+  const int window = static_cast<int>(conv_state.size(2));
+  const int64_t es = conv_state.element_size();
+  const bool sd = conv_state.stride(1) == 1;
+  // Addressing the kernel relies on (the 16-byte cp.async staging).
+  TORCH_CHECK(aligned(x, 16) && aligned(output_gate, 16) && aligned(f_a, 16) && aligned(out, 2) &&
+                  aligned(state, 16) && aligned(conv_weight, 16) && aligned(dt_bias, 16) &&
+                  aligned(conv_state, 16) && aligned(f_b, 4),
+              "kda cuda: operand data must be 16-byte aligned");
+  TORCH_CHECK(x.stride(0) % 8 == 0 && output_gate.stride(0) % 8 == 0 && f_a.stride(0) % 8 == 0,
+              "kda cuda: x / output_gate / f_a row strides must be multiples of 8 elements");
+  TORCH_CHECK(state.stride(0) % 4 == 0 && state.stride(1) == 128 * 128 && state.stride(2) == 128 &&
+                  state.stride(3) == 1,
+              "kda cuda: state must be [slots, H, 128, 128] with contiguous inner dims");
+  TORCH_CHECK((conv_state.stride(0) * es) % 16 == 0,
+              "kda cuda: conv_state slot stride must be a multiple of 16 bytes");
+  TORCH_CHECK(sd ? (conv_state.stride(2) * es) % 16 == 0 : conv_state.stride(2) == 1,
+              "kda cuda: conv_state must be window-first [s, 1, 3dim] or dim-first [s, L, 1]");
+  if (conv_bias) {
+    check_cuda(*conv_bias, x, "conv_bias");
+    TORCH_CHECK(aligned(*conv_bias, 16), "kda cuda: conv_bias must be 16-byte aligned");
+  }
+  if (num_accepted) check_cuda(*num_accepted, x, "num_accepted");
+  if (record) {
+    TORCH_CHECK(v_record && kg_record, "kda cuda: record mode needs v_record and kg_record");
+    check_cuda(*v_record, x, "v_record");
+    check_cuda(*kg_record, x, "kg_record");
+  }
+
+  KdaParams p{};
+  p.x = x.data_ptr();
+  p.conv_weight = conv_weight.data_ptr();
+  p.conv_bias = conv_bias ? conv_bias->data_ptr<float>() : nullptr;
+  p.conv_state = conv_state.data_ptr();
+  p.f_a = f_a.data_ptr();
+  p.f_b = f_b.data_ptr();
+  p.beta = beta.data_ptr();
+  p.A_log = A_log.data_ptr<float>();
+  p.dt_bias = dt_bias.data_ptr<float>();
+  p.state = state.data_ptr<float>();
+  p.state_indices = state_indices.data_ptr<int32_t>();
+  p.num_accepted = num_accepted ? num_accepted->data_ptr<int32_t>() : nullptr;
+  p.output_gate = output_gate.data_ptr();
+  p.norm_weight = norm_weight.data_ptr();
+  p.out = out.data_ptr();
+  p.v_record = record ? v_record->data_ptr<float>() : nullptr;
+  p.kg_record = record ? kg_record->data_ptr() : nullptr;
+
+  p.x_row = x.stride(0);
+  p.og_row = output_gate.stride(0);
+  p.fa_row = f_a.stride(0);
+  p.out_row = out.stride(0);
+  p.beta_row = beta.stride(0);
+  p.idx_row = state_indices.dim() > 1 ? state_indices.stride(0) : 1;
+  p.state_slot = state.stride(0);
+  p.conv_slot = conv_state.stride(0);
+  p.conv_chan = conv_state.stride(1);
+  p.conv_pos = conv_state.stride(2);
+
+  p.num_requests = static_cast<int>(state_indices.size(0));
+  p.num_heads = static_cast<int>(num_heads);
+  p.T = static_cast<int>(T);
+  p.window = window;
+  p.num_slots = static_cast<int>(state.size(0));
+  p.scale = static_cast<float>(scale);
+  p.norm_eps = static_cast<float>(norm_eps);
+  p.bounded_gate = lower_bound.has_value() ? 1 : 0;
+  p.lower_bound = lower_bound.has_value() ? static_cast<float>(*lower_bound) : 0.f;
+  p.gate_mode = static_cast<int>(gate_mode);
+  p.record = record ? 1 : 0;
+  p.conv_state_fp32 = conv_state.scalar_type() == at::kFloat ? 1 : 0;
+  p.conv_weight_bf16 = conv_weight.scalar_type() == at::kBFloat16 ? 1 : 0;
+  p.norm_weight_bf16 = norm_weight.scalar_type() == at::kBFloat16 ? 1 : 0;
+  p.use_pdl = use_pdl ? 1 : 0;
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaError_t err = kda_decode_launch(&p, at::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == cudaSuccess, "kda cuda: launch failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Fused KDA decode step (CUDA C++, sm_90a)";
+  m.def("step", &step, "One fused KDA decode step, in place (see backends/cuda/kda_decode.h)",
+        py::arg("x"), py::arg("conv_weight"), py::arg("conv_bias"), py::arg("conv_state"),
+        py::arg("f_a"), py::arg("f_b"), py::arg("beta"), py::arg("A_log"), py::arg("dt_bias"),
+        py::arg("state"), py::arg("state_indices"), py::arg("num_accepted"),
+        py::arg("output_gate"), py::arg("norm_weight"), py::arg("out"), py::arg("v_record"),
+        py::arg("kg_record"), py::arg("num_heads"), py::arg("T"), py::arg("scale"),
+        py::arg("norm_eps"), py::arg("lower_bound"), py::arg("gate_mode"), py::arg("record"),
+        py::arg("use_pdl"));
+  m.def("smem_bytes", &kda_decode_smem_bytes, "Dynamic shared memory per CTA for T tokens");
+}

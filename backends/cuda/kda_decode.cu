@@ -1,0 +1,880 @@
+// Fused KDA decode step for sm_90a: the streamed, persistent kernel written in CUDA C++.
+//
+// Design note
+// ===========
+// Work item = (request r, head h). The kernel is persistent: two CTAs per SM (the occupancy
+// query decides), CTA b walks the contiguous item range [b*I/G, (b+1)*I/G) of I = R*H items.
+// Items are numbered head-major, item = h*R + r (the CuTe DSL design uses r*H + h): consecutive
+// items of a CTA then share the head, so the head's conv taps / conv bias / dt_bias are staged
+// only when the head changes. Measured on the H200 together with the other changes of the same
+// round (see README.md); not isolated.
+//
+// The step is memory bound (per live item: a 64 KiB fp32 state page read, T pages written, a
+// few KiB of operands), so the loop keeps one state page in flight per CTA almost always.
+// cp.async groups per item: L (its slot row, one item ahead), E (x / output-gate / f_a rows,
+// conv window, head parameters, beta words) and S (the 64 KiB page), committed E then S.
+//
+//   top of item n:   wait for E(n) (S(n) may still be landing); issue L(n+1); f_b fragments
+//                    (L2/L1) into registers; B1.
+//   gate MMA (mma.sync m16n8k16 bf16 -> fp32, raw gate rounded to bf16 into smem), conv +
+//   SiLU + window write-back, sigmoid(output gate), per-token write offsets.
+//   wait for S(n), L(n+1); B2.
+//   issue E(n+1) (its buffers are free now; the state is not in registers yet, so the
+//   address arithmetic costs no registers). Warps 0-3: L2-normalise q, k. Warps 4-7: decay
+//   alpha from the raw gate (accurate expf/log1pf). All: state page smem -> registers. B3.
+//   issue S(n+1); recurrence for T tokens on the register-resident page, 16-byte state
+//   stores per token; B4; gated RMSNorm epilogue (warp sums, B5, bf16 out).
+//
+// Thread layout (256 threads): thread tid holds value rows tid/8 + 32m (m = 0..3) and in
+// each row the key columns 4*(tid%8 + 8c)..+3 (c = 0..3): 16 float4 = 64 fp32 registers. A
+// row's 8 lanes are consecutive, so every state load / store instruction of a warp covers
+// 4 rows x 128 contiguous bytes (whole L2 lines; the 4-lanes-per-row layout of the CuTe DSL
+// design gives 8 rows x 64 B, half lines: twice the L2 requests. This layout came in the same
+// measured round as the 16-byte f_b loads below, +13-15% at T=1 together). Row dot products: in-
+// thread over two partial sums (x,z and y,w components, chunks in order), combined p0 + p1,
+// then across the 8 lanes with xor-shuffles 1, 2, 4, so all 8 lanes hold the same value.
+// Threads 0-127 own q and k channel tid (conv, squares, output gate, RMSNorm); threads 128-255
+// own v channel tid-128 and, after B2, gate feature tid-128.
+//
+// Gate MMA: warp w computes features 16w..16w+15 for the T token columns. The MMA's k index
+// is permuted identically for A (f_b) and B (f_a) so that k-steps 2p, 2p+1 cover gate-rank
+// columns [32p, 32p+32) and a thread's A fragment is one 16-byte load per row and k-step pair
+// (the straightforward fragment order needs 32 scattered 4-byte loads, twice the L2 sectors).
+// gate_mode 1's four chains are exactly those 32-column slices, summed ((c0+c1)+c2)+c3.
+//
+// Shared memory per CTA: 64 KiB state staging laid out [16 chunk][256 thread][4 floats]
+// (each thread reads back only what it copied: no barrier needed for the page itself, no bank
+// conflicts), operand staging T*1296 B (f_a rows padded to 136 bf16), conv window 4.5 KiB,
+// head parameters 8 KiB, q/k/v/alpha/o/sigmoid(og) as fp32 [T][128] (3 KiB per token), small
+// bookkeeping. T=1: 83,520 B; T=8: 114,400 B; two CTAs per SM need <= 115,712 B each
+// (static_assert below; tests/backends/cuda/test_compile.py checks the built object).
+//
+// Registers: __launch_bounds__(256, 2) caps at 128 per thread. During the recurrence the live
+// set is the 64-register page, 8 partial sums, 4 u's, two float4 operands and addressing. The
+// per-item info (slots, r, h) lives in shared memory, written once per item by thread 0,
+// because every register loop-carried across the recurrence pushed some T over the cap; for
+// the same reason the staging functions pass tid / strides through opaque() so that ptxas
+// cannot hoist their address arithmetic out of the item loop. No T spills (checked in CI).
+//
+// Programmatic dependent launch: the first item's slot row, state page, window and head
+// parameters are not produced by the predecessor and are requested before griddepcontrol.wait;
+// x, output gate, f_a and beta after it. The trigger for dependents is issued at the end of
+// each CTA, after its last stores and a fence, not right after the wait: an early trigger
+// would let a back-to-back launch of this kernel on the same state pool read a page before
+// this launch has written it (by reasoning: with a small batch all CTAs of both launches are
+// resident at once; not observed). On the H200 the PDL attribute measured no difference.
+//
+// Numerics follow docs/contract.md section 2. Rounding points y, rg, o, out are bf16; all else
+// fp32. Not built with --use_fast_math: the decay alpha = exp(gk) is not rounded and
+// multiplies every state element; where it is exactly 1 in the reference, an approximate exp
+// gives 1 - 1ulp and moves state elements the reference leaves bit-identical (seen on the
+// H200). The decay path therefore uses accurate expf / log1pf / division. (Such elements can
+// still differ by fp32 reassociation of u; see tests/backends/cuda/test_cuda_gpu.py.) SiLU and
+// the sigmoids of beta and of the output gate, which a bf16 rounding or the fp32 tolerance
+// follows, use __expf / __fdividef.
+// State loads use plain cp.async.cg: the L2::cache_hint form miscompiled with nvcc 13.0 for
+// T=1 (uniform descriptor registers read but never written; illegal-instruction fault on the
+// H200). All slot offsets are 64-bit.
+
+#include "kda_decode.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <mutex>
+#include <type_traits>
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kD = 128;
+constexpr int kFaStride = 136;  // padded f_a row (bf16 elements)
+constexpr int kMaxT = 8;
+
+struct __align__(16) Item {
+  int r, h;
+  int src;    // state slot read (dead when <= 0)
+  int cslot;  // conv window slot / record row
+  int off;    // window offset a-1
+  int pad[3];
+};
+
+template <int T>
+struct __align__(16) Smem {
+  float4 state[16 * kThreads];          // [chunk][thread] float4
+  __nv_bfloat16 x[T][3 * kD];           // staged x row slice: q | k | v of this head
+  __nv_bfloat16 og[T][kD];              // staged output-gate row slice
+  __nv_bfloat16 fa[T][kFaStride];       // staged f_a rows (padded)
+  // Staged conv history, raw cache words. SD: [part][pos][128 ch] elements of the cache
+  // dtype (16-byte chunks). DS: per channel the 2 (bf16) or 3 (fp32) 4-byte words covering
+  // positions off..off+2, [part*128 + ch][words].
+  uint32_t win[3 * 3 * kD];
+  uint32_t cw[3 * 4 * kD];              // conv taps of the head, raw: [part][tap][128] (fp32 or bf16)
+  float cbias[3][kD];                   // conv bias of the head (if any)
+  float dtb[kD];                        // dt_bias of the head
+  float q[T][kD], k[T][kD], v[T][kD];   // conv outputs (q, k normalised in place)
+  float alpha[T][kD];                   // per-key decay
+  float o[T][kD];                       // recurrence output
+  float ogs[T][kD];                     // sigmoid(output gate)
+  float red[T][4][2];                   // warp partial sums
+  float beta[T];
+  uint32_t beta_word[2][kMaxT];         // 4-byte words holding beta[n, h] (by item parity)
+  float nw[kD];                         // norm weight
+  long long woff[T];                    // per token: state page offset to write (-1: none), or
+                                        // in record mode the v_record row offset
+  int item_end;                         // end of this CTA's item range (kept out of registers)
+  int slots[2][12];                     // state_indices row [0, T) and num_accepted [8], by parity of item
+  Item info[2];                         // items n and n+1 (by parity), derived once from slots
+  int params_head;                      // head whose cw / cbias / dtb are staged (-1: none)
+};
+
+__device__ __forceinline__ float bf2f(uint16_t raw) {
+  return __uint_as_float(static_cast<uint32_t>(raw) << 16);
+}
+__device__ __forceinline__ float bf16r(float x) {
+  return __bfloat162float(__float2bfloat16_rn(x));
+}
+__device__ __forceinline__ uint16_t f2bf_raw(float x) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+// Fast sigmoid / SiLU (ex2.approx + approximate division), used where a bf16 rounding or
+// the tolerance of an unrounded fp32 factor (beta) follows.
+__device__ __forceinline__ float sigmoidf_fast(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
+__device__ __forceinline__ float siluf_fast(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void grid_dependency_wait() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+__device__ __forceinline__ void trigger_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+// Returns v through an empty volatile asm: address arithmetic that depends on it cannot be
+// hoisted out of the item loop (where it would only hold registers, or spill).
+__device__ __forceinline__ int64_t opaque(int64_t v) {
+  asm volatile("" : "+l"(v));
+  return v;
+}
+__device__ __forceinline__ int opaque(int v) {
+  asm volatile("" : "+r"(v));
+  return v;
+}
+template <typename P>
+__device__ __forceinline__ P* opaque(P* v) {
+  return reinterpret_cast<P*>(opaque(reinterpret_cast<int64_t>(v)));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// cp.async of item `item`'s slot row (and accepted count) into sm.slots[item & 1].
+template <int T>
+__device__ __forceinline__ void issue_slots(const KdaParams& p, Smem<T>& sm, int item, int r, int tid) {
+  if (tid < T) cp_async4(&sm.slots[item & 1][tid], p.state_indices + static_cast<int64_t>(r) * p.idx_row + tid);
+  if (T > 1 && tid == 32) cp_async4(&sm.slots[item & 1][8], p.num_accepted + r);
+}
+
+// Item `item` = (request r, head h), with its slots from its staged slot row.
+template <int T>
+__device__ __forceinline__ Item item_at(const KdaParams& p, const Smem<T>& sm, int item, int r, int h) {
+  Item it;
+  it.r = r;
+  it.h = h;
+  const int* row = sm.slots[item & 1];
+  if (T == 1) {
+    it.src = it.cslot = row[0];
+    it.off = 0;
+  } else {
+    const int a = min(max(row[8], 1), T);
+    it.src = row[a - 1];
+    it.cslot = row[0];
+    it.off = a - 1;
+  }
+  // Live iff both the source slot and the conv slot are real slots (0 is the null slot, -1
+  // the old pad id, >= num_slots out of range); a dead item is marked by src = 0.
+  const unsigned ns = static_cast<unsigned>(p.num_slots);
+  if (static_cast<unsigned>(it.src) - 1u >= ns - 1u || static_cast<unsigned>(it.cslot) - 1u >= ns - 1u)
+    it.src = 0;
+  return it;
+}
+
+// cp.async of the item's 64 KiB state page into the thread's own staging chunks.
+template <int T>
+__device__ __forceinline__ void issue_state(const KdaParams& p, Smem<T>& sm, const Item& it,
+                                            int tid) {
+  const float* base = p.state + static_cast<int64_t>(it.src) * p.state_slot +
+                      static_cast<int64_t>(it.h) * (kD * kD) + (tid >> 3) * kD + 4 * (tid & 7);
+#pragma unroll
+  for (int j = 0; j < 16; ++j)  // chunk (m, c) = (j/4, j%4): row tid/8 + 32m, columns 4*(tid%8 + 8c)..+3
+    cp_async16(&sm.state[j * kThreads + tid], base + (j >> 2) * 32 * kD + 32 * (j & 3));
+}
+
+// cp.async of the item's x (q|k|v slice), output-gate and f_a rows, T tokens.
+template <int T>
+__device__ __forceinline__ void issue_operands(const KdaParams& p, Smem<T>& sm, const Item& it,
+                                               int tid_) {
+  const int tid = opaque(tid_);  // keep the tid-only index math inside the item loop
+  const int dim = p.num_heads * kD;
+  const auto* x = opaque(static_cast<const __nv_bfloat16*>(p.x));
+  const auto* og = opaque(static_cast<const __nv_bfloat16*>(p.output_gate));
+  const auto* fa = opaque(static_cast<const __nv_bfloat16*>(p.f_a));
+#pragma unroll
+  for (int k = 0; k < (80 * T + kThreads - 1) / kThreads; ++k) {
+    const int i = tid + k * kThreads;
+    if (i >= 80 * T) break;
+    const int t = i / 80, q = i - t * 80;
+    const int seg = q >> 4, piece = (q & 15) * 8;
+    const int64_t n = static_cast<int64_t>(it.r) * T + t;
+    if (seg < 3) {
+      cp_async16(&sm.x[t][seg * kD + piece], x + n * p.x_row + seg * dim + it.h * kD + piece);
+    } else if (seg == 3) {
+      cp_async16(&sm.og[t][piece], og + n * p.og_row + it.h * kD + piece);
+    } else {
+      cp_async16(&sm.fa[t][piece], fa + n * p.fa_row + piece);
+    }
+  }
+}
+
+// cp.async of the item's conv history (positions off..off+2 of its 3 x 128 channels).
+template <int T>
+__device__ __forceinline__ void issue_window(const KdaParams& p, Smem<T>& sm, const Item& it,
+                                             int tid_) {
+  const int tid = opaque(tid_);
+  const int dim = p.num_heads * kD;
+  const char* base = opaque(static_cast<const char*>(p.conv_state)) + it.cslot * opaque(p.conv_slot_bytes);
+  if (p.conv_chan == 1) {
+    // SD: each (part, pos) is 128 contiguous channels = 16 (bf16) or 32 (fp32) chunks.
+    auto sd = [&](auto per_c) {
+      constexpr int per = decltype(per_c)::value;  // 16-byte chunks per (part, pos)
+      constexpr int es = per / 8;
+#pragma unroll 1
+      for (int k = 0; k < (9 * per + kThreads - 1) / kThreads; ++k) {
+        const int i = tid + k * kThreads;
+        if (i >= 9 * per) break;
+        const int pp = i / per, piece = i % per;
+        const int part = pp / 3, pos = pp % 3;
+        const char* src = base + (it.off + pos) * opaque(p.conv_pos_bytes) +
+                          (part * dim + it.h * kD) * es + piece * 16;
+        cp_async16(reinterpret_cast<char*>(sm.win) + i * 16, src);
+      }
+    };
+    if (p.conv_state_fp32) sd(std::integral_constant<int, 32>());
+    else sd(std::integral_constant<int, 16>());
+  } else {
+    // DS: channel rows are L contiguous elements, not 16-byte aligned: 4-byte words.
+    const uint32_t* wbase = reinterpret_cast<const uint32_t*>(base);
+    auto ds = [&](auto words_c) {
+      constexpr int words = decltype(words_c)::value;  // 3 (fp32) or 2 (bf16) words per channel
+#pragma unroll 1
+      for (int k = 0; k < (3 * kD * words + kThreads - 1) / kThreads; ++k) {
+        const int i = tid + k * kThreads;
+        if (i >= 3 * kD * words) break;
+        const int ch = i / words, wd = i % words;
+        const int part = ch >> 7, d = ch & (kD - 1);
+        const int64_t e0 = static_cast<int64_t>(part * dim + it.h * kD + d) * p.conv_chan + it.off;
+        cp_async4(&sm.win[i], wbase + (words == 3 ? e0 : (e0 >> 1)) + wd);
+      }
+    };
+    if (p.conv_state_fp32) ds(std::integral_constant<int, 3>());
+    else ds(std::integral_constant<int, 2>());
+  }
+}
+
+// cp.async of the head's conv taps, conv bias and dt_bias (L2-resident parameters).
+template <int T>
+__device__ __forceinline__ void issue_params(const KdaParams& p, Smem<T>& sm, int h, int tid_) {
+  const int tid = opaque(tid_);
+  const int dim = p.num_heads * kD;
+  const char* cw = opaque(static_cast<const char*>(p.conv_weight));
+  auto go = [&](auto es_c) {
+    constexpr int es = decltype(es_c)::value;  // conv weight element size
+    constexpr int per = 8 * es;                // 16-byte chunks per 128-channel row
+    constexpr int nw = 12 * per;
+    const int nb = p.conv_bias ? 3 * 32 : 0;
+#pragma unroll 1
+    for (int k = 0; k < (nw + 96 + 32 + kThreads - 1) / kThreads; ++k) {
+      const int i = tid + k * kThreads;
+      if (i >= nw + nb + 32) break;
+      if (i < nw) {
+        const int rowi = i / per, piece = i % per;  // rowi = part * 4 + tap
+        cp_async16(reinterpret_cast<char*>(sm.cw) + i * 16,
+                   cw + (static_cast<int64_t>(rowi) * dim + h * kD) * es + piece * 16);
+      } else if (i < nw + nb) {
+        const int j = i - nw, part = j >> 5, piece = j & 31;
+        cp_async16(&sm.cbias[part][piece * 4], p.conv_bias + part * dim + h * kD + piece * 4);
+      } else {
+        const int piece = i - nw - nb;
+        cp_async16(&sm.dtb[piece * 4], p.dt_bias + h * kD + piece * 4);
+      }
+    }
+  };
+  if (p.conv_weight_bf16) go(std::integral_constant<int, 2>());
+  else go(std::integral_constant<int, 4>());
+}
+
+// Raw bits (bf16 in the low half) of the three history values of channel d of `part`.
+template <int T>
+__device__ __forceinline__ void read_window(const KdaParams& p, const Smem<T>& sm, const Item& it,
+                                            int part, int d, uint32_t (&raw)[3]) {
+  if (p.conv_chan == 1) {
+    if (p.conv_state_fp32) {
+#pragma unroll
+      for (int e = 0; e < 3; ++e) raw[e] = sm.win[(part * 3 + e) * kD + d];
+    } else {
+      const uint16_t* w = reinterpret_cast<const uint16_t*>(sm.win);
+#pragma unroll
+      for (int e = 0; e < 3; ++e) raw[e] = w[(part * 3 + e) * kD + d];
+    }
+  } else if (p.conv_state_fp32) {
+#pragma unroll
+    for (int e = 0; e < 3; ++e) raw[e] = sm.win[(part * kD + d) * 3 + e];
+  } else {
+    const int dim = p.num_heads * kD;
+    const int par = static_cast<int>(
+        (static_cast<int64_t>(part * dim + it.h * kD + d) * p.conv_chan + it.off) & 1);
+    const uint16_t* w = reinterpret_cast<const uint16_t*>(&sm.win[(part * kD + d) * 2]);
+#pragma unroll
+    for (int e = 0; e < 3; ++e) raw[e] = w[par + e];
+  }
+}
+
+// cp.async of the 4-byte-aligned words holding beta[r*T + t, h] (bf16, any row stride). The
+// word's other half is a neighbouring beta element, or the 2 bytes after the tensor's last
+// element (same aligned word, so never past a page or allocation granule).
+template <int T>
+__device__ __forceinline__ void issue_beta(const KdaParams& p, Smem<T>& sm, const Item& it,
+                                           int item, int tid) {
+  if (tid < T) {
+    const int64_t n = static_cast<int64_t>(it.r) * T + tid;
+    const uint16_t* b = static_cast<const uint16_t*>(p.beta) + n * p.beta_row + it.h;
+    cp_async4(&sm.beta_word[item & 1][tid],
+              reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(b) & ~uintptr_t(3)));
+  }
+}
+template <int T>
+__device__ __forceinline__ float beta_value(const KdaParams& p, const Smem<T>& sm, const Item& it,
+                                            int item, int t) {
+  const int64_t n = static_cast<int64_t>(it.r) * T + t;
+  const uintptr_t b = reinterpret_cast<uintptr_t>(static_cast<const uint16_t*>(p.beta) + n * p.beta_row + it.h);
+  const uint32_t w = sm.beta_word[item & 1][t];
+  return bf2f(static_cast<uint16_t>((b & 2) ? (w >> 16) : (w & 0xffffu)));
+}
+
+template <int T>
+__global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_constant__ KdaParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Smem<T>& sm = *reinterpret_cast<Smem<T>*>(smem_raw);
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int H = p.num_heads;
+  const int dim = H * kD;
+  const int num_items = p.num_requests * H;
+  const int G = gridDim.x;
+  const int beg = static_cast<int>((static_cast<int64_t>(blockIdx.x) * num_items) / G);
+  const int end = static_cast<int>((static_cast<int64_t>(blockIdx.x + 1) * num_items) / G);
+
+  if (tid == 0) sm.item_end = end;
+  if (tid < kD) {  // norm weight, shared by all heads
+    sm.nw[tid] = p.norm_weight_bf16 ? bf2f(static_cast<const uint16_t*>(p.norm_weight)[tid])
+                                    : static_cast<const float*>(p.norm_weight)[tid];
+  }
+
+  // ---- prologue: first item ----
+  // Items are walked head-major (item = h * R + r): consecutive items of a CTA share the head,
+  // so its conv taps / biases are staged once per head. (The f_b rows are re-read every item;
+  // the L1 hit rate measured ~3%: two CTAs' heads per SM do not fit next to 2 x 84 KB smem.)
+  const int R = p.num_requests;
+  issue_slots<T>(p, sm, beg, beg % R, tid);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  {
+    const Item first = item_at<T>(p, sm, beg, beg % R, beg / R);
+    if (tid == 0) {
+      sm.info[beg & 1] = first;
+      sm.params_head = first.src > 0 ? first.h : -1;
+    }
+    if (first.src > 0) {
+      issue_state<T>(p, sm, first, tid);
+      issue_window<T>(p, sm, first, tid);
+      issue_params<T>(p, sm, first.h, tid);
+      cp_async_commit();
+    }
+    grid_dependency_wait();  // x, output gate, f_a, beta come from the predecessor
+    if (first.src > 0) {
+      issue_operands<T>(p, sm, first, tid);
+      issue_beta<T>(p, sm, first, beg, tid);
+      cp_async_commit();
+    }
+    cp_async_wait<0>();  // the first item's groups are not in the loop's E, S order
+    __syncthreads();     // sm.info[beg & 1]
+  }
+
+  for (int n = beg; n < sm.item_end; ++n) {
+    // cp.async groups: item n's operands (E) then its state page (S) were committed in that
+    // order one iteration ago; wait for E only, so that the conv and gate below overlap the
+    // page's arrival.
+    cp_async_wait<1>();
+    // Item n+1's slot row (group L), needed when item n+1 is prefetched below.
+    if (n + 1 < sm.item_end) {
+      const Item& c = sm.info[n & 1];
+      issue_slots<T>(p, sm, n + 1, c.r + 1 == R ? 0 : c.r + 1, tid);
+    }
+    cp_async_commit();
+    // Item info lives in shared memory (written once per item by thread 0), not in registers.
+#define CUR (sm.info[n & 1])
+    const bool live = CUR.src > 0;
+#define H_CUR (CUR.h)
+#define ROW0 (static_cast<int64_t>(CUR.r) * T)  // first token row of the item
+    auto* out = static_cast<__nv_bfloat16*>(p.out);
+
+    if (!live) {
+      // Dead item: T rows of zeros, nothing else.
+      if (tid < kD) {
+#pragma unroll
+        for (int t = 0; t < T; ++t) out[(ROW0 + t) * p.out_row + H_CUR * kD + tid] = __float2bfloat16_rn(0.f);
+      }
+    } else {
+      // ---- f_b fragments of the head (L2), in flight across B1; the page itself is only
+      // waited for before B2 ----
+      const int d = tid & (kD - 1);
+      const int g = lane >> 2, tig = lane & 3;
+      const int feat0 = warp * 16 + g;  // gate features feat0 and feat0 + 8
+      // The MMA's k index is permuted (identically for A = f_b and B = f_a): k-steps 2p and
+      // 2p+1 cover the gate-rank columns [32p, 32p+32), and thread (g, tig) owns columns
+      // 32p + 8tig .. +7 of that slice, so its A fragment is one 16-byte load per row and
+      // k-step pair. The slices are exactly gate_mode 1's chains.
+      uint32_t afr[8][4];
+      {
+        const uint4* fb = reinterpret_cast<const uint4*>(
+            static_cast<const __nv_bfloat16*>(p.f_b) + static_cast<int64_t>(H_CUR * kD + feat0) * kD) + tig;
+#pragma unroll
+        for (int pp = 0; pp < 4; ++pp) {
+          const uint4 r0 = __ldg(fb + 4 * pp);               // row feat0
+          const uint4 r1 = __ldg(fb + 4 * pp + 8 * kD / 8);  // row feat0 + 8
+          afr[2 * pp][0] = r0.x; afr[2 * pp][1] = r1.x; afr[2 * pp][2] = r0.y; afr[2 * pp][3] = r1.y;
+          afr[2 * pp + 1][0] = r0.z; afr[2 * pp + 1][1] = r1.z;
+          afr[2 * pp + 1][2] = r0.w; afr[2 * pp + 1][3] = r1.w;
+        }
+      }
+      if (tid < T) sm.beta[tid] = sigmoidf_fast(beta_value<T>(p, sm, CUR, n, tid));
+      __syncthreads();  // B1: operands, window, parameters, beta visible
+
+      const bool rec = p.record != 0;
+      // ---- gate projection on the tensor cores: rg[feat][token] ----
+      {
+        // gate_mode 0: one accumulator chain over the 8 k-steps. gate_mode 1: four chains over
+        // k-steps {0,1}, {2,3}, {4,5}, {6,7}, computed one after another and summed in order,
+        // ((c0 + c1) + c2) + c3.
+        float tot[4] = {0.f, 0.f, 0.f, 0.f}, c[4] = {0.f, 0.f, 0.f, 0.f};
+        const bool four = p.gate_mode != 0;
+#pragma unroll
+        for (int ks = 0; ks < 8; ++ks) {
+          uint2 b = make_uint2(0u, 0u);
+          if (g < T) b = *reinterpret_cast<const uint2*>(&sm.fa[g][32 * (ks >> 1) + 8 * tig + 4 * (ks & 1)]);
+          mma_bf16(c, afr[ks], b.x, b.y);
+          if (four && (ks & 1)) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              tot[j] = ks == 1 ? c[j] : tot[j] + c[j];
+              c[j] = 0.f;
+            }
+          }
+        }
+        // The raw gate, rounded once to bf16, parks in sm.alpha; warps 4-7 turn it into the
+        // decay after B2, one feature per thread.
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int tok = 2 * tig + (j & 1);
+          if (tok < T) sm.alpha[tok][feat0 + (j >> 1) * 8] = bf16r(four ? tot[j] : c[j]);
+        }
+      }
+
+      // ---- conv + SiLU (+ window write-back) ----
+      {
+        const int partA = (tid < kD) ? 0 : 2;
+        float ssq[T];
+#pragma unroll 1
+        for (int pi = 0; pi < 2; ++pi) {
+          if (pi == 1 && tid >= kD) break;
+          const int part = pi == 0 ? partA : 1;
+          float w[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int wi = (part * 4 + e) * kD + d;
+            w[e] = p.conv_weight_bf16 ? bf2f(reinterpret_cast<const uint16_t*>(sm.cw)[wi])
+                                      : __uint_as_float(sm.cw[wi]);
+          }
+          const float bias = p.conv_bias ? sm.cbias[part][d] : 0.f;
+          float s[T + 3];
+          uint32_t hraw[3];
+          read_window<T>(p, sm, CUR, part, d, hraw);
+#pragma unroll
+          for (int e = 0; e < 3; ++e)
+            s[e] = p.conv_state_fp32 ? __uint_as_float(hraw[e]) : bf2f(static_cast<uint16_t>(hraw[e]));
+#pragma unroll
+          for (int t = 0; t < T; ++t) s[3 + t] = __bfloat162float(sm.x[t][part * kD + d]);
+#pragma unroll
+          for (int t = 0; t < T; ++t) {
+            float acc = bias;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc = fmaf(s[t + e], w[e], acc);
+            const float y = bf16r(siluf_fast(acc));
+            ssq[t] = y * y;
+            if (part == 0) {
+              sm.q[t][d] = y;
+            } else if (part == 1) {
+              sm.k[t][d] = y;
+              if (rec) {
+                auto* kg = static_cast<uint16_t*>(p.kg_record);
+                kg[((static_cast<int64_t>(CUR.cslot) * H + H_CUR) * T + t) * (2 * kD) + d] =
+                    f2bf_raw(y);
+              }
+            } else {
+              sm.v[t][d] = y;
+            }
+          }
+          if (part < 2) {
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+              const float sum = warp_sum(ssq[t]);
+              if (lane == 0) sm.red[t][warp][part] = sum;
+            }
+          }
+          // Window rewrite from position 0: w1, w2, x_0..x_{T-1} (raw bits, cache dtype).
+          const int64_t ch = static_cast<int64_t>(CUR.cslot) * p.conv_slot +
+                             static_cast<int64_t>(part * dim + H_CUR * kD + d) * p.conv_chan;
+          if (p.conv_state_fp32) {
+            uint32_t* cs = static_cast<uint32_t*>(p.conv_state);
+            cs[ch] = hraw[1];
+            cs[ch + p.conv_pos] = hraw[2];
+#pragma unroll
+            for (int t = 0; t < T; ++t) cs[ch + (2 + t) * p.conv_pos] = __float_as_uint(s[3 + t]);
+          } else {
+            uint16_t* cs = static_cast<uint16_t*>(p.conv_state);
+            cs[ch] = static_cast<uint16_t>(hraw[1]);
+            cs[ch + p.conv_pos] = static_cast<uint16_t>(hraw[2]);
+#pragma unroll
+            for (int t = 0; t < T; ++t)
+              cs[ch + (2 + t) * p.conv_pos] = __bfloat16_as_ushort(sm.x[t][part * kD + d]);
+          }
+        }
+      }
+      if (tid < kD) {
+#pragma unroll
+        for (int t = 0; t < T; ++t) sm.ogs[t][tid] = sigmoidf_fast(__bfloat162float(sm.og[t][tid]));
+      }
+      if (tid < T) {
+        const Item it = CUR;
+        long long wo;
+        if (rec) {
+          wo = ((static_cast<long long>(it.cslot) * H + it.h) * T + tid) * kD;
+        } else {
+          const int ws = T == 1 ? it.src : sm.slots[n & 1][tid];
+          const bool ok = static_cast<unsigned>(ws) - 1u < static_cast<unsigned>(p.num_slots) - 1u;
+          wo = ok ? static_cast<long long>(ws) * p.state_slot + static_cast<long long>(it.h) * (kD * kD) : -1;
+        }
+        sm.woff[tid] = wo;
+      }
+    }
+    // Warps 4-7 own gate feature tid-128 after B2; its dt_bias is read now, before item n+1's
+    // parameters may overwrite sm.dtb.
+    const float dtb_f = (live && tid >= kD) ? sm.dtb[tid - kD] : 0.f;
+    cp_async_wait<0>();  // item n's state page (S) and item n+1's slot row (L)
+    __syncthreads();     // B2: conv outputs, partial sums, raw gate visible; slots of n+1 visible
+
+    // ---- prefetch item n+1, part E: operands, window, parameters, beta (their buffers are
+    // free: the conv and gate are done). Issued before the page moves into registers. ----
+    const bool wrap = CUR.r + 1 == R;
+    const Item nxt = item_at<T>(p, sm, n + 1, wrap ? 0 : CUR.r + 1, wrap ? CUR.h + 1 : CUR.h);
+    const bool next_live = n + 1 < sm.item_end && nxt.src > 0;
+    const bool new_head = nxt.h != sm.params_head;  // params in smem belong to params_head
+    if (tid == 0) sm.info[(n + 1) & 1] = nxt;       // read after B3 (no reader of this parity now)
+    if (next_live) {
+      issue_operands<T>(p, sm, nxt, tid);
+      issue_window<T>(p, sm, nxt, tid);
+      if (new_head) issue_params<T>(p, sm, nxt.h, tid);
+      issue_beta<T>(p, sm, nxt, n + 1, tid);
+      cp_async_commit();
+    }
+
+    float4 S[4][4];  // [m][c]: row tid/8 + 32m, columns 4*(tid%8 + 8c)..+3
+    if (live) {
+      if (tid < kD) {
+        // ---- warps 0-3: L2 norm of q (with scale) and k, in place ----
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+          const float sq = ((sm.red[t][0][0] + sm.red[t][1][0]) + sm.red[t][2][0]) + sm.red[t][3][0];
+          const float sk = ((sm.red[t][0][1] + sm.red[t][1][1]) + sm.red[t][2][1]) + sm.red[t][3][1];
+          sm.q[t][tid] = (sm.q[t][tid] * rsqrtf(sq + 1e-6f)) * p.scale;
+          sm.k[t][tid] = sm.k[t][tid] * rsqrtf(sk + 1e-6f);
+        }
+      } else {
+        // ---- warps 4-7: decay of gate feature f from the raw gate, in place ----
+        // Accurate expf / log1pf / division (no fast intrinsics): alpha is not rounded to
+        // bf16 and multiplies every state element, so it must agree with the reference bit
+        // for bit where the decay is exactly 1.
+        const int f = tid - kD;
+        const float A = expf(p.A_log[H_CUR]);
+#pragma unroll 1
+        for (int t = 0; t < T; ++t) {
+          const float rg = sm.alpha[t][f];
+          const float xg = rg + dtb_f;
+          float gk;
+          if (p.bounded_gate) {
+            gk = p.lower_bound * (1.0f / (1.0f + expf(-(A * xg))));
+          } else {
+            gk = -A * (xg > 20.f ? xg : log1pf(expf(xg)));
+          }
+          sm.alpha[t][f] = expf(gk);
+          if (p.record) {
+            auto* kg = static_cast<uint16_t*>(p.kg_record);
+            kg[((static_cast<int64_t>(CUR.cslot) * H + H_CUR) * T + t) * (2 * kD) + kD + f] = f2bf_raw(rg);
+          }
+        }
+      }
+      // ---- state page: staging -> registers (each thread reads only the chunks it copied) ----
+#pragma unroll
+      for (int m = 0; m < 4; ++m)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) S[m][c] = sm.state[(m * 4 + c) * kThreads + tid];
+    }
+    __syncthreads();  // B3: state staging free; normalised q, k, alpha visible
+    if (tid == 0 && next_live) sm.params_head = nxt.h;  // all threads read it before B3
+
+    // ---- prefetch item n+1, part S: the state page ----
+    if (next_live) {
+      issue_state<T>(p, sm, nxt, tid);
+      cp_async_commit();
+    }
+
+    if (live) {
+      // ---- recurrence ----
+      const int row0 = tid >> 3, lane8 = tid & 7;
+      const bool rec = p.record != 0;
+#pragma unroll 1
+      for (int t = 0; t < T; ++t) {
+        // Row dot products: in-thread over two partial sums per row (x,z and y,w components,
+        // chunks in order), combined p0 + p1, then across the row's 8 lanes (xor 1, 2, 4).
+        float a[4][2];
+#pragma unroll
+        for (int m = 0; m < 4; ++m) a[m][0] = a[m][1] = 0.f;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int col = 4 * (lane8 + 8 * c);
+          const float4 al = *reinterpret_cast<const float4*>(&sm.alpha[t][col]);
+          const float4 kk = *reinterpret_cast<const float4*>(&sm.k[t][col]);
+#pragma unroll
+          for (int m = 0; m < 4; ++m) {
+            float4& s = S[m][c];
+            s.x *= al.x; s.y *= al.y; s.z *= al.z; s.w *= al.w;
+            a[m][0] = fmaf(s.x, kk.x, a[m][0]);
+            a[m][1] = fmaf(s.y, kk.y, a[m][1]);
+            a[m][0] = fmaf(s.z, kk.z, a[m][0]);
+            a[m][1] = fmaf(s.w, kk.w, a[m][1]);
+          }
+        }
+        const float bt = sm.beta[t];
+        float u[4];
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          float sk = a[m][0] + a[m][1];
+          sk += __shfl_xor_sync(0xffffffffu, sk, 1);
+          sk += __shfl_xor_sync(0xffffffffu, sk, 2);
+          sk += __shfl_xor_sync(0xffffffffu, sk, 4);
+          u[m] = bt * (sm.v[t][row0 + 32 * m] - sk);
+          a[m][0] = a[m][1] = 0.f;
+        }
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int col = 4 * (lane8 + 8 * c);
+          const float4 kk = *reinterpret_cast<const float4*>(&sm.k[t][col]);
+          const float4 qq = *reinterpret_cast<const float4*>(&sm.q[t][col]);
+#pragma unroll
+          for (int m = 0; m < 4; ++m) {
+            float4& s = S[m][c];
+            s.x = fmaf(u[m], kk.x, s.x);
+            s.y = fmaf(u[m], kk.y, s.y);
+            s.z = fmaf(u[m], kk.z, s.z);
+            s.w = fmaf(u[m], kk.w, s.w);
+            a[m][0] = fmaf(s.x, qq.x, a[m][0]);
+            a[m][1] = fmaf(s.y, qq.y, a[m][1]);
+            a[m][0] = fmaf(s.z, qq.z, a[m][0]);
+            a[m][1] = fmaf(s.w, qq.w, a[m][1]);
+          }
+        }
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          float o = a[m][0] + a[m][1];
+          o += __shfl_xor_sync(0xffffffffu, o, 1);
+          o += __shfl_xor_sync(0xffffffffu, o, 2);
+          o += __shfl_xor_sync(0xffffffffu, o, 4);
+          if (lane8 == 0) {
+            sm.o[t][row0 + 32 * m] = o;
+            if (rec) p.v_record[sm.woff[t] + row0 + 32 * m] = u[m];
+          }
+        }
+        // State after token t (T=1: to the source slot; T>1: to state_indices[r, t], skipped
+        // where that id is not in (0, slots)); record mode writes no state. Each warp store
+        // covers 4 rows x 128 contiguous bytes.
+        const long long wo = sm.woff[t];
+        if (!rec && wo >= 0) {
+          float* base = p.state + wo + row0 * kD + 4 * lane8;
+#pragma unroll
+          for (int m = 0; m < 4; ++m)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+              *reinterpret_cast<float4*>(base + m * 32 * kD + 32 * c) = S[m][c];
+        }
+      }
+      __syncthreads();  // B4: o complete
+
+      // ---- epilogue: gated RMSNorm over the 128 o values of each token ----
+      if (tid < kD) {
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+          const float ob = bf16r(sm.o[t][tid]);
+          const float sum = warp_sum(ob * ob);
+          if (lane == 0) sm.red[t][warp][0] = sum;
+        }
+      }
+      // Output address before B5: after it, sm.slots[n & 1] may be refilled for item n+2.
+      __nv_bfloat16* orow = out + ROW0 * p.out_row + H_CUR * kD + tid;
+      __syncthreads();  // B5
+      if (tid < kD) {
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+          const float ob = bf16r(sm.o[t][tid]);
+          const float tot = ((sm.red[t][0][0] + sm.red[t][1][0]) + sm.red[t][2][0]) + sm.red[t][3][0];
+          const float rstd = rsqrtf(tot * (1.0f / kD) + p.norm_eps);
+          const float y = ((ob * rstd) * sm.nw[tid]) * sm.ogs[t][tid];
+          orow[t * p.out_row] = __float2bfloat16_rn(y);
+        }
+      }
+    }
+#undef CUR
+#undef H_CUR
+#undef ROW0
+  }
+
+  // Dependents may start once every CTA got here: all of this CTA's stores are issued and
+  // fenced, so a dependent's pre-wait reads of state / windows see them.
+  __threadfence();
+  trigger_dependents();
+}
+
+template <int T>
+cudaError_t launch_t(const KdaParams& p, cudaStream_t stream) {
+  constexpr size_t smem = sizeof(Smem<T>);
+  static_assert(sizeof(Smem<T>) <= 113 * 1024, "two CTAs per SM must fit");
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+
+  // Per device: raise the dynamic smem limit once, and size the persistent grid.
+  constexpr int kMaxDev = 64;
+  static std::once_flag once[kMaxDev];
+  static int ctas[kMaxDev];
+  static cudaError_t init_err[kMaxDev];
+  if (dev >= kMaxDev) return cudaErrorInvalidDevice;
+  std::call_once(once[dev], [&] {
+    init_err[dev] = cudaFuncSetAttribute(kda_decode_kernel<T>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+    int sms = 0, per_sm = 0;
+    if (init_err[dev] == cudaSuccess)
+      init_err[dev] = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (init_err[dev] == cudaSuccess)
+      init_err[dev] = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kda_decode_kernel<T>,
+                                                                    kThreads, smem);
+    ctas[dev] = sms * (per_sm > 0 ? per_sm : 1);
+  });
+  if (init_err[dev] != cudaSuccess) return init_err[dev];
+
+  const int64_t items = static_cast<int64_t>(p.num_requests) * p.num_heads;
+  if (items <= 0) return cudaSuccess;
+  const int grid = static_cast<int>(items < ctas[dev] ? items : ctas[dev]);
+
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = p.use_pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kda_decode_kernel<T>, p);
+}
+
+}  // namespace
+
+extern "C" cudaError_t kda_decode_launch(const KdaParams* params, cudaStream_t stream) {
+  KdaParams q = *params;
+  const int64_t es = q.conv_state_fp32 ? 4 : 2;
+  q.conv_slot_bytes = q.conv_slot * es;
+  q.conv_pos_bytes = q.conv_pos * es;
+  const KdaParams* p = &q;
+  if (p->num_heads < 1 || p->num_requests < 0 || p->window < p->T + 2) return cudaErrorInvalidValue;
+  if (static_cast<int64_t>(p->num_requests) * p->num_heads > INT32_MAX) return cudaErrorInvalidValue;
+  if (p->T > 1 && p->num_accepted == nullptr) return cudaErrorInvalidValue;
+  if (p->record && (p->v_record == nullptr || p->kg_record == nullptr)) return cudaErrorInvalidValue;
+  switch (p->T) {
+    case 1: return launch_t<1>(*p, stream);
+    case 2: return launch_t<2>(*p, stream);
+    case 3: return launch_t<3>(*p, stream);
+    case 4: return launch_t<4>(*p, stream);
+    case 5: return launch_t<5>(*p, stream);
+    case 6: return launch_t<6>(*p, stream);
+    case 7: return launch_t<7>(*p, stream);
+    case 8: return launch_t<8>(*p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+extern "C" size_t kda_decode_smem_bytes(int T) {
+  switch (T) {
+    case 1: return sizeof(Smem<1>);
+    case 2: return sizeof(Smem<2>);
+    case 3: return sizeof(Smem<3>);
+    case 4: return sizeof(Smem<4>);
+    case 5: return sizeof(Smem<5>);
+    case 6: return sizeof(Smem<6>);
+    case 7: return sizeof(Smem<7>);
+    case 8: return sizeof(Smem<kMaxT>);
+    default: return 0;
+  }
+}
+
+extern "C" int kda_decode_threads(void) { return kThreads; }

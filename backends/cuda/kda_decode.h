@@ -1,0 +1,74 @@
+// Plain-C interface of the fused KDA decode kernel (backends/cuda/kda_decode.cu).
+//
+// No torch headers: the torch binding (binding.cpp) fills a KdaParams from tensors, and a
+// plain C++ host program can do the same. Strides are in elements of the tensor's own dtype.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct KdaParams {
+  // ---- tensors (device pointers) ----
+  const void* x;              // [N, 3*dim] bf16, row stride x_row
+  const void* conv_weight;    // [3, 4, dim] fp32 or bf16 (conv_weight_bf16), contiguous
+  const float* conv_bias;     // [3*dim] fp32 or nullptr
+  void* conv_state;           // [slots, 3*dim, L] bf16 or fp32 (conv_state_fp32)
+  const void* f_a;            // [N, 128] bf16, row stride fa_row
+  const void* f_b;            // [dim, 128] bf16, contiguous
+  const void* beta;           // [N, H] bf16, row stride beta_row
+  const float* A_log;         // [H]
+  const float* dt_bias;       // [dim]
+  float* state;               // [slots, H, 128, 128] fp32, slot stride state_slot
+  const int32_t* state_indices;       // [R] (T=1) or [R, T], row stride idx_row
+  const int32_t* num_accepted;        // [R] (T>1), else nullptr
+  const void* output_gate;    // [N, dim] bf16, row stride og_row
+  const void* norm_weight;    // [128] fp32 or bf16 (norm_weight_bf16)
+  void* out;                  // [N, dim] bf16, row stride out_row
+  float* v_record;            // [slots, H, T, 128] fp32 (record), else nullptr
+  void* kg_record;            // [slots, H, T, 256] bf16 (record), else nullptr
+
+  // ---- strides (elements) ----
+  int64_t x_row, og_row, fa_row, out_row, beta_row, idx_row;
+  int64_t state_slot;
+  int64_t conv_slot, conv_chan, conv_pos;  // conv_state strides: SD = [s, 1, 3dim], DS = [s, L, 1]
+  int64_t conv_slot_bytes, conv_pos_bytes;  // the same two strides in bytes (filled by the launcher)
+
+  // ---- sizes ----
+  int num_requests;  // R
+  int num_heads;     // H
+  int T;             // tokens per request, 1..8
+  int window;        // L >= T + 2
+  int num_slots;     // slots in the state pool (and conv cache): ids outside (0, num_slots) are null
+
+  // ---- scalars and flags ----
+  float scale;        // q scale
+  float norm_eps;     // RMSNorm eps
+  float lower_bound;  // bounded gate only
+  int bounded_gate;   // 0 = softplus (Kimi-Linear), 1 = lower_bound * sigmoid(A * x)
+  int gate_mode;      // 0 = one MMA chain, 1 = four chains ((c0+c1)+c2)+c3
+  int record;         // 1 = record mode (state not written; v_record / kg_record written)
+  int conv_state_fp32;
+  int conv_weight_bf16;
+  int norm_weight_bf16;
+  int use_pdl;        // launch with programmatic stream serialization
+} KdaParams;
+
+// Launches one decode step on `stream`. Returns the launch's error code (cudaSuccess when
+// nothing needs doing, e.g. R == 0). Never synchronizes.
+cudaError_t kda_decode_launch(const KdaParams* params, cudaStream_t stream);
+
+// Dynamic shared memory one CTA of the T-token kernel uses, in bytes (0 for T outside 1..8).
+size_t kda_decode_smem_bytes(int T);
+
+// Number of threads per CTA.
+int kda_decode_threads(void);
+
+#ifdef __cplusplus
+}
+#endif
