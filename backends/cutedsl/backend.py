@@ -1,0 +1,274 @@
+"""The ``cutedsl`` (streamed) and ``cutedsl_wide`` (one CTA per item) backends.
+
+Both run the fused KDA decode step as one CuTe DSL kernel (nvidia-cutlass-dsl 4.8.1) whose
+per-item math is shared (:mod:`backends.cutedsl.common`), so the two produce bit-identical
+outputs, states, windows and records. See ``docs/kda-stream-design.md`` for the design and
+:mod:`backends.cutedsl.cache` for compilation and caching.
+
+Host path: a built step keeps one ctypes buffer holding every kernel argument (17 pointers,
+the strides, R, the runtime scalars scale / norm_eps / lower_bound, the stream) and the
+packed argument array of the compiled host launcher; a call writes the new values into the
+buffer with one slice assignment and calls the launcher (which issues ``cuLaunchKernelEx``
+on torch's current stream). No device values are read, nothing is allocated, nothing is
+synchronized, so the step can be captured in a CUDA graph.
+
+Environment:
+  KDA_CUTEDSL_PDL     "1" (default): programmatic dependent launch, dependents triggered
+                      after each CTA's last write; "early": triggered after the prologue's
+                      loads (faster for unrelated successors, unsafe for a successor that
+                      reads this step's results before its own wait); "0": no PDL.
+  KDA_CACHE_DIR       compile cache root (kernels go to ``$KDA_CACHE_DIR/cutedsl``;
+                      default ``~/.cache/kda/cutedsl``).
+  CUTE_DSL_ARCH       target architecture when compiling without a GPU (e.g. sm_90a).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+import threading
+from typing import List, Optional
+
+import torch
+
+from kda.backend import Backend, StepFn
+from kda.config import CONV_LAYOUTS, KdaArgs, KdaConfig
+
+#: Tokens per request the kernels support (the gate MMA has 8 token columns).
+MAX_T = 8
+
+_import_lock = threading.Lock()
+_import_error: Optional[str] = None
+_imported = False
+
+
+def import_cutedsl() -> Optional[str]:
+    """Import CuTe DSL once (setting ``CUTE_DSL_ARCH=sm_90a`` when no GPU is visible).
+
+    Returns None on success, else the reason it cannot be imported. Never raises.
+    """
+    global _imported, _import_error
+    with _import_lock:
+        if _imported:
+            return _import_error
+        _imported = True
+        try:
+            if "CUTE_DSL_ARCH" not in os.environ and not torch.cuda.is_available():
+                os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+            import cutlass  # noqa: F401
+            import cutlass.cute  # noqa: F401
+        except ImportError as e:
+            _import_error = f"nvidia-cutlass-dsl not installed ({e})"
+        except Exception as e:  # noqa: BLE001 - availability must not raise
+            _import_error = f"cannot import CuTe DSL: {type(e).__name__}: {e}"
+        return _import_error
+
+
+def pdl_mode() -> tuple:
+    """(pdl, early trigger) from ``KDA_CUTEDSL_PDL``: "0" off, "1" (default) on with the
+    dependents' trigger after each CTA's last write, "early" on with the trigger right after
+    the prologue's loads (see :class:`backends.cutedsl.static.KernelStatic`)."""
+    v = os.environ.get("KDA_CUTEDSL_PDL", "1").strip().lower()
+    if v in ("0", "off", "false", "no"):
+        return False, False
+    return True, v == "early"
+
+
+def _f32_bits(x: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", float(x)))[0]
+
+
+def _raw_stream(device_index: int) -> int:
+    try:
+        return torch._C._cuda_getCurrentRawStream(device_index)
+    except AttributeError:  # pragma: no cover - older/newer torch
+        return torch.cuda.current_stream(device_index).cuda_stream
+
+
+def _set_carveout(compiled, cfg: KdaConfig, device_index: int) -> bool:
+    """Best effort: the shared-memory carveout hint for 2 CTAs/SM (the rest stays L1).
+
+    The CuTe DSL CUDA-library loader applies the kernel's max-dynamic-smem attribute but not
+    the carveout hint given at launch configuration, so it is set here on the loaded kernel.
+    Without it the driver still picks a configuration for the kernel's occupancy.
+    """
+    try:
+        import cuda.bindings.runtime as rt
+
+        from backends.cutedsl.static import SmemPlan, carveout_percent
+
+        pct = carveout_percent(SmemPlan(cfg.T).total)
+        lib = compiled.library
+        ok = False
+        for name in (compiled.kernel_info or {}):
+            err, kern = rt.cudaLibraryGetKernel(lib, name.encode())
+            if err != rt.cudaError_t.cudaSuccess:
+                continue
+            (err,) = rt.cudaKernelSetAttributeForDevice(
+                kern, rt.cudaFuncAttribute.cudaFuncAttributePreferredSharedMemoryCarveout, pct,
+                device_index)
+            ok = ok or err == rt.cudaError_t.cudaSuccess
+        return ok
+    except Exception:  # noqa: BLE001 - a hint only
+        return False
+
+
+class _Launcher:
+    """The step function of one (kind, config, device): fills the argument buffer and launches.
+
+    Args (constructor):
+      kind: "stream" or "wide". cfg: the config. device: a CUDA device. compiled: the
+      CuTe DSL ``JitCompiledFunction`` from :func:`backends.cutedsl.cache.get_kernel`.
+    """
+
+    def __init__(self, kind: str, cfg: KdaConfig, device: torch.device, compiled):
+        from backends.cutedsl import cache
+
+        self.kind = kind
+        self.cfg = cfg
+        self.H, self.T = cfg.num_heads, cfg.T
+        self.device_index = device.index if device.index is not None else torch.cuda.current_device()
+        self.exe = compiled.to(self.device_index)
+        names = cache.arg_names(kind)
+        self.nargs = len(names)
+        self.buf = (ctypes.c_uint64 * self.nargs)()
+        base = ctypes.addressof(self.buf)
+        self.addrs = [base + 8 * i for i in range(self.nargs)]
+        idx = {n: i for i, n in enumerate(names)}
+        self.i_scalars = idx["R"]
+        self.i_stream = idx["stream"]
+        lb = cfg.lower_bound if cfg.lower_bound is not None else 0.0
+        self.buf[idx["scale"]] = _f32_bits(cfg.scale)
+        self.buf[idx["eps"]] = _f32_bits(cfg.norm_eps)
+        self.buf[idx["lb"]] = _f32_bits(lb)
+        self.carveout_set = _set_carveout(compiled, cfg, self.device_index)
+        self.n_sm = torch.cuda.get_device_properties(self.device_index).multi_processor_count
+        self.max_ctas = 2 * self.n_sm
+        # fast path: the launcher's packed argument array is built once (its entries are the
+        # fixed addresses of self.buf's slots); fall back to the executor's own packing.
+        self._capi = None
+        try:
+            packed = self.exe._get_invoke_packed_args(self.addrs)
+            self._packed = (ctypes.c_void_p * len(packed))(*packed)
+            self._capi = self.exe.capi_func
+            self._result = self.exe.cuda_result
+        except AttributeError:
+            self._capi = None
+
+    def _launch(self) -> None:
+        if self._capi is not None:
+            self._capi(self._packed)
+            if self._result is not None and self._result.value != 0:
+                raise RuntimeError(f"cutedsl {self.kind} launch failed: CUDA error "
+                                   f"{self._result.value}")
+        else:
+            self.exe.run_compiled_program(self.addrs)
+
+    def __call__(self, a: KdaArgs) -> None:
+        R = a.state_indices.shape[0]
+        if R == 0:
+            return
+        x = a.x.data_ptr()
+        opt = lambda t: x if t is None else t.data_ptr()  # noqa: E731 - absent: never read
+        vals = [
+            x, a.conv_weight.data_ptr(), opt(a.conv_bias), a.conv_state.data_ptr(),
+            a.f_a.data_ptr(), a.f_b.data_ptr(), a.beta.data_ptr(), a.A_log.data_ptr(),
+            a.dt_bias.data_ptr(), a.state.data_ptr(), a.state_indices.data_ptr(),
+            opt(a.num_accepted_tokens), a.output_gate.data_ptr(), a.norm_weight.data_ptr(),
+            a.out.data_ptr(), opt(a.v_record), opt(a.kg_record),
+            R, a.state.shape[0], a.x.stride(0), a.f_a.stride(0), a.beta.stride(0),
+            a.output_gate.stride(0), a.out.stride(0), a.state.stride(0), a.conv_state.stride(0),
+        ]
+        self.buf[0:len(vals)] = vals
+        if self.kind == "stream":
+            self.buf[self.i_stream - 1] = min(R * self.H, self.max_ctas)
+        self.buf[self.i_stream] = _raw_stream(self.device_index)
+        self._launch()
+
+
+class _CuteDslBackend(Backend):
+    """Shared availability / support checks of the two CuTe DSL kernels."""
+
+    kind = ""
+    device_types = ("cuda",)
+
+    def __init__(self) -> None:
+        self._why: Optional[str] = None
+        self._checked = False
+
+    def availability(self) -> Optional[str]:
+        """None with a CUDA sm_90+ device and CuTe DSL importable, else the reason (cached)."""
+        if self._checked:
+            return self._why
+        self._checked = True
+        try:
+            if not torch.cuda.is_available():
+                self._why = "no CUDA device"
+            elif not any(torch.cuda.get_device_capability(i) >= (9, 0)
+                         for i in range(torch.cuda.device_count())):
+                self._why = "needs an sm_90+ GPU (griddepcontrol, mma.sync bf16, cp.async)"
+            else:
+                self._why = import_cutedsl()
+        except Exception as e:  # noqa: BLE001 - availability must not raise
+            self._why = f"cutedsl availability check failed: {type(e).__name__}: {e}"
+        return self._why
+
+    def unsupported(self, cfg: KdaConfig, device: torch.device) -> List[str]:
+        """Reasons ``cfg`` cannot run: T outside 1..8, window < T+2, unknown layout / dtypes."""
+        reasons = super().unsupported(cfg, device)
+        if device.type == "cuda" and torch.cuda.is_available():
+            cap = torch.cuda.get_device_capability(device)
+            if cap < (9, 0):
+                reasons.append(f"needs sm_90+, device is sm_{cap[0]}{cap[1]}")
+        if not 1 <= cfg.T <= MAX_T:
+            reasons.append(f"T={cfg.T}: supported T is 1..{MAX_T} (the gate MMA has 8 token columns)")
+        if cfg.window < cfg.T + 2:
+            reasons.append(f"window {cfg.window} < T + 2")
+        if cfg.num_heads < 1:
+            reasons.append("num_heads must be >= 1")
+        if cfg.gate_mode not in (0, 1):
+            reasons.append(f"gate_mode {cfg.gate_mode} is not 0 or 1")
+        if cfg.conv_layout not in CONV_LAYOUTS:
+            reasons.append(f"conv layout {cfg.conv_layout!r} is not one of {CONV_LAYOUTS}")
+        for what, dt in (("conv_state", cfg.conv_state_dtype), ("conv_weight", cfg.conv_weight_dtype),
+                         ("norm_weight", cfg.norm_weight_dtype)):
+            if dt not in (torch.bfloat16, torch.float32):
+                reasons.append(f"{what} dtype {dt} is not bf16 / fp32")
+        return reasons
+
+    def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:
+        """Compile (or load) the kernel for ``cfg`` and return its step function (a _Launcher)."""
+        why = import_cutedsl()
+        if why is not None:
+            raise RuntimeError(why)
+        from backends.cutedsl import cache
+        from backends.cutedsl.static import KernelStatic
+
+        pdl, early = pdl_mode()
+        ks = KernelStatic.from_config(cfg, pdl=pdl, pdl_early=early)
+        compiled = cache.get_kernel(self.kind, ks)
+        return _Launcher(self.kind, cfg, device, compiled)
+
+
+class KdaStreamBackend(_CuteDslBackend):
+    """``cutedsl``: the persistent streamed kernel (:mod:`backends.cutedsl.stream`)."""
+
+    name = "cutedsl"
+    kind = "stream"
+    description = ("CuTe DSL streamed kernel: ~2 persistent CTAs/SM, next item's state page and "
+                   "rows prefetched with cp.async during the recurrence, mma.sync gate, PDL")
+
+
+class KdaWideBackend(_CuteDslBackend):
+    """``cutedsl_wide``: one CTA per item (:mod:`backends.cutedsl.wide`)."""
+
+    name = "cutedsl_wide"
+    kind = "wide"
+    description = "CuTe DSL wide kernel: one 256-thread CTA per (request, head), mma.sync gate"
+
+
+def compile_seconds(kind: Optional[str] = None) -> float:
+    """Seconds this process spent compiling / loading CuTe DSL kernels (for the benchmark)."""
+    from backends.cutedsl import cache
+    return cache.compile_seconds(kind)

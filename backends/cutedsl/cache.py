@@ -1,0 +1,215 @@
+"""Compile cache of the CuTe DSL kernels: in memory and on disk, with compile-time records.
+
+A kernel is compiled once per (kind, :class:`KernelStatic`, target architecture, source hash).
+The compiled host launcher + cubin is exported as an object file
+(``JitCompiledFunction.export_to_c``) into the cache directory (``$KDA_CACHE_DIR/cutedsl``,
+default ``~/.cache/kda/cutedsl``) and loaded back with ``cutlass.runtime.load_module`` by
+later processes, so a warm process start does not trace or compile. Every compile (or load)
+is recorded in :data:`COMPILE_LOG` and logged; :func:`compile_seconds` sums them for the
+benchmark.
+
+Compilation needs no GPU: with ``CUTE_DSL_ARCH=sm_90a`` (set before CuTe DSL is imported)
+:func:`compile_kernel` traces and compiles against fake pointers, which is what the CPU test
+``tests/backends/cutedsl/test_compile.py`` does for every configuration axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import tempfile
+import threading
+import time
+from typing import Dict, List, Optional, Tuple
+
+from backends.cutedsl.static import KernelStatic, default_cache_dir
+
+log = logging.getLogger("kda.cutedsl")
+
+_SOURCES = ("ptx.py", "common.py", "static.py", "wide.py", "stream.py", "cache.py")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+#: Pointer arguments, in kernel order: (name, dtype key, assumed alignment in bytes).
+POINTER_ARGS = (
+    ("x", "bf16", 16), ("cw", "cw", 4), ("cb", "f32", 4), ("cs", "cs", 16), ("fa", "bf16", 16),
+    ("fb", "bf16", 4), ("beta", "bf16", 2), ("alog", "f32", 4), ("dtb", "f32", 4),
+    ("state", "f32", 16), ("si", "i32", 4), ("na", "i32", 4), ("og", "bf16", 16),
+    ("nw", "nw", 4), ("out", "bf16", 16), ("vrec", "f32", 4), ("kgrec", "bf16", 2),
+)
+#: Scalar arguments after the pointers: (name, kind) with kind i32 / i64 / f32.
+SCALAR_ARGS = (
+    ("R", "i32"), ("slots", "i32"), ("x_rs", "i32"), ("fa_rs", "i32"), ("beta_rs", "i32"),
+    ("og_rs", "i32"), ("out_rs", "i32"), ("state_ss", "i64"), ("cs_ss", "i64"),
+    ("scale", "f32"), ("eps", "f32"), ("lb", "f32"),
+)
+#: The streamed kernel takes its CTA count after the common scalars.
+STREAM_EXTRA = (("ncta", "i32"),)
+
+
+def arg_names(kind: str) -> List[str]:
+    """Runtime argument names of ``kind`` ("wide" / "stream") in order, the stream last."""
+    extra = [n for n, _ in STREAM_EXTRA] if kind == "stream" else []
+    return [n for n, _, _ in POINTER_ARGS] + [n for n, _ in SCALAR_ARGS] + extra + ["stream"]
+
+
+@dataclasses.dataclass
+class CompileRecord:
+    """One kernel made available: compiled (``source="compile"``) or loaded from disk."""
+
+    kind: str
+    tag: str
+    arch: str
+    source: str
+    seconds: float
+
+
+#: Every compile / disk load of this process, in order.
+COMPILE_LOG: List[CompileRecord] = []
+_mem: Dict[Tuple[str, KernelStatic, str], object] = {}
+_lock = threading.Lock()
+_src_hash: Optional[str] = None
+
+
+def source_hash() -> str:
+    """Hash of this package's kernel sources and the CuTe DSL version (part of every key)."""
+    global _src_hash
+    if _src_hash is None:
+        h = hashlib.sha256()
+        for name in _SOURCES:
+            with open(os.path.join(_HERE, name), "rb") as f:
+                h.update(f.read())
+        try:
+            from importlib.metadata import version
+            h.update(version("nvidia-cutlass-dsl").encode())
+        except Exception:  # noqa: BLE001 - version is best effort
+            pass
+        _src_hash = h.hexdigest()[:12]
+    return _src_hash
+
+
+def target_arch() -> str:
+    """The architecture CuTe DSL compiles for in this process (e.g. "sm_90a")."""
+    from cutlass.base_dsl.env_manager import EnvironmentVarManager  # noqa: F401
+    from cutlass.cutlass_dsl import CuTeDSL
+    return str(CuTeDSL._get_dsl().envar.arch)
+
+
+def _dtype(key: str, ks: KernelStatic):
+    from cutlass import BFloat16, Float32, Int32
+    if key == "cw":
+        key = "bf16" if ks.cw_bf16 else "f32"
+    elif key == "cs":
+        key = "bf16" if ks.cs_bf16 else "f32"
+    elif key == "nw":
+        key = "bf16" if ks.nw_bf16 else "f32"
+    return {"bf16": BFloat16, "f32": Float32, "i32": Int32}[key]
+
+
+def compile_args(kind: str, ks: KernelStatic) -> list:
+    """Fake arguments for ``cute.compile``: null pointers with the alignments the kernel assumes."""
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Int64
+    from cutlass.cute.runtime import make_ptr
+
+    args = []
+    for _, key, align in POINTER_ARGS:
+        dt = _dtype(key, ks)
+        args.append(make_ptr(dt, 0, cute.AddressSpace.gmem, assumed_align=min(align, 16)))
+    scalars = SCALAR_ARGS + (STREAM_EXTRA if kind == "stream" else ())
+    for _, k in scalars:
+        args.append({"i32": Int32(1), "i64": Int64(1), "f32": Float32(1.0)}[k])
+    args.append(cuda.CUstream(0))
+    return args
+
+
+def kernel_object(kind: str, ks: KernelStatic):
+    """The KdaWide / KdaStream instance for ``kind``."""
+    if kind == "wide":
+        from backends.cutedsl.wide import KdaWide
+        return KdaWide(ks)
+    if kind == "stream":
+        from backends.cutedsl.stream import KdaStream
+        return KdaStream(ks)
+    raise ValueError(f"kind: expected 'wide' or 'stream', got {kind!r}")
+
+
+def compile_kernel(kind: str, ks: KernelStatic, options: Optional[str] = None):
+    """Trace and compile ``kind`` for ``ks`` (no GPU needed). Returns (compiled, seconds)."""
+    import cutlass.cute as cute
+    obj = kernel_object(kind, ks)
+    t0 = time.perf_counter()
+    if options:
+        compiled = cute.compile(obj.launch, *compile_args(kind, ks), options=options)
+    else:
+        compiled = cute.compile(obj.launch, *compile_args(kind, ks))
+    return compiled, time.perf_counter() - t0
+
+
+def _prefix(kind: str, ks: KernelStatic, arch: str) -> str:
+    tag = f"kda_{kind}_{ks.tag()}_{arch}_{source_hash()}"
+    return "".join(c if c.isalnum() else "_" for c in tag)
+
+
+def get_kernel(kind: str, ks: KernelStatic, use_disk: bool = True):
+    """The compiled kernel (a CuTe DSL ``JitCompiledFunction``), from memory, disk or compiled.
+
+    Raises:
+      Any CuTe DSL compilation error (a bug: every supported configuration compiles).
+    """
+    arch = target_arch()
+    key = (kind, ks, arch)
+    with _lock:
+        fn = _mem.get(key)
+        if fn is not None:
+            return fn
+        prefix = _prefix(kind, ks, arch)
+        cache_dir = default_cache_dir()
+        path = os.path.join(cache_dir, prefix + ".o")
+        fn = None
+        if use_disk and os.path.exists(path):
+            t0 = time.perf_counter()
+            try:
+                import cutlass.cute as cute  # noqa: F401 - registers the load provider
+                import cutlass.cute.export  # noqa: F401
+                from cutlass.runtime import load_module
+                fn = load_module(path)[prefix]
+                _record(kind, ks, arch, "disk", time.perf_counter() - t0)
+            except Exception as e:  # noqa: BLE001 - a stale or broken file: recompile
+                log.warning("cutedsl: cannot load %s (%s: %s); recompiling", path,
+                            type(e).__name__, e)
+                fn = None
+        if fn is None:
+            fn, secs = compile_kernel(kind, ks)
+            _record(kind, ks, arch, "compile", secs)
+            if use_disk:
+                _export(fn, cache_dir, prefix)
+        _mem[key] = fn
+        return fn
+
+
+def _export(fn, cache_dir: str, prefix: str) -> None:
+    """Write the object file atomically; failures only cost the next process a compile."""
+    try:
+        import cutlass.cute.export  # noqa: F401 - registers the export provider
+        os.makedirs(cache_dir, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+            fn.export_to_c(tmp, "k", function_prefix=prefix)
+            os.replace(os.path.join(tmp, "k.o"), os.path.join(cache_dir, prefix + ".o"))
+    except Exception as e:  # noqa: BLE001
+        log.warning("cutedsl: cannot write the compile cache in %s (%s: %s)", cache_dir,
+                    type(e).__name__, e)
+
+
+def _record(kind: str, ks: KernelStatic, arch: str, source: str, seconds: float) -> None:
+    rec = CompileRecord(kind, ks.tag(), arch, source, seconds)
+    COMPILE_LOG.append(rec)
+    log.info("cutedsl: %s kernel %s for %s: %s in %.2f s", kind, rec.tag, arch,
+             "compiled" if source == "compile" else "loaded from disk", seconds)
+
+
+def compile_seconds(kind: Optional[str] = None) -> float:
+    """Total seconds spent compiling / loading kernels in this process (optionally one kind)."""
+    return sum(r.seconds for r in COMPILE_LOG if kind is None or r.kind == kind)

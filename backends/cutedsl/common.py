@@ -1,0 +1,610 @@
+"""The per-item math shared by the wide and the streamed CuTe DSL kernels.
+
+One *item* is one (request r, head h), ``item = r * H + h``. A CTA of 256 threads processes
+an item in the phases of ``docs/kda-stream-design.md`` (see also the contract,
+``docs/contract.md``):
+
+* staging (:meth:`ItemMath.issue_state`, :meth:`ItemMath.issue_operands`,
+  :meth:`ItemMath.load_window`, :meth:`ItemMath.load_beta`): the 64 KiB state page is copied
+  with 16-byte ``cp.async`` into a [16 chunk, 256 thread, 4] fp32 shared buffer (every thread
+  stages exactly the chunks it later owns, so no barrier is needed to consume them); the
+  token rows of x (q|k|v of head h) and of the output gate are staged the same way, and so
+  is the conv-window history in the SD layout (DS: per-channel register loads); the beta
+  logits go to registers.
+* :meth:`ItemMath.head_loads` + :meth:`ItemMath.gate`: the gate projection on the tensor
+  cores (``mma.sync m16n8k16`` bf16 -> fp32, warp w computes key features 16w..16w+15 for 8
+  token columns over 8 k-steps; gate_mode 0 one accumulator chain, gate_mode 1 four chains
+  combined ((c0+c1)+c2)+c3), rounded once to bf16, and the decay. It needs no staged data
+  (A fragments = f_b rows, B fragments = f_a rows, both from global), so the kernels run it
+  while the staging lands.
+* :meth:`ItemMath.phase_a`: conv + SiLU (threads 0-127: q and k channel ``tid``;
+  128-255: v channel ``tid-128``) with the window rewritten in place, per-warp sums of q^2
+  and k^2, beta, the q/k L2 normalization and the output-gate sigmoids. Then
+  :meth:`ItemMath.load_state_regs` moves the state page into registers: thread ``tid`` owns
+  value rows ``tid//4`` and ``tid//4 + 64`` and key columns ``4*(tid%4 + 4c) .. +3`` for
+  c = 0..7.
+* :meth:`ItemMath.phase_b`: the delta-rule recurrence per token (decay, S.k, u, rank-1
+  update, S.q) with row sums reduced in a fixed order (four partial accumulators per row,
+  then the four lanes of the row by butterfly shuffles), o rounded to bf16, the state stores
+  (per token for T > 1) or the record rows, and the gated RMSNorm epilogue.
+
+Both kernels call exactly these methods, so their outputs, states, windows and records are
+bit-identical; only the schedule of the staging differs. All arithmetic that feeds a
+rounding point is written with explicit ``mul.rn`` / ``add.rn`` / ``fma.rn`` so no
+compiler-chosen contraction can make the two kernels differ.
+
+Numerics (contract section 3): FP32 everywhere, bf16 rounding of y (conv output), rg (gate
+projection), o and out; transcendental functions use the approximate hardware instructions
+(ex2/rcp/rsqrt.approx), which the contract allows, except the precise log1p of the softplus.
+Shapes: D = 128, H heads, T <= 8 tokens; slot offsets and row offsets are 64-bit.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from backends.cutedsl import ptx as P
+from backends.cutedsl.static import KernelStatic, SmemPlan
+
+D = 128
+NTHREADS = 256
+
+
+class ItemMath:
+    """Per-item device code for one :class:`KernelStatic` configuration.
+
+    The methods are called while a kernel is traced. ``p`` is the kernel's
+    ``SimpleNamespace`` of runtime values (pointers, strides, thread coordinates, the shared
+    buffer's address); ``desc`` is an Int32 register tensor holding the item descriptor
+    ``[r, h, src, conv_slot, off, live]``; ``wreg`` an Int32 register tensor with the raw
+    window history (q or v channel: 0..2, k channel: 3..5) and the raw beta logit (6).
+    """
+
+    def __init__(self, ks: KernelStatic):
+        self.ks = ks
+        self.T = ks.T
+        self.H = ks.H
+        self.dim = ks.H * D
+        self.plan = SmemPlan(ks.T)
+
+    # ------------------------------------------------------------------ item descriptors
+    # The slot ids of a request are T+1 raw values: state_indices[r, 0..T-1] and (T > 1) the
+    # accepted count. Phase B reads the per-token write slots from the shared array
+    # SL[q] (q = iteration parity of the streamed kernel; 0 in the wide kernel).
+    def slot_values(self, p, item, valid):
+        """All raw slot values of ``item``'s request, loaded by every thread (uniform loads).
+
+        Returns (slots, accepted): T Int32 values and the raw accepted count (0 for T = 1).
+        """
+        T = self.T
+        r = item // self.H
+        vals = [P.gld_nc_b32_or0(p.si + (r * T + t), valid) for t in range(T)]
+        na = P.gld_nc_b32_or0(p.na + r, valid) if T > 1 else Int32(0)
+        return vals, na
+
+    def stage_slot_values(self, p, vals, na, q):
+        """Thread 0 writes the raw slot values to SL[q] (read after the next barrier)."""
+        base = p.sb + self.plan.SL + q * 64
+        first = Int32(p.tid == 0)
+        for t in range(self.T):
+            P.sst_b32(base + 4 * t, vals[t], first)
+        P.sst_b32(base + 4 * self.T, na, first)
+
+    def load_slot_lane(self, p, item, valid):
+        """Thread t <= T loads raw slot value t of ``item``'s request (t = T: accepted count)."""
+        T, tid = self.T, p.tid
+        r = item // self.H
+        v = P.gld_nc_b32_or0(p.si + (r * T + tid), valid & Int32(tid < T))
+        if T > 1:
+            v = v | P.gld_nc_b32_or0(p.na + r, valid & Int32(tid == T))
+        return v
+
+    def store_slot_lane(self, p, v, q):
+        """Counterpart of :meth:`load_slot_lane`: SL[q][tid] = v for tid <= T."""
+        P.sst_b32(p.sb + self.plan.SL + q * 64 + p.tid * 4, v, Int32(p.tid <= self.T))
+
+    def staged_slot_values(self, p, q):
+        """The raw slot values from SL[q] (broadcast shared loads)."""
+        base = p.sb + self.plan.SL + q * 64
+        vals = [P.sld_b32(base + 4 * t) for t in range(self.T)]
+        na = P.sld_b32(base + 4 * self.T) if self.T > 1 else Int32(0)
+        return vals, na
+
+    def item_head(self, item):
+        """Head h of ``item`` (item = r*H + h)."""
+        return item - (item // self.H) * self.H
+
+    def make_desc(self, p, item, valid, vals, na, desc):
+        """Item descriptor from the raw slot values (contract section 2, liveness).
+
+        T = 1: src = conv_slot = state_indices[r], off = 0. T > 1: a = clamp(accepted, 1, T),
+        src = state_indices[r, a-1], conv_slot = state_indices[r, 0], off = a-1. The item is
+        live iff ``valid`` and 0 < src < slots and 0 < conv_slot < slots.
+        """
+        T, H = self.T, self.H
+        r = item // H
+        h = item - r * H
+        cslot = vals[0]
+        if T == 1:
+            src = cslot
+            off = Int32(0)
+        else:
+            a = P.clamp_i32(na, 1, T)
+            off = a - 1
+            src = cslot
+            for t in range(1, T):
+                src = P.sel_i32(Int32(off == t), vals[t], src)
+        live = P.live_flag(src, cslot, p.slots, valid)
+        desc[0] = r
+        desc[1] = h
+        desc[2] = src
+        desc[3] = cslot
+        desc[4] = off
+        desc[5] = live
+
+    # ------------------------------------------------------------------------- staging
+    def issue_state(self, p, desc):
+        """cp.async this thread's 16 chunks of the state page ``state[src, h]`` (if live)."""
+        h, src, live = desc[1], desc[2], desc[5]
+        base = p.state + (Int64(src) * p.state_ss + Int64(h * (D * D) + p.row0 * D + 4 * p.l4))
+        offs = [(j * 4096, ((j // 8) * 64 * D + 16 * (j % 8)) * 4) for j in range(16)]
+        P.cp_async16_multi(p.sb + self.plan.ST + p.tid * 16, base, offs, live)
+
+    def issue_operands(self, p, desc):
+        """cp.async the token rows of x (q|k|v of head h) and output gate (if live)."""
+        T, dim, pl = self.T, self.dim, self.plan
+        r, h, live = desc[0], desc[1], desc[5]
+        tid = p.tid
+        nx = 48 * T
+        for i in range((nx + NTHREADS - 1) // NTHREADS):
+            ch = tid + NTHREADS * i
+            t = ch // 48
+            m = ch - t * 48
+            part = m >> 4
+            piece = m & 15
+            gp = p.x + (Int64(r * T + t) * p.x_rs + (part * dim + h * D + piece * 8))
+            if (NTHREADS * (i + 1) <= nx):
+                ok = live
+            else:
+                ok = live & Int32(ch < nx)
+            P.cp_async16(p.sb + pl.SX + ch * 16, gp, ok)
+        # output gate rows: threads 0 .. 16T-1
+        t = tid >> 4
+        piece = tid & 15
+        gp = p.og + (Int64(r * T + t) * p.og_rs + (h * D + piece * 8))
+        P.cp_async16(p.sb + pl.SOG + tid * 16, gp, live & Int32(tid < 16 * T))
+
+    def _window_ptr(self, p, cslot, ch, pos):
+        """Address of conv_state[cslot, ch, pos] in either layout (64-bit slot offset)."""
+        if (self.ks.layout == "SD"):
+            return p.cs + (Int64(cslot) * p.cs_ss + Int64(pos * (3 * self.dim) + ch))
+        return p.cs + (Int64(cslot) * p.cs_ss + Int64(ch * self.ks.L + pos))
+
+    def _load_raw(self, gp, pred):
+        if (self.ks.cs_bf16):
+            return P.gld_cg_u16_or0(gp, pred)
+        return P.gld_cg_b32_or0(gp, pred)
+
+    def load_window(self, p, desc, wreg):
+        """Stage the history conv_state[conv_slot, c, off..off+2] of the item's 384 channels.
+
+        SD (window-first) layout: each history position holds the head's q, k and v channels
+        contiguously, so the 3 x 3 x 256 B (bf16; 512 B fp32) are copied with 16-byte
+        ``cp.async`` into the SW buffer [3 pos][3 part][128] (cache dtype). DS (dim-first):
+        the three values of a channel are contiguous but not aligned, so each thread loads
+        its own channels' values into ``wreg`` (q or v channel: 0..2, k channel: 3..5).
+        Both paths read through L2 (the previous step, possibly a PDL predecessor, wrote them).
+        """
+        h, cslot, off, live = desc[1], desc[3], desc[4], desc[5]
+        tid = p.tid
+        if self.ks.layout == "SD":
+            esz = 2 if self.ks.cs_bf16 else 4
+            pieces = 256 // 16 * esz // 2          # 16-byte pieces per 128-channel part
+            n = 9 * pieces
+            for i in range((n + NTHREADS - 1) // NTHREADS):
+                ci = tid + NTHREADS * i
+                pos = ci // (3 * pieces)
+                rem = ci - pos * (3 * pieces)
+                part = rem // pieces
+                piece = rem - part * pieces
+                gp = self._window_ptr(p, cslot, part * self.dim + h * D + piece * (16 // esz),
+                                      off + pos)
+                ok = live if NTHREADS * (i + 1) <= n else live & Int32(ci < n)
+                P.cp_async16(p.sb + self.plan.SW + ci * 16, gp, ok)
+        else:
+            d = tid & 127
+            ch_a = (tid >> 7) * (2 * self.dim) + h * D + d      # q (tid < 128) or v channel
+            ch_b = self.dim + h * D + d                          # k channel (tid < 128 only)
+            ok_b = live & Int32(tid < 128)
+            for j in range(3):
+                wreg[j] = self._load_raw(self._window_ptr(p, cslot, ch_a, off + j), live)
+                wreg[3 + j] = self._load_raw(self._window_ptr(p, cslot, ch_b, off + j), ok_b)
+
+    def _history(self, p, part, d, wreg, base):
+        """Raw history values (3) of channel (part, d): from SW (SD) or ``wreg[base..]`` (DS)."""
+        if self.ks.layout == "SD":
+            esz = 2 if self.ks.cs_bf16 else 4
+            addr = p.sb + self.plan.SW + (part * D) * esz + d * esz
+            if self.ks.cs_bf16:
+                return [P.sld_u16(addr + pos * (3 * D * esz)) for pos in range(3)]
+            return [P.sld_b32(addr + pos * (3 * D * esz)) for pos in range(3)]
+        return [wreg[base], wreg[base + 1], wreg[base + 2]]
+
+    def load_beta(self, p, desc, wreg):
+        """Raw beta logit of token tid-128 (threads 128 .. 128+T-1)."""
+        r, h, live = desc[0], desc[1], desc[5]
+        tb = p.tid - 128
+        ok = live & Int32(tb >= 0) & Int32(tb < self.T)
+        wreg[6] = P.gld_nc_u16_or0(p.beta + (Int64(r * self.T + tb) * p.beta_rs + h), ok)
+
+    def write_zeros(self, p, desc):
+        """A dead item: its T output rows are exact zeros; nothing else is written."""
+        r, h = desc[0], desc[1]
+        tid = p.tid
+        t = tid >> 4
+        piece = tid & 15
+        gp = p.out + (Int64(r * self.T + t) * p.out_rs + (h * D + piece * 8))
+        P.gst_v4_zero(gp, Int32(tid < 16 * self.T))
+
+    # --------------------------------------------------------------------------- phase A
+    def _conv(self, p, h, cslot, part, d, hist_raw, w, acc0):
+        """Conv + SiLU of channel ``part*dim + h*128 + d`` for the T tokens; rewrites the window.
+
+        acc = bias (or 0); acc = fma(s[t+e], w[e], acc) for e = 0..3 over
+        s = [w0, w1, w2, x_0 .. x_{T-1}]; y_t = bf16(silu(acc)). The window becomes
+        [w1, w2, x_0 .. x_{T-1}] (positions 0..T+1), raw values in the cache dtype.
+        ``w`` (4 taps) and ``acc0`` (bias or 0) come from :meth:`head_loads`.
+        """
+        ks, T, dim = self.ks, self.T, self.dim
+        ch = part * dim + h * D + d
+        store_ok = Int32(1)
+        if (ks.cs_bf16):
+            hist = [P.bf16_bits_to_f32(hr) for hr in hist_raw]
+        else:
+            hist = [P.f32_from_bits(hr) for hr in hist_raw]
+        xraw = [P.sld_u16(p.sb + (self.plan.SX + ((t * 3 + part) * D) * 2) + d * 2)
+                for t in range(T)]
+        xs = [P.bf16_bits_to_f32(xr) for xr in xraw]
+        seq = hist + xs
+        ys = []
+        for t in range(T):
+            acc = acc0
+            for e in range(4):
+                acc = P.ffma(seq[t + e], w[e], acc)
+            ys.append(P.bf16_round(P.fmul(acc, P.sigmoid(acc))))
+        # window rewrite: all history was read (registers) before this point
+        if (ks.cs_bf16):
+            new = [hist_raw[1], hist_raw[2]] + xraw
+            for pos in range(T + 2):
+                P.gst_b16(self._window_ptr(p, cslot, ch, pos), new[pos], store_ok)
+        else:
+            new = [hist_raw[1], hist_raw[2]] + [P.f32_bits(xv) for xv in xs]
+            for pos in range(T + 2):
+                P.gst_b32(self._window_ptr(p, cslot, ch, pos), new[pos], store_ok)
+        return ys
+
+    def head_loads(self, p, h):
+        """Issue every per-head global load of phase A at once (they stay in L2).
+
+        Conv taps and bias of this thread's channels (q or v: ``wa``/``ba``; k: ``wb``/``bb``,
+        threads 0-127 only), the f_b A fragments of the gate MMA (``fb``), the two dt_bias
+        values of this thread's MMA rows and A_log[h].
+        """
+        ks, dim = self.ks, self.dim
+        tid = p.tid
+        d = tid & 127
+        part_a = (tid >> 7) * 2
+        is_qk = Int32(tid < 128)
+        hp = SimpleNamespace()
+        hp.wa, hp.wb = [], []
+        for e in range(4):
+            pa = p.cw + (part_a * (4 * dim) + e * dim + h * D + d)
+            pb = p.cw + (4 * dim + e * dim + h * D + d)
+            if ks.cw_bf16:
+                hp.wa.append(P.bf16_bits_to_f32(P.gld_nc_u16(pa)))
+                hp.wb.append(P.bf16_bits_to_f32(P.gld_nc_u16_or0(pb, is_qk)))
+            else:
+                hp.wa.append(P.gld_nc_f32(pa))
+                hp.wb.append(P.gld_nc_f32_or0(pb, is_qk))
+        if ks.has_bias:
+            hp.ba = P.gld_nc_f32(p.cb + (part_a * dim + h * D + d))
+            hp.bb = P.gld_nc_f32_or0(p.cb + (dim + h * D + d), is_qk)
+        else:
+            hp.ba = Float32(0.0)
+            hp.bb = Float32(0.0)
+        krow = p.warp * 16 + p.g
+        fb0 = p.fb + ((h * D + krow) * D + 2 * p.tig)
+        fb8 = fb0 + 8 * D
+        hp.fb = [(P.gld_nc_b32(fb0 + 16 * s), P.gld_nc_b32(fb8 + 16 * s),
+                  P.gld_nc_b32(fb0 + (16 * s + 8)), P.gld_nc_b32(fb8 + (16 * s + 8)))
+                 for s in range(8)]
+        hp.dtb = [P.gld_nc_f32(p.dtb + (h * D + krow)), P.gld_nc_f32(p.dtb + (h * D + krow + 8))]
+        hp.alog = P.gld_nc_f32(p.alog + h)
+        return hp
+
+    def gate(self, p, desc, hp):
+        """Gate projection on the tensor cores, decay alpha into shared memory, rg record.
+
+        rg[k, t] = bf16(sum_j f_b[h*128+k, j] * f_a[n_t, j]); x = rg + dt_bias;
+        gk = -exp(A_log) * softplus(x) (or lower_bound * sigmoid(exp(A_log) * x));
+        alpha = exp(gk). Needs no staged data (A fragments from :meth:`head_loads`, B fragments
+        = f_a rows straight from global), so the kernels run it before waiting for the
+        staging; it only writes CA (free once the previous item's phase B is over).
+        """
+        ks, T, pl = self.ks, self.T, self.plan
+        r, h, cslot = desc[0], desc[1], desc[3]
+        g, tig = p.g, p.tig
+        krow = p.warp * 16 + g
+        gvalid = Int32(g < T)
+        fa_row = p.fa + (Int64(r * T + g) * p.fa_rs + 2 * tig)
+        a = hp.fb
+        b = [(P.gld_nc_b32_or0(fa_row + 16 * s, gvalid),
+              P.gld_nc_b32_or0(fa_row + (16 * s + 8), gvalid)) for s in range(8)]
+        zero = Float32(0.0)
+        if (ks.gate_mode == 0):
+            c = (zero, zero, zero, zero)
+            for s in range(8):
+                c = P.mma_bf16(*a[s], *b[s], *c)
+        else:
+            chains = []
+            for q in range(4):
+                c = P.mma_bf16(*a[2 * q], *b[2 * q], zero, zero, zero, zero)
+                c = P.mma_bf16(*a[2 * q + 1], *b[2 * q + 1], *c)
+                chains.append(c)
+            c = tuple(P.fadd(P.fadd(P.fadd(chains[0][i], chains[1][i]), chains[2][i]),
+                             chains[3][i]) for i in range(4))
+        A = P.fexp(hp.alog)
+        if (ks.bounded):
+            coef = A
+        else:
+            coef = P.fsub(zero, A)
+        rec_base = (Int64(cslot) * self.H + Int64(h)) * (T * 2 * D)
+        for i in range(4):
+            kk = krow + 8 * (i // 2)
+            t = 2 * tig + (i % 2)
+            valid = Int32(t < T)
+            rg = P.bf16_round(c[i])
+            xg = P.fadd(rg, hp.dtb[i // 2])
+            if (ks.bounded):
+                gk = P.fmul(p.lb, P.sigmoid(P.fmul(coef, xg)))
+            else:
+                gk = P.fmul(coef, P.softplus(xg))
+            P.sst_f32(p.sb + pl.CA + (t * D + kk) * 4, P.fexp(gk), valid)
+            if (ks.record):
+                P.gst_b16(p.kgrec + (rec_base + Int64(t * (2 * D) + D + kk)),
+                          P.f32_bits(rg) >> 16, valid)
+
+    def phase_a(self, p, desc, hp, wreg, ogr):
+        """Conv, norms and output gate of a live item (after :meth:`gate`; module docstring).
+
+        Reads the staged rows, ``hp`` (:meth:`head_loads`) and ``wreg``; leaves q-hat, k-hat,
+        v and beta in shared memory and the sigmoid of this thread's output-gate values in
+        ``ogr``. Contains one block barrier. The state page is moved to registers separately
+        (:meth:`load_state_regs`).
+        """
+        T, pl = self.T, self.plan
+        self._phase_a_conv(p, desc, wreg, hp)
+        P.bar_sync()
+        self._phase_a_norm(p)
+        # output gate of this thread's epilogue tokens t = tid//128 + 2i, channel tid%128
+        half = p.tid >> 7
+        v = p.tid & 127
+        for i in range((T + 1) // 2):
+            t = half + 2 * i
+            raw = P.sld_u16(p.sb + pl.SOG + (t * D + v) * 2)
+            ogr[i] = P.sigmoid(P.bf16_bits_to_f32(raw))
+
+    def load_state_regs(self, p, S):
+        """The staged state page: shared -> registers (own chunks only: no barrier needed)."""
+        for j in range(16):
+            s0, s1, s2, s3 = P.sld_v4(p.sb + (self.plan.ST + j * 4096) + p.tid * 16)
+            S[4 * j + 0] = s0
+            S[4 * j + 1] = s1
+            S[4 * j + 2] = s2
+            S[4 * j + 3] = s3
+
+    @cute.jit
+    def _phase_a_conv(self, p, desc, wreg, hp):
+        if p.tid < 128:
+            self._conv_qk(p, desc, wreg, hp)
+        else:
+            self._conv_v(p, desc, wreg, hp)
+
+    def _conv_qk(self, p, desc, wreg, hp):
+        """Threads 0-127: q and k channel ``tid``; per-warp sums of squares; k record."""
+        ks, T, pl = self.ks, self.T, self.plan
+        r, h, cslot = desc[0], desc[1], desc[3]
+        d = p.tid
+        yq = self._conv(p, h, cslot, 0, d, self._history(p, 0, d, wreg, 0), hp.wa, hp.ba)
+        yk = self._conv(p, h, cslot, 1, d, self._history(p, 1, d, wreg, 3), hp.wb, hp.bb)
+        lane0 = Int32(p.lane == 0)
+        rec_base = (Int64(cslot) * self.H + Int64(h)) * (T * 2 * D)
+        for t in range(T):
+            P.sst_f32(p.sb + pl.CQ + (t * D + d) * 4, yq[t])
+            P.sst_f32(p.sb + pl.CK + (t * D + d) * 4, yk[t])
+            sq = P.warp_sum(P.fmul(yq[t], yq[t]))
+            sk = P.warp_sum(P.fmul(yk[t], yk[t]))
+            P.sst_f32(p.sb + pl.CRQ + (t * 4 + p.warp) * 4, sq, lane0)
+            P.sst_f32(p.sb + pl.CRK + (t * 4 + p.warp) * 4, sk, lane0)
+            if ks.record:
+                P.gst_b16(p.kgrec + (rec_base + Int64(t * (2 * D) + d)),
+                          P.f32_bits(yk[t]) >> 16, Int32(1))
+
+    def _conv_v(self, p, desc, wreg, hp):
+        """Threads 128-255: v channel ``tid-128``; beta of token ``tid-128``."""
+        T, pl = self.T, self.plan
+        h, cslot = desc[1], desc[3]
+        d = p.tid - 128
+        yv = self._conv(p, h, cslot, 2, d, self._history(p, 2, d, wreg, 0), hp.wa, hp.ba)
+        for t in range(T):
+            P.sst_f32(p.sb + pl.CV + (t * D + d) * 4, yv[t])
+        P.sst_f32(p.sb + pl.CB + d * 4, P.sigmoid(P.bf16_bits_to_f32(wreg[6])), Int32(d < T))
+
+    @cute.jit
+    def _phase_a_norm(self, p):
+        if p.tid < 128:
+            self._norm(p)
+
+    def _norm(self, p):
+        """q-hat = q * rsqrt(sum q^2 + 1e-6) * scale, k-hat = k * rsqrt(sum k^2 + 1e-6)."""
+        pl = self.plan
+        tid = p.tid
+        for t in range(self.T):
+            rq = p.sb + pl.CRQ + t * 16
+            rk = p.sb + pl.CRK + t * 16
+            sq = P.fadd(P.fadd(P.fadd(P.sld_f32(rq), P.sld_f32(rq + 4)), P.sld_f32(rq + 8)),
+                        P.sld_f32(rq + 12))
+            sk = P.fadd(P.fadd(P.fadd(P.sld_f32(rk), P.sld_f32(rk + 4)), P.sld_f32(rk + 8)),
+                        P.sld_f32(rk + 12))
+            iq = P.rsqrt(P.fadd(sq, Float32(1e-6)))
+            ik = P.rsqrt(P.fadd(sk, Float32(1e-6)))
+            aq = p.sb + pl.CQ + (t * D + tid) * 4
+            ak = p.sb + pl.CK + (t * D + tid) * 4
+            P.sst_f32(aq, P.fmul(P.fmul(P.sld_f32(aq), iq), p.scale))
+            P.sst_f32(ak, P.fmul(P.sld_f32(ak), ik))
+
+    # --------------------------------------------------------------------------- phase B
+    def _store_state(self, p, slot, h, S, ok):
+        """16-byte stores of this thread's 64 state values to state[slot, h] where ``ok``."""
+        base = p.state + (Int64(slot) * p.state_ss + Int64(h * (D * D) + p.row0 * D + 4 * p.l4))
+        for j in range(16):
+            off = ((j // 8) * 64 * D + 16 * (j % 8)) * 4
+            P.gst_v4_f32_off(base, off, S[4 * j], S[4 * j + 1], S[4 * j + 2], S[4 * j + 3], ok)
+
+    def phase_b(self, p, desc, q, S, ogr):
+        """The recurrence over the T tokens, state stores / records, and the epilogue.
+
+        Per token (FP32): S *= alpha (key columns); u = beta * (v - S.k-hat);
+        S += u k-hat^T; o = S.q-hat; o rounded to bf16. Then out = bf16(ob * rsqrt(mean(ob^2)
+        + eps) * norm_weight * sigmoid(gate)). Contains two block barriers.
+        """
+        ks, T, pl = self.ks, self.T, self.plan
+        r, h, src, cslot = desc[0], desc[1], desc[2], desc[3]
+        sb = p.sb
+        colb = p.l4 * 16                      # byte offset of this thread's first column chunk
+        lane_l0 = Int32(p.l4 == 0)
+        rec_base = (Int64(cslot) * self.H + Int64(h)) * (T * D)
+        for t in range(T):
+            tb = t * D * 4
+            beta = P.sld_f32(sb + pl.CB + 4 * t)
+            v0 = P.sld_f32(sb + pl.CV + tb + p.row0 * 4)
+            v1 = P.sld_f32(sb + pl.CV + tb + (p.row0 + 64) * 4)
+            acc0 = [None] * 4
+            acc1 = [None] * 4
+            for c in range(8):
+                a4 = P.sld_v4(sb + (pl.CA + tb + 64 * c) + colb)
+                k4 = P.sld_v4(sb + (pl.CK + tb + 64 * c) + colb)
+                for e in range(4):
+                    s0 = P.fmul(S[4 * c + e], a4[e])
+                    s1 = P.fmul(S[32 + 4 * c + e], a4[e])
+                    S[4 * c + e] = s0
+                    S[32 + 4 * c + e] = s1
+                    if (c == 0):
+                        acc0[e] = P.fmul(s0, k4[e])
+                        acc1[e] = P.fmul(s1, k4[e])
+                    else:
+                        acc0[e] = P.ffma(s0, k4[e], acc0[e])
+                        acc1[e] = P.ffma(s1, k4[e], acc1[e])
+            p0 = self._row_reduce(acc0)
+            p1 = self._row_reduce(acc1)
+            u0 = P.fmul(beta, P.fsub(v0, p0))
+            u1 = P.fmul(beta, P.fsub(v1, p1))
+            o0 = [None] * 4
+            o1 = [None] * 4
+            for c in range(8):
+                k4 = P.sld_v4(sb + (pl.CK + tb + 64 * c) + colb)
+                q4 = P.sld_v4(sb + (pl.CQ + tb + 64 * c) + colb)
+                for e in range(4):
+                    s0 = P.ffma(u0, k4[e], S[4 * c + e])
+                    s1 = P.ffma(u1, k4[e], S[32 + 4 * c + e])
+                    S[4 * c + e] = s0
+                    S[32 + 4 * c + e] = s1
+                    if (c == 0):
+                        o0[e] = P.fmul(s0, q4[e])
+                        o1[e] = P.fmul(s1, q4[e])
+                    else:
+                        o0[e] = P.ffma(s0, q4[e], o0[e])
+                        o1[e] = P.ffma(s1, q4[e], o1[e])
+            ob0 = P.bf16_round(self._row_reduce(o0))
+            ob1 = P.bf16_round(self._row_reduce(o1))
+            P.sst_f32(sb + pl.CO + tb + p.row0 * 4, ob0, lane_l0)
+            P.sst_f32(sb + pl.CO + tb + (p.row0 + 64) * 4, ob1, lane_l0)
+            if (ks.record):
+                P.gst_f32(p.vrec + (rec_base + Int64(t * D) + Int64(p.row0)), u0, lane_l0)
+                P.gst_f32(p.vrec + (rec_base + Int64(t * D) + Int64(p.row0 + 64)), u1, lane_l0)
+            elif (T > 1):
+                dst = P.sld_b32(sb + pl.SL + q * 64 + 4 * t)
+                ok = Int32(dst > 0) & Int32(dst < p.slots)
+                self._store_state(p, dst, h, S, ok)
+        if (T == 1 and not ks.record):
+            self._store_state(p, src, h, S, Int32(1))
+        P.bar_sync()
+        self._epilogue(p, r, h, ogr)
+
+    @staticmethod
+    def _row_reduce(acc):
+        """((a0+a1)+(a2+a3)) then the 4 lanes of the row (xor 1, xor 2): same bits in all 4."""
+        x = P.fadd(P.fadd(acc[0], acc[1]), P.fadd(acc[2], acc[3]))
+        x = P.fadd(x, P.shfl_xor(x, 1))
+        return P.fadd(x, P.shfl_xor(x, 2))
+
+    def _epilogue(self, p, r, h, ogr):
+        """Gated RMSNorm: warp sums of ob^2, then the 4 warps of a token half, fixed order."""
+        T, pl = self.T, self.plan
+        sb = p.sb
+        half = p.tid >> 7
+        v = p.tid & 127
+        wq = (p.tid >> 5) & 3
+        lane0 = Int32(p.lane == 0)
+        obs = []
+        for i in range((T + 1) // 2):
+            t = half + 2 * i
+            ob = P.sld_f32(sb + pl.CO + (t * D + v) * 4)
+            sq = P.warp_sum(P.fmul(ob, ob))
+            if (2 * i + 1 < T):
+                P.sst_f32(sb + pl.CRO + (t * 4 + wq) * 4, sq, lane0)
+            else:
+                P.sst_f32(sb + pl.CRO + (t * 4 + wq) * 4, sq, lane0 & Int32(t < T))
+            obs.append(ob)
+        P.bar_sync()
+        for i in range((T + 1) // 2):
+            t = half + 2 * i
+            rr = sb + pl.CRO + t * 16
+            ssum = P.fadd(P.fadd(P.fadd(P.sld_f32(rr), P.sld_f32(rr + 4)), P.sld_f32(rr + 8)),
+                          P.sld_f32(rr + 12))
+            rstd = P.rsqrt(P.fadd(P.fmul(ssum, Float32(1.0 / D)), p.eps))
+            y = P.fmul(P.fmul(P.fmul(obs[i], rstd), p.nwv), ogr[i])
+            gp = p.out + (Int64(r * T + t) * p.out_rs + (h * D + v))
+            if (2 * i + 1 < T):
+                ok = Int32(1)
+            else:
+                ok = Int32(t < T)
+            P.gst_b16(gp, P.bf16_bits(y), ok)
+
+
+def thread_coords(tid):
+    """Per-thread constants: lane, warp, MMA group/thread-in-group, state row and column lane."""
+    return dict(tid=tid, lane=tid & 31, warp=tid >> 5, g=(tid & 31) >> 2, tig=tid & 3,
+                row0=tid >> 2, l4=tid & 3)
+
+
+def load_norm_weight(ks: KernelStatic, nw_ptr, tid):
+    """norm_weight[tid % 128] as fp32 (shared by all heads: loaded once per CTA)."""
+    v = tid & 127
+    if ks.nw_bf16:
+        return P.bf16_bits_to_f32(P.gld_nc_u16(nw_ptr + v))
+    return P.gld_nc_f32(nw_ptr + v)
+
+
+def make_params(ks: KernelStatic, sb, tid, **values) -> SimpleNamespace:
+    """The SimpleNamespace of runtime values the ItemMath methods read."""
+    p = SimpleNamespace(sb=sb, **thread_coords(tid), **values)
+    p.nwv = load_norm_weight(ks, p.nw, tid)
+    return p
+
+
+__all__ = ["ItemMath", "make_params", "KernelStatic", "SmemPlan", "D", "NTHREADS"]

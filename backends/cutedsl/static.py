@@ -1,0 +1,144 @@
+"""Static (compile-time) description of a CuTe DSL KDA kernel, and its shared-memory plan.
+
+Pure Python (no CuTe DSL import), so the backend can compute cache keys and resource needs on
+a machine without the DSL. The runtime-only values of :class:`kda.config.KdaConfig`
+(``scale``, ``norm_eps``, ``lower_bound``) are *not* part of :class:`KernelStatic`: they are
+passed to the kernel as runtime fp32 scalars, so changing them never recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from kda.config import KdaConfig
+
+D = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelStatic:
+    """Everything a compiled kernel is specialized on.
+
+    Attributes:
+      H: heads. T: tokens per request (1..8). L: conv window length (>= T+2).
+      layout: "SD" (window-first) or "DS" (dim-first) conv cache.
+      bounded: bounded gate (lower_bound * sigmoid(A x)) instead of softplus.
+      gate_mode: 0 (one accumulator chain) or 1 (four chains).
+      has_bias: a conv bias is passed. record: record mode.
+      cs_bf16 / cw_bf16 / nw_bf16: conv_state / conv_weight / norm_weight are bf16 (else fp32).
+      pdl: launched with programmatic dependent launch (state page and window are loaded
+        before ``griddepcontrol.wait``).
+      pdl_early: trigger ``griddepcontrol.launch_dependents`` right after the prologue's loads
+        (as the design notes suggest) instead of after each CTA's last write. Faster for
+        unrelated successors, but a successor that reads this step's outputs before its own
+        ``griddepcontrol.wait`` (e.g. the same step launched again on the same state) may
+        read stale data. Off by default.
+    """
+
+    H: int
+    T: int
+    L: int
+    layout: str
+    bounded: bool
+    gate_mode: int
+    has_bias: bool
+    record: bool
+    cs_bf16: bool
+    cw_bf16: bool
+    nw_bf16: bool
+    pdl: bool = True
+    pdl_early: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: KdaConfig, pdl: bool = True,
+                    pdl_early: bool = False) -> "KernelStatic":
+        """The static part of ``cfg`` (scale, norm_eps and lower_bound's value excluded)."""
+        return cls(H=cfg.num_heads, T=cfg.T, L=cfg.window, layout=cfg.conv_layout,
+                   bounded=cfg.lower_bound is not None, gate_mode=cfg.gate_mode,
+                   has_bias=cfg.has_conv_bias, record=cfg.record,
+                   cs_bf16=cfg.conv_state_dtype == torch.bfloat16,
+                   cw_bf16=cfg.conv_weight_dtype == torch.bfloat16,
+                   nw_bf16=cfg.norm_weight_dtype == torch.bfloat16, pdl=pdl,
+                   pdl_early=pdl and pdl_early)
+
+    def tag(self) -> str:
+        """A file-name friendly identifier, e.g. ``H32_T1_L3_SD_sp_g0``."""
+        parts = [f"H{self.H}", f"T{self.T}", f"L{self.L}", self.layout,
+                 "bd" if self.bounded else "sp", f"g{self.gate_mode}"]
+        if self.has_bias:
+            parts.append("bias")
+        if self.record:
+            parts.append("rec")
+        parts.append("cs16" if self.cs_bf16 else "cs32")
+        parts.append("cw16" if self.cw_bf16 else "cw32")
+        parts.append("nw16" if self.nw_bf16 else "nw32")
+        parts.append(("pdle" if self.pdl_early else "pdl") if self.pdl else "nopdl")
+        return "_".join(parts)
+
+
+class SmemPlan:
+    """Byte offsets of the shared-memory regions of one CTA for T tokens (all 16-B aligned).
+
+    Staging (refilled for the next item by the streamed kernel):
+      ST  state page [16 chunk][256 thread][4] fp32 (64 KiB)
+      SX  x rows [T][3 (q,k,v)][128] bf16
+      SOG output-gate rows [T][128] bf16
+      SW  conv-window history [3 pos][3 part][128] (cache dtype; SD layout only)
+    Per-item compute buffers:
+      CQ, CK, CV, CA, CO  q-hat, k-hat, v, alpha, o: [T][128] fp32 each
+      CB  beta [8] fp32; SL raw slot ids [2 parity][16] int32 (T slots + accepted count)
+      CRQ, CRK, CRO  per-warp partial sums [9][4] fp32 (q^2, k^2, ob^2)
+    """
+
+    def __init__(self, T: int):
+        self.T = T
+        off = 0
+
+        def take(n):
+            """Reserve n bytes (16-byte aligned); return the offset."""
+            nonlocal off
+            o = off
+            off += (n + 15) // 16 * 16
+            return o
+
+        self.ST = take(65536)
+        self.SX = take(768 * T)
+        self.SOG = take(256 * T)
+        self.SW = take(3 * 3 * D * 4)
+        self.CQ = take(512 * T)
+        self.CK = take(512 * T)
+        self.CV = take(512 * T)
+        self.CA = take(512 * T)
+        self.CO = take(512 * T)
+        self.CB = take(32)
+        self.SL = take(128)
+        self.CRQ = take(144)
+        self.CRK = take(144)
+        self.CRO = take(144)
+        self.total = (off + 127) // 128 * 128
+
+
+#: Hopper: 228 KiB of shared memory per SM at most, 1 KiB of it reserved per CTA.
+SMEM_PER_SM_MAX = 228 * 1024
+SMEM_RESERVED_PER_CTA = 1024
+
+
+def carveout_percent(smem_per_cta: int, ctas_per_sm: int = 2) -> int:
+    """Smallest shared-memory carveout (percent of the maximum) that fits ``ctas_per_sm`` CTAs.
+
+    The driver rounds the hint up to a supported configuration; everything not carved out
+    stays L1 cache (which the kernels use for register spills and the per-head operands).
+    """
+    need = ctas_per_sm * (smem_per_cta + SMEM_RESERVED_PER_CTA + 1024)   # + alignment slack
+    return min(100, -(-100 * need // SMEM_PER_SM_MAX))
+
+
+def default_cache_dir() -> str:
+    """``$KDA_CACHE_DIR`` (its ``cutedsl`` subfolder) or ``~/.cache/kda/cutedsl``."""
+    root = os.environ.get("KDA_CACHE_DIR")
+    if root:
+        return os.path.join(root, "cutedsl")
+    return os.path.join(os.path.expanduser("~"), ".cache", "kda", "cutedsl")

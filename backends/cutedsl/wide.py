@@ -1,0 +1,111 @@
+"""KdaWide: the wide CuTe DSL kernel (one 256-thread CTA per item) and its host wrapper.
+
+Grid = R*H CTAs, CTA ``b`` processes item ``b`` (request ``b // H``, head ``b % H``):
+
+  1. read the slots (contract section 2 liveness);
+  2. stage the state page and load the window history (with programmatic dependent launch
+     these come before ``griddepcontrol.wait``: they do not depend on the predecessor
+     kernel), then, after the wait, stage x / output-gate rows and load beta;
+  3. the gate projection (:meth:`ItemMath.gate`, no staged data needed) while the staging
+     lands; :meth:`ItemMath.phase_a`, a barrier, :meth:`ItemMath.phase_b` (or zeros for a
+     dead item);
+  4. fence + barrier + ``griddepcontrol.launch_dependents`` (the trigger comes after this CTA's
+     last write, so a dependent launch of the same step on the same buffers reads the
+     results; ``KDA_CUTEDSL_PDL=early`` moves it after the prologue; see ``README.md``).
+
+The per-item math is :mod:`backends.cutedsl.common`, shared instruction for instruction with
+the streamed kernel (:mod:`backends.cutedsl.stream`), so both produce bit-identical results.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass.memory import SmemAllocator
+
+from backends.cutedsl import ptx as P
+from backends.cutedsl.common import NTHREADS, ItemMath, make_params
+from backends.cutedsl.static import KernelStatic, SmemPlan, carveout_percent
+
+
+class KdaWide:
+    """The wide kernel for one :class:`KernelStatic`; ``launch`` is what gets compiled."""
+
+    kind = "wide"
+
+    def __init__(self, ks: KernelStatic):
+        self.ks = ks
+        self.math = ItemMath(ks)
+        self.plan = SmemPlan(ks.T)
+
+    @cute.kernel
+    def kernel(self, x: cute.Pointer, cw: cute.Pointer, cb: cute.Pointer, cs: cute.Pointer,
+               fa: cute.Pointer, fb: cute.Pointer, beta: cute.Pointer, alog: cute.Pointer,
+               dtb: cute.Pointer, state: cute.Pointer, si: cute.Pointer, na: cute.Pointer,
+               og: cute.Pointer, nw: cute.Pointer, out: cute.Pointer, vrec: cute.Pointer,
+               kgrec: cute.Pointer, R: Int32, slots: Int32, x_rs: Int32, fa_rs: Int32,
+               beta_rs: Int32, og_rs: Int32, out_rs: Int32, state_ss: Int64, cs_ss: Int64,
+               scale: Float32, eps: Float32, lb: Float32):
+        """Device code: CTA ``blockIdx.x`` processes item ``blockIdx.x`` (see the module docstring)."""
+        tid, _, _ = cute.arch.thread_idx()
+        item, _, _ = cute.arch.block_idx()
+        smem = SmemAllocator()
+        buf = smem.allocate(self.plan.total, byte_alignment=128)
+        p = make_params(self.ks, Int32(buf.toint()), Int32(tid), x=x, cw=cw, cb=cb, cs=cs, fa=fa,
+                        fb=fb, beta=beta, alog=alog, dtb=dtb, state=state, si=si, na=na, og=og,
+                        nw=nw, out=out, vrec=vrec, kgrec=kgrec, slots=slots, x_rs=x_rs,
+                        fa_rs=fa_rs, beta_rs=beta_rs, og_rs=og_rs, out_rs=out_rs,
+                        state_ss=state_ss, cs_ss=cs_ss, scale=scale, eps=eps, lb=lb)
+        desc = cute.make_rmem_tensor(cute.make_layout((8,)), Int32)
+        wreg = cute.make_rmem_tensor(cute.make_layout((8,)), Int32)
+        S = cute.make_rmem_tensor(cute.make_layout((64,)), Float32)
+        ogr = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
+
+        vals, nacc = self.math.slot_values(p, Int32(item), Int32(1))
+        self.math.make_desc(p, Int32(item), Int32(1), vals, nacc, desc)
+        self.math.stage_slot_values(p, vals, nacc, Int32(0))
+        self.math.issue_state(p, desc)
+        self.math.load_window(p, desc, wreg)
+        if cutlass.const_expr(self.ks.pdl):
+            P.griddep_wait()
+        self.math.issue_operands(p, desc)
+        self.math.load_beta(p, desc, wreg)
+        P.cp_async_commit()
+        if cutlass.const_expr(self.ks.pdl_early):
+            P.griddep_launch()
+        hp = self.math.head_loads(p, desc[1])
+        live = desc[5]
+        if live != 0:
+            self.math.gate(p, desc, hp)      # needs no staged data: overlaps the staging
+        P.cp_async_wait_all()
+        P.bar_sync()
+        if live != 0:
+            self.math.phase_a(p, desc, hp, wreg, ogr)
+        P.bar_sync()
+        if live != 0:
+            self.math.load_state_regs(p, S)
+            self.math.phase_b(p, desc, Int32(0), S, ogr)
+        else:
+            self.math.write_zeros(p, desc)
+        if cutlass.const_expr(self.ks.pdl and not self.ks.pdl_early):
+            P.fence_gpu()
+            P.bar_sync()
+            P.griddep_launch()
+
+    @cute.jit
+    def launch(self, x: cute.Pointer, cw: cute.Pointer, cb: cute.Pointer, cs: cute.Pointer,
+               fa: cute.Pointer, fb: cute.Pointer, beta: cute.Pointer, alog: cute.Pointer,
+               dtb: cute.Pointer, state: cute.Pointer, si: cute.Pointer, na: cute.Pointer,
+               og: cute.Pointer, nw: cute.Pointer, out: cute.Pointer, vrec: cute.Pointer,
+               kgrec: cute.Pointer, R: Int32, slots: Int32, x_rs: Int32, fa_rs: Int32,
+               beta_rs: Int32, og_rs: Int32, out_rs: Int32, state_ss: Int64, cs_ss: Int64,
+               scale: Float32, eps: Float32, lb: Float32, stream: cuda.CUstream):
+        """Host entry: launch R*H CTAs of 256 threads on ``stream``."""
+        self.kernel(x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, na, og, nw, out, vrec,
+                    kgrec, R, slots, x_rs, fa_rs, beta_rs, og_rs, out_rs, state_ss, cs_ss,
+                    scale, eps, lb).launch(
+            grid=[R * self.ks.H, 1, 1], block=[NTHREADS, 1, 1], stream=stream,
+            use_pdl=self.ks.pdl, min_blocks_per_mp=2,
+            preferred_smem_carveout=carveout_percent(self.plan.total))

@@ -1,0 +1,870 @@
+"""A lockstep SIMT emulator of the CuTe DSL KDA kernels, for checking them on a CPU.
+
+The kernels (``backends/cutedsl/{common,wide,stream}.py``) are Python programs that CuTe DSL
+traces; every device operation they perform goes through the small instruction vocabulary of
+``backends/cutedsl/ptx.py``. This module loads the *same* kernel sources with stand-ins for
+CuTe DSL and for that vocabulary, and executes one CTA at a time with all 256 threads in
+lockstep: every value is a numpy array with one lane per thread. So the kernels' index math,
+liveness, staging layout, schedule (including the streamed kernel's prefetch of item n+1 while
+item n computes), tensor-core fragment layout, shuffles, barriers and predication run on the
+CPU against the PyTorch reference, with checks a GPU would not give:
+
+* every global / shared access is bounds- and alignment-checked (global: against the torch
+  storage it falls in; shared: against the CTA's plan);
+* a shared-memory read of bytes with a pending ``cp.async`` (not yet waited for) is an error;
+* ``bar.sync``, shuffles and ``mma.sync`` with a partially active warp / CTA are errors;
+* Int32 arithmetic that leaves the int32 range on an active lane is an error (32-bit offset
+  overflow).
+
+What it cannot check: real concurrency (lockstep execution satisfies every barrier), the
+compiler, and approximate transcendentals (numpy computes them exactly). ``mma.sync`` is
+emulated as an exact float64 dot product plus C, rounded once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import os
+import sys
+import types
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+NT = 256
+_I32 = (-(1 << 31), (1 << 31) - 1)
+
+
+class EmulationError(AssertionError):
+    """The kernel did something a GPU would fault on, or that the contract forbids."""
+
+
+# --------------------------------------------------------------------------------- values
+class _State:
+    active = [np.ones(NT, bool)]
+    cta = None          # the CTA being executed
+
+
+def _active():
+    return _State.active[-1]
+
+
+@contextlib.contextmanager
+def lanes(mask):
+    """Execute the body with only ``mask`` lanes active (a divergent branch)."""
+    m = _mask_of(mask)
+    _State.active.append(_active() & m)
+    try:
+        yield
+    finally:
+        _State.active.pop()
+
+
+def _mask_of(x):
+    if isinstance(x, V):
+        return x.a.astype(bool) if x.k == "b" else x.a != 0
+    return np.full(NT, bool(x))
+
+
+class V:
+    """One value per lane: ``a`` (numpy [256]) and kind ``k`` in i32 / i64 / f32 / b."""
+
+    __slots__ = ("a", "k")
+
+    def __init__(self, a, k):
+        if k == "f32":
+            a = np.asarray(a, np.float32)
+        elif k == "b":
+            a = np.asarray(a, bool)
+        else:
+            a = np.asarray(a, np.int64)
+            if k == "i32":
+                act = _active()
+                if act.any():
+                    av = a[act] if a.shape == (NT,) else a
+                    if av.size and (av.min() < _I32[0] or av.max() > _I32[1]):
+                        raise EmulationError(f"Int32 overflow: {av.min()} .. {av.max()}")
+        if a.shape != (NT,):
+            a = np.broadcast_to(a, (NT,)).copy()
+        self.a, self.k = a, k
+
+    # ---- helpers
+    @staticmethod
+    def _kind(x, y):
+        kx = x.k if isinstance(x, V) else None
+        ky = y.k if isinstance(y, V) else None
+        if "f32" in (kx, ky) or isinstance(x, float) or isinstance(y, float):
+            return "f32"
+        if "i64" in (kx, ky):
+            return "i64"
+        if kx == "b" and ky in (None, "b"):
+            return "b"
+        return "i32"
+
+    @staticmethod
+    def _arr(x):
+        return x.a if isinstance(x, V) else x
+
+    def _bin(self, o, fn, rev=False):
+        k = V._kind(self, o)
+        a, b = (V._arr(o), self.a) if rev else (self.a, V._arr(o))
+        if k in ("i32", "i64"):
+            a = np.asarray(a, np.int64)
+            b = np.asarray(b, np.int64)
+        return V(fn(a, b), k)
+
+    def __add__(self, o): return self._bin(o, np.add)
+    def __radd__(self, o): return self._bin(o, np.add, True)
+    def __sub__(self, o): return self._bin(o, np.subtract)
+    def __rsub__(self, o): return self._bin(o, np.subtract, True)
+    def __mul__(self, o): return self._bin(o, np.multiply)
+    def __rmul__(self, o): return self._bin(o, np.multiply, True)
+    def __floordiv__(self, o): return self._bin(o, np.floor_divide)
+    def __rfloordiv__(self, o): return self._bin(o, np.floor_divide, True)
+    def __mod__(self, o): return self._bin(o, np.mod)
+    def __rshift__(self, o): return self._bin(o, np.right_shift)
+    def __lshift__(self, o): return self._bin(o, np.left_shift)
+    def __and__(self, o): return self._bin(o, np.bitwise_and)
+    def __rand__(self, o): return self._bin(o, np.bitwise_and, True)
+    def __or__(self, o): return self._bin(o, np.bitwise_or)
+    def __ror__(self, o): return self._bin(o, np.bitwise_or, True)
+    def __xor__(self, o): return self._bin(o, np.bitwise_xor)
+    def __neg__(self): return V(-self.a, self.k)
+
+    def _cmp(self, o, fn):
+        return V(fn(self.a, V._arr(o)), "b")
+
+    def __lt__(self, o): return self._cmp(o, np.less)
+    def __le__(self, o): return self._cmp(o, np.less_equal)
+    def __gt__(self, o): return self._cmp(o, np.greater)
+    def __ge__(self, o): return self._cmp(o, np.greater_equal)
+    def __eq__(self, o): return self._cmp(o, np.equal)          # noqa: D105
+    def __ne__(self, o): return self._cmp(o, np.not_equal)
+    __hash__ = None
+
+    def __bool__(self):
+        act = _active()
+        vals = self.a[act]
+        if vals.size == 0:
+            raise EmulationError("branch on a value with no active lane")
+        if not (vals == vals[0]).all():
+            raise EmulationError("a kernel-level branch is not uniform across the CTA")
+        return bool(vals[0])
+
+    def __index__(self):
+        return int(self.uniform())
+
+    def uniform(self):
+        act = _active()
+        vals = self.a[act]
+        if not (vals == vals[0]).all():
+            raise EmulationError("expected a CTA-uniform value")
+        return vals[0]
+
+
+def _v(x, k):
+    if isinstance(x, V):
+        if x.k == "b":
+            return V(x.a.astype(np.int64), k)
+        if k == "f32":
+            return V(x.a.astype(np.float32), k)
+        return V(x.a, k)
+    if isinstance(x, (bool, np.bool_)):
+        return V(np.full(NT, int(x)), k)
+    if k == "f32":
+        return V(np.full(NT, x, np.float32), k)
+    return V(np.full(NT, int(x)), k)
+
+
+def Int32(x):  # noqa: N802 - mirrors cutlass.Int32
+    """Stand-in for ``cutlass.Int32(x)`` (Booleans become 0/1)."""
+    return _v(x, "i32")
+
+
+def Int64(x):  # noqa: N802
+    """Stand-in for ``cutlass.Int64(x)``."""
+    return _v(x, "i64")
+
+
+def Float32(x):  # noqa: N802
+    """Stand-in for ``cutlass.Float32(x)``."""
+    return _v(x, "f32")
+
+
+# --------------------------------------------------------------------------------- memory
+class Ptr:
+    """A global pointer per lane: byte addresses ``addr`` (int64 [256]) and element size."""
+
+    def __init__(self, addr, esize):
+        self.addr = np.broadcast_to(np.asarray(addr, np.int64), (NT,)).copy()
+        self.esize = esize
+
+    def __add__(self, off):
+        o = V._arr(off) if isinstance(off, V) else off
+        return Ptr(self.addr + np.asarray(o, np.int64) * self.esize, self.esize)
+
+    def toint(self):
+        return V(self.addr, "i64")
+
+
+class GlobalMemory:
+    """Fake device memory backed by the torch storages of a case (writes go to the tensors)."""
+
+    def __init__(self):
+        self.bases, self.bufs, self.names = [], [], []
+        self._next = 1 << 40
+
+    def register(self, t: torch.Tensor, name: str):
+        """Map ``t``'s storage (once) and return the fake address of ``t``'s first element."""
+        st = t.untyped_storage()
+        for b, buf, n in zip(self.bases, self.bufs, self.names):
+            if buf.ctypes.data == st.data_ptr():
+                return b + t.storage_offset() * t.element_size()
+        raw = torch.empty(0, dtype=torch.uint8).set_(st).numpy()
+        base = self._next
+        self._next += (st.nbytes() + (1 << 20)) // 4096 * 4096 + 4096
+        self.bases.append(base)
+        self.bufs.append(raw)
+        self.names.append(name)
+        return base + t.storage_offset() * t.element_size()
+
+    def _locate(self, addr, size, mask, what):
+        out_buf = np.full(NT, -1)
+        for i, (b, buf) in enumerate(zip(self.bases, self.bufs)):
+            inside = (addr >= b) & (addr + size <= b + buf.size)
+            out_buf[inside] = i
+        bad = mask & (out_buf < 0)
+        if bad.any():
+            lane = int(np.nonzero(bad)[0][0])
+            near = [(n, int(addr[lane] - b)) for n, b in zip(self.names, self.bases)
+                    if 0 <= addr[lane] - b < (1 << 36)]
+            raise EmulationError(f"{what}: out-of-bounds global access at lane {lane} "
+                                 f"(buffer, offset) = {near}")
+        if (mask & (addr % size != 0)).any():
+            raise EmulationError(f"{what}: misaligned {size}-byte global access")
+        return out_buf
+
+    def load(self, ptr: Ptr, size: int, mask, what):
+        """``size`` bytes per active lane in ``mask`` (bounds and alignment checked)."""
+        mask = mask & _active()
+        out = np.zeros((NT, size), np.uint8)
+        if not mask.any():
+            return out
+        which = self._locate(ptr.addr, size, mask, what)
+        for i in np.unique(which[mask]):
+            sel = mask & (which == i)
+            off = ptr.addr[sel] - self.bases[i]
+            idx = off[:, None] + np.arange(size)[None, :]
+            out[sel] = self.bufs[i][idx]
+        return out
+
+    def store(self, ptr: Ptr, data: np.ndarray, mask, what):
+        """Write ``data`` [256, size] bytes for the active lanes in ``mask``."""
+        mask = mask & _active()
+        if not mask.any():
+            return
+        size = data.shape[1]
+        which = self._locate(ptr.addr, size, mask, what)
+        for i in np.unique(which[mask]):
+            sel = mask & (which == i)
+            off = ptr.addr[sel] - self.bases[i]
+            idx = off[:, None] + np.arange(size)[None, :]
+            self.bufs[i][idx] = data[sel]
+
+
+class CTA:
+    """One CTA's shared memory, pending cp.async copies and block index."""
+
+    def __init__(self, block, smem_bytes, gmem):
+        self.block = block
+        self.smem = np.full(smem_bytes, 0xFF, np.uint8)      # NaN-ish garbage
+        self.pending = np.zeros(smem_bytes, bool)
+        self.queue = []
+        self.gmem = gmem
+        self.barriers = 0
+
+    def _check(self, addr, size, mask, what):
+        if (mask & ((addr < 0) | (addr + size > self.smem.size))).any():
+            raise EmulationError(f"{what}: out-of-bounds shared access "
+                                 f"{addr[mask].min()}..{addr[mask].max()} / {self.smem.size}")
+        if (mask & (addr % size != 0)).any():
+            raise EmulationError(f"{what}: misaligned {size}-byte shared access")
+
+    def sload(self, addr, size, mask, what):
+        mask = mask & _active()
+        addr = np.asarray(addr, np.int64)
+        out = np.zeros((NT, size), np.uint8)
+        if not mask.any():
+            return out
+        self._check(addr, size, mask, what)
+        idx = addr[mask][:, None] + np.arange(size)[None, :]
+        if self.pending[idx].any():
+            raise EmulationError(f"{what}: shared read of bytes whose cp.async was not waited for")
+        out[mask] = self.smem[idx]
+        return out
+
+    def sstore(self, addr, data, mask, what):
+        mask = mask & _active()
+        addr = np.asarray(addr, np.int64)
+        if not mask.any():
+            return
+        size = data.shape[1]
+        self._check(addr, size, mask, what)
+        idx = addr[mask][:, None] + np.arange(size)[None, :]
+        if self.pending[idx].any():
+            raise EmulationError(f"{what}: shared write over a pending cp.async")
+        self.smem[idx] = data[mask]
+
+    def cp_async(self, saddr, gptr, nbytes, mask):
+        mask = mask & _active()
+        saddr = np.asarray(saddr, np.int64)
+        if not mask.any():
+            return
+        self._check(saddr, nbytes, mask, "cp.async")
+        data = self.gmem.load(gptr, nbytes, mask, "cp.async source")
+        idx = saddr[mask][:, None] + np.arange(nbytes)[None, :]
+        if self.pending[idx].any():
+            raise EmulationError("cp.async over a pending cp.async")
+        self.pending[idx] = True
+        self.queue.append((idx, data[mask]))
+
+    def wait_all(self):
+        for idx, data in self.queue:
+            self.smem[idx] = data
+            self.pending[idx] = False
+        self.queue = []
+
+
+def _bytes_to(data, dtype):
+    return np.ascontiguousarray(data).view(dtype)
+
+
+def _from(vals, dtype):
+    return np.ascontiguousarray(np.asarray(vals, dtype).reshape(NT, -1)).view(np.uint8)
+
+
+# ------------------------------------------------------------------------- the vocabulary
+class _P(types.ModuleType):
+    """Stand-in for ``backends.cutedsl.ptx`` (same function names and semantics)."""
+
+
+P = _P("backends.cutedsl.ptx")
+
+
+def _pm(pred):
+    return np.ones(NT, bool) if pred is None else _mask_of(pred)
+
+
+def _reg(name):
+    def deco(fn):
+        setattr(P, name, fn)
+        return fn
+    return deco
+
+
+def _cta():
+    return _State.cta
+
+
+def _saddr(a):
+    return V._arr(a) if isinstance(a, V) else np.full(NT, a)
+
+
+@_reg("sld_f32")
+def _sld_f32(addr):
+    return V(_bytes_to(_cta().sload(_saddr(addr), 4, np.ones(NT, bool), "ld.shared.f32"), np.float32)[:, 0], "f32")
+
+
+@_reg("sld_v4")
+def _sld_v4(addr):
+    d = _bytes_to(_cta().sload(_saddr(addr), 16, np.ones(NT, bool), "ld.shared.v4"), np.float32)
+    return tuple(V(d[:, i], "f32") for i in range(4))
+
+
+@_reg("sld_b32")
+def _sld_b32(addr):
+    return V(_bytes_to(_cta().sload(_saddr(addr), 4, np.ones(NT, bool), "ld.shared.b32"), np.int32)[:, 0], "i32")
+
+
+@_reg("sld_b32_or0")
+def _sld_b32_or0(addr, pred):
+    m = _pm(pred)
+    d = _bytes_to(_cta().sload(_saddr(addr), 4, m, "ld.shared.b32"), np.int32)[:, 0]
+    return V(np.where(m, d, 0), "i32")
+
+
+@_reg("sld_u16")
+def _sld_u16(addr):
+    return V(_bytes_to(_cta().sload(_saddr(addr), 2, np.ones(NT, bool), "ld.shared.u16"), np.uint16)[:, 0], "i32")
+
+
+@_reg("sst_f32")
+def _sst_f32(addr, v, pred=None):
+    _cta().sstore(_saddr(addr), _from(Float32(v).a, np.float32), _pm(pred), "st.shared.f32")
+
+
+@_reg("sst_b32")
+def _sst_b32(addr, v, pred=None):
+    _cta().sstore(_saddr(addr), _from((Int32(v).a & 0xFFFFFFFF).astype(np.uint32), np.uint32),
+                  _pm(pred), "st.shared.b32")
+
+
+@_reg("cp_async16")
+def _cp_async16(saddr, gptr, pred):
+    _cta().cp_async(_saddr(saddr), gptr, 16, _pm(pred))
+
+
+@_reg("cp_async16_multi")
+def _cp_async16_multi(sbase, gbase, offsets, pred):
+    for so, go in offsets:
+        _cta().cp_async(_saddr(sbase) + so, Ptr(gbase.addr + go, 1), 16, _pm(pred))
+
+
+@_reg("cp_async_commit")
+def _commit():
+    pass
+
+
+@_reg("cp_async_wait_all")
+def _wait_all():
+    if not _active().all():
+        raise EmulationError("cp.async.wait_all emulated only CTA-wide")
+    _cta().wait_all()
+
+
+def _gload(gptr, size, pred, what):
+    m = _pm(pred)
+    return _cta().gmem.load(gptr, size, m, what), m
+
+
+@_reg("gld_nc_b32")
+def _gld_nc_b32(gptr):
+    d, _ = _gload(gptr, 4, None, "ld.global.nc.b32")
+    return V(_bytes_to(d, np.int32)[:, 0], "i32")
+
+
+@_reg("gld_nc_b32_or0")
+def _gld_nc_b32_or0(gptr, pred):
+    d, m = _gload(gptr, 4, pred, "ld.global.nc.b32")
+    return V(np.where(m, _bytes_to(d, np.int32)[:, 0], 0), "i32")
+
+
+@_reg("gld_nc_u16")
+def _gld_nc_u16(gptr):
+    d, _ = _gload(gptr, 2, None, "ld.global.nc.u16")
+    return V(_bytes_to(d, np.uint16)[:, 0], "i32")
+
+
+@_reg("gld_nc_u16_or0")
+def _gld_nc_u16_or0(gptr, pred):
+    d, m = _gload(gptr, 2, pred, "ld.global.nc.u16")
+    return V(np.where(m, _bytes_to(d, np.uint16)[:, 0], 0), "i32")
+
+
+@_reg("gld_nc_f32")
+def _gld_nc_f32(gptr):
+    d, _ = _gload(gptr, 4, None, "ld.global.nc.f32")
+    return V(_bytes_to(d, np.float32)[:, 0], "f32")
+
+
+@_reg("gld_nc_f32_or0")
+def _gld_nc_f32_or0(gptr, pred):
+    d, m = _gload(gptr, 4, pred, "ld.global.nc.f32")
+    return V(np.where(m, _bytes_to(d, np.float32)[:, 0], 0), "f32")
+
+
+@_reg("gld_cg_u16_or0")
+def _gld_cg_u16_or0(gptr, pred):
+    d, m = _gload(gptr, 2, pred, "ld.global.cg.u16")
+    return V(np.where(m, _bytes_to(d, np.uint16)[:, 0], 0), "i32")
+
+
+@_reg("gld_cg_b32_or0")
+def _gld_cg_b32_or0(gptr, pred):
+    d, m = _gload(gptr, 4, pred, "ld.global.cg.b32")
+    return V(np.where(m, _bytes_to(d, np.int32)[:, 0], 0), "i32")
+
+
+def _gstore(gptr, data, pred, what):
+    _cta().gmem.store(gptr, data, _pm(pred), what)
+
+
+@_reg("gst_b16")
+def _gst_b16(gptr, v, pred):
+    _gstore(gptr, _from((Int32(v).a & 0xFFFF).astype(np.uint16), np.uint16), pred, "st.global.b16")
+
+
+@_reg("gst_b32")
+def _gst_b32(gptr, v, pred):
+    _gstore(gptr, _from((Int32(v).a.astype(np.int64) & 0xFFFFFFFF).astype(np.uint32), np.uint32), pred,
+            "st.global.b32")
+
+
+@_reg("gst_f32")
+def _gst_f32(gptr, v, pred):
+    _gstore(gptr, _from(Float32(v).a, np.float32), pred, "st.global.f32")
+
+
+@_reg("gst_v4_f32")
+def _gst_v4_f32(gptr, a, b, c, d, pred):
+    vals = np.stack([Float32(x).a for x in (a, b, c, d)], 1)
+    _gstore(gptr, _from(vals, np.float32), pred, "st.global.v4.f32")
+
+
+@_reg("gst_v4_f32_off")
+def _gst_v4_f32_off(gptr, off, a, b, c, d, pred):
+    _gst_v4_f32(Ptr(gptr.addr + off, 1), a, b, c, d, pred)
+
+
+@_reg("gst_v4_zero")
+def _gst_v4_zero(gptr, pred):
+    _gstore(gptr, np.zeros((NT, 16), np.uint8), pred, "st.global.v4.b32")
+
+
+# ---- arithmetic
+def _f(x):
+    return Float32(x).a.astype(np.float64)
+
+
+@_reg("fmul")
+def _fmul(a, b):
+    return V((Float32(a).a * Float32(b).a).astype(np.float32), "f32")
+
+
+@_reg("fadd")
+def _fadd(a, b):
+    return V((Float32(a).a + Float32(b).a).astype(np.float32), "f32")
+
+
+@_reg("fsub")
+def _fsub(a, b):
+    return V((Float32(a).a - Float32(b).a).astype(np.float32), "f32")
+
+
+@_reg("ffma")
+def _ffma(a, b, c):
+    return V((_f(a) * _f(b) + _f(c)).astype(np.float32), "f32")
+
+
+@_reg("fexp")
+def _fexp(x):
+    with np.errstate(over="ignore"):
+        return V(np.exp(_f(x)).astype(np.float32), "f32")
+
+
+@_reg("rsqrt")
+def _rsqrt(x):
+    with np.errstate(divide="ignore"):
+        return V((1.0 / np.sqrt(_f(x))).astype(np.float32), "f32")
+
+
+@_reg("sigmoid")
+def _sigmoid(x):
+    with np.errstate(over="ignore"):
+        return V((1.0 / (1.0 + np.exp(-_f(x)))).astype(np.float32), "f32")
+
+
+@_reg("softplus")
+def _softplus(x):
+    xf = _f(x)
+    with np.errstate(over="ignore"):
+        return V(np.where(xf > 20.0, xf, np.log1p(np.exp(xf))).astype(np.float32), "f32")
+
+
+@_reg("bf16_bits_to_f32")
+def _bf16_to_f32(bits):
+    b = (Int32(bits).a & 0xFFFF).astype(np.uint32) << np.uint32(16)
+    return V(b.view(np.float32), "f32")
+
+
+@_reg("f32_bits")
+def _f32_bits(x):
+    return V(Float32(x).a.view(np.int32).astype(np.int64), "i32")
+
+
+@_reg("f32_from_bits")
+def _f32_from_bits(bits):
+    return V((Int32(bits).a.astype(np.int64) & 0xFFFFFFFF).astype(np.uint32).view(np.float32), "f32")
+
+
+def _bf16(xf32):
+    return torch.from_numpy(np.asarray(xf32, np.float32).copy()).to(torch.bfloat16)
+
+
+@_reg("bf16_round")
+def _bf16_round(x):
+    return V(_bf16(Float32(x).a).to(torch.float32).numpy(), "f32")
+
+
+@_reg("bf16_bits")
+def _bf16_bits(x):
+    return V(_bf16(Float32(x).a).view(torch.int16).numpy().astype(np.int64) & 0xFFFF, "i32")
+
+
+def _full_warps(what):
+    act = _active().reshape(8, 32)
+    if not (act.all(1) | ~act.any(1)).all():
+        raise EmulationError(f"{what} with a partially active warp")
+    return act.all(1)
+
+
+@_reg("shfl_xor")
+def _shfl_xor(x, m):
+    _full_warps("shfl.sync")
+    src = np.arange(NT) ^ int(m)
+    return V(Float32(x).a[src], "f32")
+
+
+@_reg("warp_sum")
+def _warp_sum(x):
+    for m in (16, 8, 4, 2, 1):
+        x = _fadd(x, _shfl_xor(x, m))
+    return x
+
+
+@_reg("sel_i32")
+def _sel_i32(pred, a, b):
+    return V(np.where(_mask_of(pred), Int32(a).a, Int32(b).a), "i32")
+
+
+@_reg("clamp_i32")
+def _clamp_i32(x, lo, hi):
+    return V(np.minimum(np.maximum(Int32(x).a, lo), hi), "i32")
+
+
+@_reg("live_flag")
+def _live_flag(src, cslot, slots, valid):
+    s, c, n = Int32(src).a, Int32(cslot).a, Int32(slots).a
+    ok = _mask_of(valid) & (s > 0) & (s < n) & (c > 0) & (c < n)
+    return V(ok.astype(np.int64), "i32")
+
+
+def _unpack_bf16(reg):
+    r = Int32(reg).a.astype(np.int64) & 0xFFFFFFFF
+    lo = ((r & 0xFFFF).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    hi = (((r >> 16) & 0xFFFF).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return lo.astype(np.float64), hi.astype(np.float64)
+
+
+@_reg("mma_bf16")
+def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """mma.sync.m16n8k16.row.col f32.bf16.bf16.f32 per warp (PTX ISA fragment layouts)."""
+    warps = _full_warps("mma.sync")
+    lane = np.arange(32)
+    g, tig = lane >> 2, lane & 3
+    outs = [np.zeros(NT, np.float32) for _ in range(4)]
+    for w in np.nonzero(warps)[0]:
+        sl = slice(32 * w, 32 * w + 32)
+        A = np.zeros((16, 16))
+        B = np.zeros((16, 8))
+        C = np.zeros((16, 8))
+        for reg, (ro, co) in zip((a0, a1, a2, a3), ((0, 0), (8, 0), (0, 8), (8, 8))):
+            lo, hi = _unpack_bf16(reg)
+            A[g + ro, 2 * tig + co] = lo[sl]
+            A[g + ro, 2 * tig + co + 1] = hi[sl]
+        for reg, ko in zip((b0, b1), (0, 8)):
+            lo, hi = _unpack_bf16(Int32(reg))
+            B[2 * tig + ko, g] = lo[sl]
+            B[2 * tig + ko + 1, g] = hi[sl]
+        for reg, (ro, co) in zip((c0, c1, c2, c3), ((0, 0), (0, 1), (8, 0), (8, 1))):
+            C[g + ro, 2 * tig + co] = Float32(reg).a[sl]
+        Dm = (A @ B + C).astype(np.float32)
+        for i, (ro, co) in enumerate(((0, 0), (0, 1), (8, 0), (8, 1))):
+            outs[i][sl] = Dm[g + ro, 2 * tig + co]
+    return tuple(V(o, "f32") for o in outs)
+
+
+@_reg("bar_sync")
+def _bar_sync():
+    if not _active().all():
+        raise EmulationError("bar.sync in a divergent region")
+    _cta().barriers += 1
+
+
+for _name in ("fence_gpu", "griddep_wait", "griddep_launch"):
+    setattr(P, _name, lambda: None)
+
+
+# ------------------------------------------------------------------- CuTe DSL stand-ins
+class _Rmem:
+    def __init__(self, n, kind):
+        self.v = [V(np.zeros(NT), kind) for _ in range(n)]
+        self.kind = kind
+
+    def __getitem__(self, i):
+        return self.v[i]
+
+    def __setitem__(self, i, x):
+        x = _v(x, self.kind)
+        act = _active()
+        self.v[i] = V(np.where(act, x.a, self.v[i].a), self.kind)
+
+
+def _make_fake_modules():
+    cutlass = types.ModuleType("cutlass")
+    cute = types.ModuleType("cutlass.cute")
+    memory = types.ModuleType("cutlass.memory")
+    cuda = types.ModuleType("cuda")
+    bindings = types.ModuleType("cuda.bindings")
+    driver = types.ModuleType("cuda.bindings.driver")
+
+    cutlass.Int32, cutlass.Int64, cutlass.Float32 = Int32, Int64, Float32
+    cutlass.range_constexpr = range
+    cutlass.const_expr = lambda x: x
+
+    def _range(start, stop, step=1, unroll=0, **kw):
+        return range(_uni(start), _uni(stop), step)
+
+    cutlass.range = _range
+    cutlass.cute = cute
+    cute.kernel = lambda f: f
+    cute.jit = lambda f: f
+    cute.Pointer = Ptr
+    cute.make_layout = lambda shape, **kw: shape
+    cute.make_rmem_tensor = lambda shape, dtype: _Rmem(shape[0], {Int32: "i32", Int64: "i64",
+                                                                 Float32: "f32"}[dtype])
+    cute.arch = SimpleNamespace(
+        thread_idx=lambda: (V(np.arange(NT), "i32"), 0, 0),
+        block_idx=lambda: (V(np.full(NT, _State.cta.block), "i32"), 0, 0))
+
+    class SmemAllocator:
+        def allocate(self, nbytes, byte_alignment=1):
+            return SimpleNamespace(toint=lambda: V(np.zeros(NT), "i32"))
+
+    memory.SmemAllocator = SmemAllocator
+    driver.CUstream = int
+    cuda.bindings = bindings
+    bindings.driver = driver
+    return {"cutlass": cutlass, "cutlass.cute": cute, "cutlass.memory": memory, "cuda": cuda,
+            "cuda.bindings": bindings, "cuda.bindings.driver": driver}
+
+
+def _uni(x):
+    if isinstance(x, V):
+        return int(x.uniform())
+    return int(x)
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SRC = os.path.normpath(os.path.join(_HERE, "..", "..", "..", "backends", "cutedsl"))
+_loaded = None
+
+
+def load_kernels():
+    """The kernel modules (common, wide, stream) loaded against the emulator."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    import backends.cutedsl as pkg
+
+    fakes = _make_fake_modules()
+    names = list(fakes) + ["backends.cutedsl.ptx", "backends.cutedsl.common",
+                           "backends.cutedsl.wide", "backends.cutedsl.stream"]
+    saved_mods = {n: sys.modules.get(n) for n in names}
+    saved_attrs = {n: getattr(pkg, n, None) for n in ("ptx", "common", "wide", "stream")}
+    mods = {}
+    try:
+        sys.modules.update(fakes)
+        sys.modules["backends.cutedsl.ptx"] = P
+        pkg.ptx = P
+        for name in ("common", "wide", "stream"):
+            spec = importlib.util.spec_from_file_location(f"backends.cutedsl.{name}",
+                                                          os.path.join(_SRC, f"{name}.py"))
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[f"backends.cutedsl.{name}"] = mod
+            setattr(pkg, name, mod)
+            spec.loader.exec_module(mod)
+            mods[name] = mod
+    finally:
+        for n, m in saved_mods.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
+        for n, a in saved_attrs.items():
+            if a is None:
+                if hasattr(pkg, n):
+                    delattr(pkg, n)
+            else:
+                setattr(pkg, n, a)
+
+    # the two divergent branches of phase A (the only non-uniform `if`s) run under lane masks
+    item_math = mods["common"].ItemMath
+
+    def _phase_a_conv(self, p, desc, wreg, hp):
+        with lanes(p.tid < 128):
+            self._conv_qk(p, desc, wreg, hp)
+        with lanes(p.tid >= 128):
+            self._conv_v(p, desc, wreg, hp)
+
+    def _phase_a_norm(self, p):
+        with lanes(p.tid < 128):
+            self._norm(p)
+
+    item_math._phase_a_conv = _phase_a_conv
+    item_math._phase_a_norm = _phase_a_norm
+    _loaded = mods
+    return mods
+
+
+# ------------------------------------------------------------------------------ the runner
+_ESIZE = {torch.bfloat16: 2, torch.float32: 4, torch.int32: 4}
+
+
+def run(kind: str, cfg, args, ncta: int = None, pdl: bool = True) -> dict:
+    """Run kernel ``kind`` ("wide" / "stream") on the CPU tensors ``args`` in place.
+
+    Args:
+      ncta: CTAs of the streamed kernel (default min(items, 5), so CTAs walk several items).
+
+    Returns:
+      {"ctas": n, "barriers": total barriers executed}.
+    """
+    from backends.cutedsl.cache import POINTER_ARGS
+    from backends.cutedsl.static import KernelStatic, SmemPlan
+
+    mods = load_kernels()
+    ks = KernelStatic.from_config(cfg, pdl=pdl)
+    obj = mods[kind].KdaWide(ks) if kind == "wide" else mods[kind].KdaStream(ks)
+    gmem = GlobalMemory()
+    tensors = dict(x=args.x, cw=args.conv_weight, cb=args.conv_bias, cs=args.conv_state,
+                   fa=args.f_a, fb=args.f_b, beta=args.beta, alog=args.A_log, dtb=args.dt_bias,
+                   state=args.state, si=args.state_indices, na=args.num_accepted_tokens,
+                   og=args.output_gate, nw=args.norm_weight, out=args.out, vrec=args.v_record,
+                   kgrec=args.kg_record)
+    ptrs = []
+    for name, _, _ in POINTER_ARGS:
+        t = tensors[name]
+        if t is None:
+            ptrs.append(Ptr(gmem.register(args.x, "x"), 2))
+        else:
+            ptrs.append(Ptr(gmem.register(t, name), _ESIZE[t.dtype]))
+    R = args.state_indices.shape[0]
+    H = cfg.num_heads
+    lb = cfg.lower_bound if cfg.lower_bound is not None else 0.0
+    scalars = [Int32(R), Int32(args.state.shape[0]), Int32(args.x.stride(0)),
+               Int32(args.f_a.stride(0)), Int32(args.beta.stride(0)),
+               Int32(args.output_gate.stride(0)), Int32(args.out.stride(0)),
+               Int64(args.state.stride(0)), Int64(args.conv_state.stride(0)),
+               Float32(cfg.scale), Float32(cfg.norm_eps), Float32(lb)]
+    items = R * H
+    if kind == "stream":
+        grid = min(items, ncta or 5)
+        scalars.append(Int32(grid))
+    else:
+        grid = items
+    plan = SmemPlan(cfg.T)
+    total_bar = 0
+    for b in range(grid):
+        _State.cta = CTA(b, plan.total, gmem)
+        _State.active = [np.ones(NT, bool)]
+        with np.errstate(all="ignore"):     # garbage lanes (t >= T etc.) may hold NaN
+            obj.kernel(*ptrs, *scalars)
+        if _State.cta.queue:
+            _State.cta.wait_all()
+        total_bar += _State.cta.barriers
+    _State.cta = None
+    return {"ctas": grid, "barriers": total_bar}
