@@ -27,7 +27,7 @@ from absl import app, flags, logging
 
 from kda import registry
 from kda.config import KdaConfig
-from tools.bench import harness, peers
+from tools.bench import harness, peers, plot
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("backends", ["all"], "backends to measure (names, or 'all' = every available one)")
@@ -47,6 +47,7 @@ flags.DEFINE_enum("mode", "auto", ["auto", "graph", "eager"], "GPU timing: CUDA-
 flags.DEFINE_string("out_dir", "", "where to write JSON and PNG (default: print only)")
 flags.DEFINE_string("tag", "", "file name tag (default: gpu name and date)")
 flags.DEFINE_float("max_items", 20000, "skip cells with more R*H items than this on the CPU")
+flags.DEFINE_bool("plot", True, "also write the PNG (needs matplotlib; else: python3 -m tools.bench.plot)")
 
 
 def _git_commit() -> str:
@@ -57,29 +58,6 @@ def _git_commit() -> str:
                               text=True, timeout=10).stdout.strip() or "unknown"
     except Exception:  # noqa: BLE001
         return "unknown"
-
-
-def _plot(cells: List[harness.Cell], path: str, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    Ts = sorted({c.T for c in cells})
-    fig, axes = plt.subplots(1, len(Ts), figsize=(5 * len(Ts), 4), squeeze=False)
-    for ax, T in zip(axes[0], Ts):
-        for name in dict.fromkeys(c.backend for c in cells):
-            pts = sorted((c.R, c.frac) for c in cells if c.backend == name and c.T == T)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("requests R")
-        ax.set_ylabel("fraction of copy-bandwidth floor")
-        ax.set_ylim(0, 1.05)
-        ax.set_title(f"T = {T}")
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def main(argv):
@@ -180,9 +158,9 @@ def main(argv):
         path = os.path.join(FLAGS.out_dir, f"bench-{tag}.json")
         with open(path, "w") as f:
             json.dump({"meta": meta, "cells": [c.__dict__ for c in cells]}, f, indent=1)
-        _plot(cells, os.path.join(FLAGS.out_dir, f"bench-{tag}.png"),
-              f"{dev_name} {meta['date']} commit {meta['commit']}")
-        console.print(f"wrote {path} and .png")
+        console.print(f"wrote {path}")
+        if FLAGS.plot:
+            console.print(f"wrote {plot.plot_json(path)}")
     return 0
 
 
