@@ -1,0 +1,83 @@
+"""Registry entry for the Triton backend (:mod:`backends.triton.kda_decode`)."""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+import torch
+
+from kda.backend import Backend, StepFn
+from kda.config import KdaConfig
+
+#: Largest T the kernel serves (the contract's; the gate tile pads tokens to 16 rows and the
+#: RMSNorm epilogue tile to 8).
+MAX_T = 8
+
+
+def _interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+class TritonBackend(Backend):
+    """The whole decode step in one Triton kernel launch (see ``kda_decode.py``).
+
+    On a CUDA device (compute capability >= 8.0: bf16 tensor-core dots) it runs compiled;
+    with ``TRITON_INTERPRET=1`` it runs on CPU tensors in Triton's interpreter (tests only).
+    The launch variant comes from ``$KDA_TRITON_VARIANT`` (default ``auto``; see
+    :data:`backends.triton.kda_decode.VARIANTS`).
+    """
+
+    name = "triton"
+    description = "Triton, one fused launch per step (CUDA; CPU via TRITON_INTERPRET=1)"
+
+    def __init__(self):
+        self._why: Optional[str] = None
+        self._checked = False
+
+    @property
+    def device_types(self) -> tuple:  # type: ignore[override]
+        return ("cpu",) if _interpreter() else ("cuda",)
+
+    def availability(self) -> Optional[str]:
+        if not self._checked:
+            self._why = self._probe()
+            self._checked = True
+        return self._why
+
+    @staticmethod
+    def _probe() -> Optional[str]:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - any failure means unavailable
+            return f"triton not importable: {type(e).__name__}: {e}"
+        if _interpreter():
+            return None
+        try:
+            if not torch.cuda.is_available():
+                return "no CUDA device (set TRITON_INTERPRET=1 to run Triton's CPU interpreter)"
+        except Exception as e:  # noqa: BLE001
+            return f"CUDA unusable: {type(e).__name__}: {e}"
+        return None
+
+    def unsupported(self, cfg: KdaConfig, device: torch.device) -> List[str]:
+        reasons = super().unsupported(cfg, device)
+        if cfg.T > MAX_T:
+            reasons.append(f"triton serves T <= {MAX_T}, got T={cfg.T}")
+        if device.type == "cuda" and not _interpreter():
+            try:
+                major, minor = torch.cuda.get_device_capability(device)
+                if major < 8:
+                    reasons.append(f"triton needs compute capability >= 8.0 (bf16 MMA), "
+                                   f"got {major}.{minor}")
+            except Exception as e:  # noqa: BLE001
+                reasons.append(f"cannot query {device}: {type(e).__name__}: {e}")
+        return reasons
+
+    def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:
+        from backends.triton.kda_decode import build_step
+        return build_step(cfg, device)
+
+
+BACKEND = TritonBackend()
