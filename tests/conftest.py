@@ -23,6 +23,7 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device")
+    config.addinivalue_line("markers", "bigmem: GPU-scale memory (8+ GiB); run alone on the GPU")
 
 
 @pytest.fixture(scope="session")

@@ -150,7 +150,7 @@ def test_nan_input_does_not_leak(backend_name, kda_device, require_backend):
     del before
 
 
-@pytest.mark.gpu
+@pytest.mark.bigmem
 def test_slot_offsets_past_2_pow_31(backend_name, kda_device, require_backend):
     """A pool of 131,100 single-head slots: slot * 16384 passes 2**31 elements (8 GiB)."""
     if kda_device.type != "cuda":
@@ -176,7 +176,7 @@ def test_slot_offsets_past_2_pow_31(backend_name, kda_device, require_backend):
         assert torch.equal(conv_state[s], exp_args.conv_state[s]), s
 
 
-@pytest.mark.gpu
+@pytest.mark.bigmem
 def test_more_items_than_a_65535_grid(backend_name, kda_device, require_backend):
     if kda_device.type != "cuda":
         pytest.skip("GPU-scale case (70,000 items); runs on the GPU machine")
