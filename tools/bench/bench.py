@@ -51,6 +51,8 @@ flags.DEFINE_bool("plot", True, "also write the PNG (needs matplotlib; else: pyt
 
 
 def _git_commit() -> str:
+    if os.environ.get("KDA_COMMIT"):     # set by whoever ships the tree to a machine without .git
+        return os.environ["KDA_COMMIT"]
     try:
         root = os.environ.get("BUILD_WORKSPACE_DIRECTORY") or os.path.dirname(os.path.dirname(
             os.path.dirname(os.path.abspath(__file__))))

@@ -6,9 +6,10 @@ peer, one panel per T. Writes the PNG next to the JSON.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
+
+from tools.bench.report import load_run
 
 
 def plot_json(path: str) -> str:
@@ -17,9 +18,7 @@ def plot_json(path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with open(path) as f:
-        data = json.load(f)
-    meta, cells = data["meta"], data["cells"]
+    meta, cells = load_run(path)
     heads = sorted({c["H"] for c in cells})
     Ts = sorted({c["T"] for c in cells})
     fig, axes = plt.subplots(len(heads), len(Ts), figsize=(5 * len(Ts), 4 * len(heads)), squeeze=False)

@@ -18,10 +18,21 @@ from typing import List
 BEGIN, END = "<!-- perf-table:begin -->", "<!-- perf-table:end -->"
 
 
-def table(path: str, root: str) -> str:
+def load_run(path: str):
+    """(meta, cells) of a bench JSON; the commit comes from a ``COMMIT`` file beside it when the
+    JSON says "unknown" (the device machine's copy of the tree has no .git)."""
     with open(path) as f:
         data = json.load(f)
     meta, cells = data["meta"], data["cells"]
+    commit_file = os.path.join(os.path.dirname(path), "COMMIT")
+    if meta.get("commit", "unknown") == "unknown" and os.path.exists(commit_file):
+        with open(commit_file) as f:
+            meta["commit"] = f.read().strip()
+    return meta, cells
+
+
+def table(path: str, root: str) -> str:
+    meta, cells = load_run(path)
     order = list(dict.fromkeys(c["backend"] for c in cells))
     keys = list(dict.fromkeys((c["H"], c["T"], c["R"]) for c in cells))
     rel = os.path.relpath(path, root)
