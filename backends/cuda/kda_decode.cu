@@ -29,8 +29,8 @@
 // each row the key columns 4*(tid%8 + 8c)..+3 (c = 0..3): 16 float4 = 64 fp32 registers. A
 // row's 8 lanes are consecutive, so every state load / store instruction of a warp covers
 // 4 rows x 128 contiguous bytes (whole L2 lines; the 4-lanes-per-row layout of the CuTe DSL
-// design gives 8 rows x 64 B, half lines: twice the L2 requests. This layout came in the same
-// measured round as the 16-byte f_b loads below, +13-15% at T=1 together). Row dot products: in-
+// design gives 8 rows x 64 B, half lines: twice the L2 requests. This layout and the 16-byte
+// f_b loads below were the largest gain of the development runs). Row dot products: in-
 // thread over two partial sums (x,z and y,w components, chunks in order), combined p0 + p1,
 // then across the 8 lanes with xor-shuffles 1, 2, 4, so all 8 lanes hold the same value.
 // Threads 0-127 own q and k channel tid (conv, squares, output gate, RMSNorm); threads 128-255

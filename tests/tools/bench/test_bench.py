@@ -1,0 +1,48 @@
+"""The benchmark tools on the CPU: the harness produces a table and JSON (labelled as CPU wall
+clock), the README's table is the one the committed results generate, and the host-overhead
+tool measures every entry point."""
+
+import glob
+import json
+import os
+
+from absl import flags
+from absl.testing import flagsaver
+
+from tools.bench import bench, host_overhead, report
+
+FLAGS = flags.FLAGS
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def test_readme_table_is_generated_from_committed_results(monkeypatch):
+    paths = sorted(glob.glob(os.path.join(ROOT, "docs", "results", "*", "bench-*.json")))
+    assert paths
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("BUILD_WORKSPACE_DIRECTORY", raising=False)
+    assert report.main(["--check", *[os.path.relpath(p, ROOT) for p in paths]]) == 0, \
+        "README.md's table is stale: run python3 -m tools.bench.report " + " ".join(paths)
+
+
+def test_bench_cpu_run_writes_json(tmp_path, capsys):
+    FLAGS.unparse_flags()
+    FLAGS(["bench"])
+    try:
+        with flagsaver.flagsaver(backends=["reference"], batches=["1", "2"], tokens=["1", "2"],
+                                 heads=["2"], iters=1, warmup=0, pool_gib=0.01,
+                                 out_dir=str(tmp_path), tag="t", plot=True):
+            assert bench.main(["bench"]) == 0
+    finally:
+        FLAGS.unparse_flags()
+    out = capsys.readouterr().out
+    assert "NOT GPU timings" in out
+    data = json.load(open(tmp_path / "bench-t.json"))
+    assert data["meta"]["timing"] == "CPU wall clock"
+    assert {(c["T"], c["R"]) for c in data["cells"]} == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    assert all(c["time_us"] > 0 and c["bytes"] > 0 for c in data["cells"])
+    assert (tmp_path / "bench-t.png").exists()
+
+
+def test_host_overhead_measures_every_entry_point():
+    res = host_overhead.measure(heads=2, batch=4, tokens=1, calls=20)
+    assert len(res) == 3 and all(v > 0 for v in res.values())
