@@ -9,7 +9,7 @@ nothing and reports why through :meth:`Backend.availability`.
 from __future__ import annotations
 
 import abc
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -55,3 +55,17 @@ class Backend(abc.ABC):
         The returned function must not synchronize with the host, read device-side values on
         the host, or allocate per call beyond what the caching allocator serves (CUDA graphs).
         """
+
+
+def gpu_reason(accept: Callable[[Tuple[int, int]], bool], need: str) -> Optional[str]:
+    """None when torch sees a CUDA device whose compute capability ``accept`` takes, else why not.
+
+    Args:
+      accept: predicate on a (major, minor) capability, e.g. ``lambda cc: cc >= (9, 0)``.
+      need: what the backend needs, for the message (e.g. "an sm_90 GPU (H100 / H200)").
+    """
+    if not torch.cuda.is_available():
+        return "no CUDA device visible to torch"
+    if not any(accept(torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())):
+        return f"needs {need}"
+    return None

@@ -221,7 +221,7 @@ def reference_step(cfg: KdaConfig, args: KdaArgs) -> None:
       cfg: static configuration. args: validated tensors (see :class:`kda.config.KdaArgs`).
     """
     res = reference_compute(cfg, args, "bf16")
-    R, T, H = args.state_indices.shape[0], cfg.T, cfg.num_heads
+    T = cfg.T
     num_slots = args.state.shape[0]
     args.out.copy_(res.out)
     live = res.live

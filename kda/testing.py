@@ -56,6 +56,29 @@ class CaseSpec:
         return s + f"-s{self.seed}"
 
 
+def make_config(H: int, T: int, layout: str = "SD", lb=None, gm: int = 0, bias: bool = False,
+                record: bool = False, extra_window: int = 0, cs32: bool = False,
+                bf16_weights: bool = False) -> KdaConfig:
+    """Shorthand for test matrices: a :class:`KdaConfig` with window T + 2 + extra_window,
+    an fp32 conv cache when ``cs32`` and bf16 conv / norm weights when ``bf16_weights``."""
+    return KdaConfig(num_heads=H, T=T, window=T + 2 + extra_window, conv_layout=layout,
+                     lower_bound=lb, gate_mode=gm, has_conv_bias=bias, record=record,
+                     conv_state_dtype=torch.float32 if cs32 else torch.bfloat16,
+                     conv_weight_dtype=torch.bfloat16 if bf16_weights else torch.float32,
+                     norm_weight_dtype=torch.bfloat16 if bf16_weights else torch.float32)
+
+
+def call_public(args: KdaArgs, cfg: KdaConfig, backend: Optional[str]) -> torch.Tensor:
+    """Run ``args`` through the public :func:`kda.kda_decode` with ``cfg``'s scalars."""
+    import kda
+    return kda.kda_decode(
+        args.x, args.conv_weight, args.conv_bias, args.conv_state, args.f_a, args.f_b, args.beta,
+        args.A_log, args.dt_bias, args.state, args.state_indices, args.output_gate,
+        args.norm_weight, num_accepted_tokens=args.num_accepted_tokens, scale=cfg.scale,
+        norm_eps=cfg.norm_eps, lower_bound=cfg.lower_bound, gate_mode=cfg.gate_mode,
+        v_record=args.v_record, kg_record=args.kg_record, out=args.out, backend=backend)
+
+
 def _randn(shape, dtype, device, gen, scale=1.0, offset=0.0):
     return (torch.randn(shape, generator=gen, dtype=torch.float32) * scale + offset).to(
         device=device, dtype=dtype)

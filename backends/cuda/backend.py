@@ -16,7 +16,7 @@ from typing import List, Optional
 
 import torch
 
-from kda.backend import Backend, StepFn
+from kda.backend import Backend, gpu_reason, StepFn
 from kda.config import CONV_LAYOUTS, KdaArgs, KdaConfig
 
 #: Tokens per request the kernel is instantiated for.
@@ -38,12 +38,9 @@ class CudaBackend(Backend):
             return self._availability
         self._checked = True
         try:
-            if not torch.cuda.is_available():
-                self._availability = "no CUDA device visible to torch"
-            elif not any(torch.cuda.get_device_capability(i) == (9, 0)
-                         for i in range(torch.cuda.device_count())):
-                self._availability = "needs an sm_90 GPU (H100 / H200); the kernel is built for sm_90a"
-            else:
+            self._availability = gpu_reason(
+                lambda cc: cc == (9, 0), "an sm_90 GPU (H100 / H200); the kernel is built for sm_90a")
+            if self._availability is None:
                 from backends.cuda import build
 
                 built = build._built_library(build.cache_dir(), build.module_name()) is not None

@@ -32,7 +32,7 @@ from typing import List, Optional
 
 import torch
 
-from kda.backend import Backend, StepFn
+from kda.backend import Backend, StepFn, gpu_reason
 from kda.config import CONV_LAYOUTS, KdaArgs, KdaConfig
 
 #: Tokens per request the kernels support (the gate MMA has 8 token columns).
@@ -203,12 +203,9 @@ class _CuteDslBackend(Backend):
             return self._why
         self._checked = True
         try:
-            if not torch.cuda.is_available():
-                self._why = "no CUDA device"
-            elif not any(torch.cuda.get_device_capability(i) >= (9, 0)
-                         for i in range(torch.cuda.device_count())):
-                self._why = "needs an sm_90+ GPU (griddepcontrol, mma.sync bf16, cp.async)"
-            else:
+            self._why = gpu_reason(lambda cc: cc >= (9, 0),
+                                   "an sm_90+ GPU (griddepcontrol, mma.sync bf16, cp.async)")
+            if self._why is None:
                 self._why = import_cutedsl()
         except Exception as e:  # noqa: BLE001 - availability must not raise
             self._why = f"cutedsl availability check failed: {type(e).__name__}: {e}"

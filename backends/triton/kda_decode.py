@@ -91,7 +91,7 @@ variant)`` or the environment variable ``KDA_TRITON_VARIANT``):
   design with the most bytes in flight per SM (2 resident CTAs x 64 KiB), and the design
   notes' wide kernel is the same decomposition; splitting only pays when the grid cannot fill
   the GPU. These thresholds are a prediction, to be replaced by the H200 measurements of
-  :func:`time_variants`.
+  ``python3 -m tools.bench.bench --backends=triton --triton_variants=...``.
 
 Numerics: the same rounding points as the reference (y, rg, o, out in bf16; everything else
 fp32). On the GPU the transcendental functions are Triton's fast ones (the contract allows
@@ -792,132 +792,6 @@ def resource_usage(compiled) -> Dict[str, int]:
 # GPU timing and checks (for the benchmark harness and the lead's H200 runs)
 # --------------------------------------------------------------------------------------------
 
-def copy_bandwidth(device="cuda", nbytes: int = 2 << 30, iters: int = 10) -> float:
-    """Device-to-device copy bandwidth in bytes/s, read + write counted (the floor's divisor)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize(device)
-    secs = start.elapsed_time(end) / 1e3 / iters
-    del src, dst
-    return 2 * nbytes / secs
-
-
-def make_bench_sets(cfg: KdaConfig, R: int, device="cuda", l2_bytes: int = 240 << 20,
-                    max_sets: int = 64, seed: int = 0) -> List[KdaArgs]:
-    """Inputs for timing: ``n`` argument sets sharing one state pool and differing only in
-    their (disjoint, random) slot ids, so that the n calls of one timed round touch at least
-    ``l2_bytes`` of state pages (4x the H200's 60 MiB L2 by default: no cache hits).
-
-    All requests are live; T>1 accepted counts are random in 1..T.
-    """
-    g = torch.Generator().manual_seed(seed)
-    H, T, L, dim = cfg.num_heads, cfg.T, cfg.window, cfg.dim
-    page = H * D * D * 4
-    n = max(1, min(max_sets, -(-l2_bytes // (R * T * page))))
-    slots = R * T * n + 1
-    state = torch.randn(slots, H, D, D, device=device) * 0.1
-    if cfg.conv_layout == "SD":
-        conv_state = torch.randn(slots, L, 3 * dim, device=device).to(cfg.conv_state_dtype)
-        conv_state = conv_state.transpose(1, 2)
-    else:
-        conv_state = torch.randn(slots, 3 * dim, L, device=device).to(cfg.conv_state_dtype)
-    N = R * T
-    bf = torch.bfloat16
-    common = dict(
-        x=torch.randn(N, 3 * dim, device=device).to(bf),
-        conv_weight=(torch.randn(3, 4, dim, device=device) * 0.5).to(cfg.conv_weight_dtype),
-        conv_bias=(torch.randn(3 * dim, device=device) * 0.2) if cfg.has_conv_bias else None,
-        conv_state=conv_state,
-        f_a=torch.randn(N, GATE_RANK, device=device).to(bf),
-        f_b=(torch.randn(dim, GATE_RANK, device=device) / GATE_RANK ** 0.5).to(bf),
-        beta=torch.randn(N, H, device=device).to(bf),
-        A_log=torch.log(torch.rand(H, device=device) * 15 + 1),
-        dt_bias=torch.randn(dim, device=device) - 1.0,
-        state=state,
-        output_gate=torch.randn(N, dim, device=device).to(bf),
-        norm_weight=(torch.randn(D, device=device) * 0.1 + 1).to(cfg.norm_weight_dtype),
-        out=torch.empty(N, dim, dtype=bf, device=device),
-    )
-    if cfg.record:
-        common["v_record"] = torch.empty(slots, H, T, D, device=device)
-        common["kg_record"] = torch.empty(slots, H, T, 2 * D, dtype=bf, device=device)
-    else:
-        common["v_record"] = common["kg_record"] = None
-    perm = (torch.randperm(slots - 1, generator=g) + 1).to(torch.int32).view(n, R, T)
-    sets = []
-    for i in range(n):
-        idx = perm[i].contiguous() if T > 1 else perm[i, :, 0].contiguous()
-        nacc = torch.randint(1, T + 1, (R,), generator=g, dtype=torch.int32) if T > 1 else None
-        sets.append(KdaArgs(state_indices=idx.to(device),
-                            num_accepted_tokens=None if nacc is None else nacc.to(device),
-                            **common))
-    return sets
-
-
-def time_step(step: Callable[[KdaArgs], None], sets: List[KdaArgs], replays: int = 20,
-              graph: bool = True) -> float:
-    """Median microseconds per step: one CUDA graph holding one call per argument set,
-    replayed ``replays`` times (or, with ``graph=False``, plain launches)."""
-    for a in sets:                          # warm-up: compile, grow scratch
-        step(a)
-    torch.cuda.synchronize()
-    if graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for a in sets:
-                step(a)
-        torch.cuda.current_stream().wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for a in sets:
-                step(a)
-        run = g.replay
-    else:
-        def run():
-            for a in sets:
-                step(a)
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        run()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / len(sets))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def time_variants(cfg: KdaConfig, R: int, variants: Optional[List[str]] = None, device="cuda",
-                  bandwidth: Optional[float] = None, graph: bool = True) -> List[dict]:
-    """Time the named variants (default: all) on one shape; one row per variant:
-    ``{"variant", "H", "T", "R", "us", "floor_us", "frac"}`` with ``floor_us`` the step's
-    fewest bytes (:func:`kda.testing.step_bytes`) over the copy bandwidth and ``frac`` =
-    floor_us / us."""
-    from kda.testing import step_bytes
-    bw = bandwidth or copy_bandwidth(device)
-    sets = make_bench_sets(cfg, R, device)
-    floor_us = step_bytes(cfg, R) / bw * 1e6
-    rows = []
-    for name in variants or list(VARIANTS):
-        us = time_step(build_step(cfg, device, name), sets, graph=graph)
-        rows.append({"variant": name, "H": cfg.num_heads, "T": cfg.T, "R": R, "us": us,
-                     "floor_us": floor_us, "frac": floor_us / us})
-    del sets
-    torch.cuda.empty_cache()
-    return rows
-
-
 def check_variants(variants: Optional[List[str]] = None, device="cuda",
                    matrix: str = "ci") -> List[str]:
     """Run every named variant (default: all) on the conformance cases against the reference;
@@ -941,7 +815,11 @@ def check_variants(variants: Optional[List[str]] = None, device="cuda",
 
 
 def _main(argv=None) -> int:
-    """``python3 -m backends.triton.kda_decode {check,bench} ...`` (see --help)."""
+    """``python3 -m backends.triton.kda_decode check ...`` (see --help).
+
+    Variants are timed by the project's benchmark:
+    ``python3 -m tools.bench.bench --backends=triton --triton_variants=item,vsplit4,...``.
+    """
     import argparse
 
     p = argparse.ArgumentParser(prog="python3 -m backends.triton.kda_decode")
@@ -951,13 +829,6 @@ def _main(argv=None) -> int:
     c.add_argument("--matrix", default="ci", choices=("ci", "full"))
     c.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cuda, or cpu with TRITON_INTERPRET=1")
-    b = sub.add_parser("bench", help="time variants; prints one table row per shape and variant")
-    b.add_argument("--variants", default="", help="comma-separated (default: all)")
-    b.add_argument("--H", default="32")
-    b.add_argument("--R", default="1,8,32,128,512")
-    b.add_argument("--T", default="1,2,5")
-    b.add_argument("--no-graph", action="store_true", help="plain launches instead of CUDA graphs")
-    b.add_argument("--json", default="", help="also write the rows to this JSON file")
     a = p.parse_args(argv)
     names = [v for v in a.variants.split(",") if v] or None
     if a.cmd == "check":
@@ -967,22 +838,6 @@ def _main(argv=None) -> int:
         print(f"check: {len(fails)} failures ({a.matrix} matrix, variants: "
               f"{', '.join(names or VARIANTS)})")
         return 1 if fails else 0
-    bw = copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e12:.3f} TB/s (read + write)")
-    print(f"{'variant':14s} {'H':>3s} {'T':>2s} {'R':>4s} {'us':>9s} {'floor_us':>9s} {'frac':>6s}")
-    rows = []
-    for H in [int(x) for x in a.H.split(",")]:
-        for T in [int(x) for x in a.T.split(",")]:
-            cfg = KdaConfig(num_heads=H, T=T, window=T + 2)
-            for R in [int(x) for x in a.R.split(",")]:
-                for row in time_variants(cfg, R, names, bandwidth=bw, graph=not a.no_graph):
-                    rows.append(row)
-                    print(f"{row['variant']:14s} {H:3d} {T:2d} {R:4d} {row['us']:9.1f} "
-                          f"{row['floor_us']:9.1f} {row['frac']:6.3f}", flush=True)
-    if a.json:
-        import json
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
     return 0
 
 

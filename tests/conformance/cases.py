@@ -12,38 +12,28 @@ every layout x gate combination for every H and T, the other axes rotated throug
 
 import itertools
 
-import torch
-
-from kda.config import KdaConfig
-from kda.testing import CaseSpec
+from kda.testing import CaseSpec, make_config
 
 
-def _cfg(H, T, layout="SD", lb=None, gm=0, bias=False, record=False, extra_window=0,
-         cs32=False, bf16_weights=False):
-    return KdaConfig(num_heads=H, T=T, window=T + 2 + extra_window, conv_layout=layout,
-                     lower_bound=lb, gate_mode=gm, has_conv_bias=bias, record=record,
-                     conv_state_dtype=torch.float32 if cs32 else torch.bfloat16,
-                     conv_weight_dtype=torch.bfloat16 if bf16_weights else torch.float32,
-                     norm_weight_dtype=torch.bfloat16 if bf16_weights else torch.float32)
 
 
 def ci_cases():
     c = [
-        CaseSpec(_cfg(1, 1), R=1, null_frac=0.0),
-        CaseSpec(_cfg(4, 1), R=5),
-        CaseSpec(_cfg(4, 1, "DS", lb=-5.0, gm=1, bias=True), R=4),
-        CaseSpec(_cfg(12, 1, "SD", gm=1, extra_window=2), R=2),
-        CaseSpec(_cfg(2, 1, "DS", cs32=True, bf16_weights=True), R=3, padded=True),
-        CaseSpec(_cfg(2, 2), R=4),
-        CaseSpec(_cfg(2, 2, "DS", lb=-1.5, bias=True), R=4, padded=True),
-        CaseSpec(_cfg(2, 5, "SD", lb=-5.0, gm=1), R=4),
-        CaseSpec(_cfg(2, 5, "DS", extra_window=3), R=5),
-        CaseSpec(_cfg(1, 8, "SD", bias=True, cs32=True), R=3),
-        CaseSpec(_cfg(1, 8, "DS", lb=-5.0, gm=1, bf16_weights=True), R=3),
-        CaseSpec(_cfg(2, 1, record=True), R=3),
-        CaseSpec(_cfg(2, 5, "DS", record=True, bias=True), R=4),
-        CaseSpec(_cfg(2, 2, "SD", lb=-5.0, record=True, gm=1), R=3, padded=True),
-        CaseSpec(_cfg(4, 2), R=3, null_frac=1.0),
+        CaseSpec(make_config(1, 1), R=1, null_frac=0.0),
+        CaseSpec(make_config(4, 1), R=5),
+        CaseSpec(make_config(4, 1, "DS", lb=-5.0, gm=1, bias=True), R=4),
+        CaseSpec(make_config(12, 1, "SD", gm=1, extra_window=2), R=2),
+        CaseSpec(make_config(2, 1, "DS", cs32=True, bf16_weights=True), R=3, padded=True),
+        CaseSpec(make_config(2, 2), R=4),
+        CaseSpec(make_config(2, 2, "DS", lb=-1.5, bias=True), R=4, padded=True),
+        CaseSpec(make_config(2, 5, "SD", lb=-5.0, gm=1), R=4),
+        CaseSpec(make_config(2, 5, "DS", extra_window=3), R=5),
+        CaseSpec(make_config(1, 8, "SD", bias=True, cs32=True), R=3),
+        CaseSpec(make_config(1, 8, "DS", lb=-5.0, gm=1, bf16_weights=True), R=3),
+        CaseSpec(make_config(2, 1, record=True), R=3),
+        CaseSpec(make_config(2, 5, "DS", record=True, bias=True), R=4),
+        CaseSpec(make_config(2, 2, "SD", lb=-5.0, record=True, gm=1), R=3, padded=True),
+        CaseSpec(make_config(4, 2), R=3, null_frac=1.0),
     ]
     return c
 
@@ -61,7 +51,7 @@ def full_cases():
                 R = batches[i % len(batches)]
                 while R * H * T > 16384 and R > 1:   # keep one case's state pool < ~2 GiB
                     R //= 2
-                cfg = _cfg(H, T, layout, lb=lb, gm=i % 2, bias=(i // 2) % 2 == 1,
+                cfg = make_config(H, T, layout, lb=lb, gm=i % 2, bias=(i // 2) % 2 == 1,
                            record=(i % 5 == 3), extra_window=(i % 3), cs32=(i % 7 == 4),
                            bf16_weights=(i % 11 == 6))
                 cases.append(CaseSpec(cfg, R=R, padded=(i % 4 == 1), null_frac=0.25, seed=i))

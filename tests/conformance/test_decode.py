@@ -8,9 +8,8 @@ no NaN. A float64 run anchors the error: the backend may not be much further fro
 function than the reference is.
 """
 
-import kda
 from kda.reference import reference_compute, reference_step
-from kda.testing import args_to, bits_equal, clone_args, compare_step, make_case, rel_err
+from kda.testing import args_to, bits_equal, call_public, clone_args, compare_step, make_case, rel_err
 from tests.conformance.cases import cases
 
 
@@ -20,13 +19,6 @@ def pytest_generate_tests(metafunc):  # noqa: D103 - pytest hook
         metafunc.parametrize("spec", cs, ids=[c.id for c in cs])
 
 
-def _call(args, cfg, backend):
-    return kda.kda_decode(
-        args.x, args.conv_weight, args.conv_bias, args.conv_state, args.f_a, args.f_b, args.beta,
-        args.A_log, args.dt_bias, args.state, args.state_indices, args.output_gate,
-        args.norm_weight, num_accepted_tokens=args.num_accepted_tokens, scale=cfg.scale,
-        norm_eps=cfg.norm_eps, lower_bound=cfg.lower_bound, gate_mode=cfg.gate_mode,
-        v_record=args.v_record, kg_record=args.kg_record, out=args.out, backend=backend)
 
 
 def test_matches_reference(backend_name, spec, kda_device, require_backend):
@@ -36,7 +28,7 @@ def test_matches_reference(backend_name, spec, kda_device, require_backend):
     before = clone_args(args)
     expected = clone_args(args)
     reference_step(cfg, expected)
-    out = _call(args, cfg, backend_name)
+    out = call_public(args, cfg, backend_name)
     assert out.data_ptr() == args.out.data_ptr()
     errors = compare_step(args, expected, before)
     assert not errors, "\n".join(errors)
@@ -58,7 +50,7 @@ def test_repeatable(backend_name, kda_device, require_backend):
     require_backend(backend_name, cfg, kda_device)
     a1 = make_case(spec, kda_device)
     a2 = clone_args(a1)
-    _call(a1, cfg, backend_name)
-    _call(a2, cfg, backend_name)
+    call_public(a1, cfg, backend_name)
+    call_public(a2, cfg, backend_name)
     for name in ("out", "state", "conv_state"):
         assert bits_equal(getattr(a1, name), getattr(a2, name)), name

@@ -8,33 +8,23 @@
 * slot offsets past 2**31 elements, more than 65,535 items -> correct (GPU-scale, see marks)
 """
 
-import dataclasses
-
 import pytest
 import torch
 
-import kda
 from kda.config import KdaConfig
 from kda.reference import reference_step
-from kda.testing import CaseSpec, bits_equal, clone_args, compare_step, make_case
+from kda.testing import CaseSpec, bits_equal, call_public, clone_args, compare_step, make_case
 
 CFG_T = KdaConfig(num_heads=2, T=3, window=5)
 
 
-def _run(args, cfg, backend):
-    return kda.kda_decode(
-        args.x, args.conv_weight, args.conv_bias, args.conv_state, args.f_a, args.f_b, args.beta,
-        args.A_log, args.dt_bias, args.state, args.state_indices, args.output_gate,
-        args.norm_weight, num_accepted_tokens=args.num_accepted_tokens, scale=cfg.scale,
-        norm_eps=cfg.norm_eps, lower_bound=cfg.lower_bound, gate_mode=cfg.gate_mode,
-        v_record=args.v_record, kg_record=args.kg_record, out=args.out, backend=backend)
 
 
 def _check(args, cfg, backend, before=None):
     before = before or clone_args(args)
     expected = clone_args(before)
     reference_step(cfg, expected)
-    _run(args, cfg, backend)
+    call_public(args, cfg, backend)
     errors = compare_step(args, expected, before)
     assert not errors, "\n".join(errors)
 
@@ -72,8 +62,8 @@ def test_accepted_counts_are_clamped(backend_name, kda_device, require_backend):
     b = clone_args(a)
     a.num_accepted_tokens.copy_(torch.tensor([0, -5, 4, 1000], dtype=torch.int32))
     b.num_accepted_tokens.copy_(torch.tensor([1, 1, 3, 3], dtype=torch.int32))
-    _run(a, CFG_T, backend_name)
-    _run(b, CFG_T, backend_name)
+    call_public(a, CFG_T, backend_name)
+    call_public(b, CFG_T, backend_name)
     for name in ("out", "state", "conv_state"):
         assert bits_equal(getattr(a, name), getattr(b, name)), name
 
@@ -90,8 +80,7 @@ def test_shared_slot_across_requests_leaves_others_exact(backend_name, kda_devic
     others = [r for r in range(6) if r not in (0, 3)]
     expected = clone_args(before)
     reference_step(cfg, expected)
-    _run(a, cfg, backend_name)
-    D = 128
+    call_public(a, cfg, backend_name)
     for r in others:
         s = int(idx[r])
         assert torch.allclose(a.out[r].float().cpu(), expected.out[r].float().cpu(), atol=2e-2, rtol=2e-2)
@@ -103,7 +92,6 @@ def test_shared_slot_across_requests_leaves_others_exact(backend_name, kda_devic
     for s in range(a.state.shape[0]):
         if s not in touched:
             assert bits_equal(a.state[s], before.state[s]), s
-    del D
 
 
 def test_zero_qk_and_extreme_logits_stay_finite(backend_name, kda_device, require_backend):
@@ -137,17 +125,15 @@ def test_nan_input_does_not_leak(backend_name, kda_device, require_backend):
     a = make_case(CaseSpec(cfg, R=5, null_frac=0.0, seed=25), kda_device)
     a.x[2:4] = float("nan")                 # request 1's tokens
     a.f_a[2:4] = float("nan")
-    before = clone_args(a)
     expected = clone_args(a)
     reference_step(cfg, expected)
-    _run(a, cfg, backend_name)
+    call_public(a, cfg, backend_name)
     rows = [0, 1, 4, 5, 6, 7, 8, 9]
     assert torch.equal(torch.isnan(a.out[rows].float()), torch.zeros_like(a.out[rows], dtype=torch.bool))
     assert torch.allclose(a.out[rows].float(), expected.out[rows].float(), atol=2e-2, rtol=2e-2)
     for r in (0, 2, 3, 4):
         s = int(a.state_indices[r, 0])
         assert torch.isfinite(a.state[s]).all()
-    del before
 
 
 @pytest.mark.bigmem
@@ -169,7 +155,7 @@ def test_slot_offsets_past_2_pow_31(backend_name, kda_device, require_backend):
     expected_out = torch.empty_like(a.out)
     exp_args = a._replace(state=state.clone(), conv_state=conv_state.clone(), out=expected_out)
     reference_step(cfg, exp_args)
-    _run(a, cfg, backend_name)
+    call_public(a, cfg, backend_name)
     assert torch.allclose(a.out.float(), expected_out.float(), atol=2e-2, rtol=2e-2)
     for s in high.tolist():
         assert torch.allclose(state[s], exp_args.state[s], atol=1e-3, rtol=1e-3), s

@@ -8,7 +8,6 @@ item, a shifted window, NaN, nonzero dead rows, a skipped per-token write, the w
 
 import dataclasses
 
-import pytest
 import torch
 
 from kda import reference

@@ -33,6 +33,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("backends", ["all"], "backends to measure (names, or 'all' = every available one)")
 flags.DEFINE_list("peers", ["auto"], "peers: fla_recurrent, fla_unfused, 'auto' (both where they "
                   "run) or 'none'")
+flags.DEFINE_list("triton_variants", [], "also time these Triton launch variants, one column each "
+                  "(names from backends.triton.kda_decode.VARIANTS)")
 flags.DEFINE_list("heads", ["32"], "H values (Kimi-Linear TP1..8: 32,16,8,4; K3-style: 12,24,48,96)")
 flags.DEFINE_list("batches", None, "R values (default GPU: 1,8,32,128,512; CPU: 1,8,32,128)")
 flags.DEFINE_list("tokens", ["1", "2", "5"], "T values")
@@ -66,6 +68,7 @@ def main(argv):
     del argv
     from rich.console import Console
     from rich.progress import track
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -101,6 +104,8 @@ def main(argv):
             console.print(f"[dim]{n}: skipped ({why})[/]")
             continue
         runners.append((n, harness.backend_step(n)))
+    runners += [(f"triton[{v}]", harness.triton_variant_step(v)) for v in FLAGS.triton_variants
+                if registry.availability("triton") is None]
     runners += [(p, harness.peer_step(p)) for p in want_peers]
 
     cells: List[harness.Cell] = []
@@ -113,11 +118,12 @@ def main(argv):
                         gate_mode=FLAGS.gate_mode)
         wl = harness.Workload(cfg, R, device, pool, FLAGS.sets)
         for name, make in runners:
-            why = registry.unsupported_reasons(name, cfg, device) if name in registry.BACKEND_NAMES else []
+            base = name.split("[")[0]        # "triton[vsplit4]" -> triton's support rules
+            why = registry.unsupported_reasons(base, cfg, device) if base in registry.BACKEND_NAMES else []
             if why:
                 logging.info("%s cannot run %s: %s", name, cfg.short(), why)
                 continue
-            if name == "triton" and not gpu and R * H > 8:
+            if name.startswith("triton") and not gpu and R * H > 8:
                 continue   # the interpreter: tiny shapes only
             try:
                 cells.append(harness.measure(name, make, wl, copy_bw, iters, warmup, FLAGS.mode))
@@ -136,7 +142,7 @@ def main(argv):
     tab.add_column("R")
     tab.add_column("floor us", justify="right")
     for n in order:
-        tab.add_column(n, justify="right")
+        tab.add_column(escape(n), justify="right")
     keys = list(dict.fromkeys((c.H, c.T, c.R) for c in cells))
     for key in keys:
         row = {c.backend: c for c in cells if (c.H, c.T, c.R) == key}

@@ -13,10 +13,9 @@ say so: they are not GPU timings.
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List
 
 import torch
 
@@ -207,4 +206,14 @@ def peer_step(name: str) -> Callable[[Workload], Callable[[int], None]]:
     def make(wl: Workload):
         fn = peers.make_peer(name, wl.cfg, wl.args)
         return lambda i: fn(wl.indices[i], wl.accepted[i])
+    return make
+
+
+def triton_variant_step(variant: str) -> Callable[[Workload], Callable[[int], None]]:
+    """make_step for one named launch variant of the Triton backend (``backends.triton.VARIANTS``)."""
+    from backends.triton.kda_decode import build_step
+
+    def make(wl: Workload):
+        step = build_step(wl.cfg, wl.device, variant)
+        return lambda i: step(wl.args_for(i))
     return make

@@ -22,7 +22,7 @@ import dataclasses
 import os
 import statistics
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 from absl import app, flags, logging

@@ -16,9 +16,8 @@ machine::
 import pytest
 import torch
 
-from kda.config import KdaConfig
 from kda.reference import reference_step
-from kda.testing import CaseSpec, bits_equal, clone_args, compare_step, make_case
+from kda.testing import CaseSpec, bits_equal, clone_args, compare_step, make_case, make_config
 
 
 def _backend():
@@ -46,46 +45,39 @@ def _require_cuda_backend(pytestconfig):
 DEV = torch.device("cuda")
 
 
-def _cfg(H, T, layout="SD", lb=None, gm=0, bias=False, record=False, extra_window=0,
-         cs32=False, bf16_weights=False):
-    return KdaConfig(num_heads=H, T=T, window=T + 2 + extra_window, conv_layout=layout,
-                     lower_bound=lb, gate_mode=gm, has_conv_bias=bias, record=record,
-                     conv_state_dtype=torch.float32 if cs32 else torch.bfloat16,
-                     conv_weight_dtype=torch.bfloat16 if bf16_weights else torch.float32,
-                     norm_weight_dtype=torch.bfloat16 if bf16_weights else torch.float32)
 
 
 CASES = [
     # T=1: both layouts, both gates, both gate modes, bias, fp32 cache, bf16 weights, padding
-    CaseSpec(_cfg(4, 1), R=5),
-    CaseSpec(_cfg(4, 1, "DS", lb=-5.0, gm=1, bias=True), R=4),
-    CaseSpec(_cfg(2, 1, "DS", cs32=True, bf16_weights=True), R=3, padded=True),
-    CaseSpec(_cfg(12, 1, "SD", gm=1, extra_window=2, cs32=True), R=7, padded=True),
-    CaseSpec(_cfg(1, 1), R=1, null_frac=0.0),
+    CaseSpec(make_config(4, 1), R=5),
+    CaseSpec(make_config(4, 1, "DS", lb=-5.0, gm=1, bias=True), R=4),
+    CaseSpec(make_config(2, 1, "DS", cs32=True, bf16_weights=True), R=3, padded=True),
+    CaseSpec(make_config(12, 1, "SD", gm=1, extra_window=2, cs32=True), R=7, padded=True),
+    CaseSpec(make_config(1, 1), R=1, null_frac=0.0),
     # T=5 (speculative verify): aliasing writes, skipped writes, clamped accepted counts
-    CaseSpec(_cfg(2, 5, "SD", lb=-5.0, gm=1), R=4),
-    CaseSpec(_cfg(2, 5, "DS", extra_window=3, bias=True), R=5),
-    CaseSpec(_cfg(3, 5, "DS", lb=-1.5, cs32=True), R=6, padded=True),
+    CaseSpec(make_config(2, 5, "SD", lb=-5.0, gm=1), R=4),
+    CaseSpec(make_config(2, 5, "DS", extra_window=3, bias=True), R=5),
+    CaseSpec(make_config(3, 5, "DS", lb=-1.5, cs32=True), R=6, padded=True),
     # every other T instantiation
-    CaseSpec(_cfg(2, 2, "DS", lb=-1.5, bias=True), R=4, padded=True),
-    CaseSpec(_cfg(3, 3, "SD", gm=1), R=5),
-    CaseSpec(_cfg(2, 4, "DS", bf16_weights=True), R=4),
-    CaseSpec(_cfg(2, 6, "SD", lb=-5.0, extra_window=1), R=3),
-    CaseSpec(_cfg(2, 7, "DS", gm=1, bias=True), R=3),
-    CaseSpec(_cfg(1, 8, "SD", bias=True, cs32=True), R=3),
-    CaseSpec(_cfg(1, 8, "DS", lb=-5.0, gm=1, bf16_weights=True), R=3),
+    CaseSpec(make_config(2, 2, "DS", lb=-1.5, bias=True), R=4, padded=True),
+    CaseSpec(make_config(3, 3, "SD", gm=1), R=5),
+    CaseSpec(make_config(2, 4, "DS", bf16_weights=True), R=4),
+    CaseSpec(make_config(2, 6, "SD", lb=-5.0, extra_window=1), R=3),
+    CaseSpec(make_config(2, 7, "DS", gm=1, bias=True), R=3),
+    CaseSpec(make_config(1, 8, "SD", bias=True, cs32=True), R=3),
+    CaseSpec(make_config(1, 8, "DS", lb=-5.0, gm=1, bf16_weights=True), R=3),
     # record mode
-    CaseSpec(_cfg(2, 1, record=True), R=3),
-    CaseSpec(_cfg(2, 5, "DS", record=True, bias=True), R=4),
-    CaseSpec(_cfg(2, 2, "SD", lb=-5.0, record=True, gm=1), R=3, padded=True),
+    CaseSpec(make_config(2, 1, record=True), R=3),
+    CaseSpec(make_config(2, 5, "DS", record=True, bias=True), R=4),
+    CaseSpec(make_config(2, 2, "SD", lb=-5.0, record=True, gm=1), R=3, padded=True),
     # all requests dead
-    CaseSpec(_cfg(4, 2), R=3, null_frac=1.0),
+    CaseSpec(make_config(4, 2), R=3, null_frac=1.0),
     # model shapes: many items per CTA (the persistent loop and its prefetch)
-    CaseSpec(_cfg(32, 1), R=128, null_frac=0.1),
-    CaseSpec(_cfg(32, 5, "SD", gm=1), R=64, null_frac=0.1),
-    CaseSpec(_cfg(12, 2, "DS", lb=-5.0), R=40),
-    CaseSpec(_cfg(96, 1, "SD", lb=-5.0, bias=True), R=9),
-    CaseSpec(_cfg(16, 8, "DS", record=True), R=20),
+    CaseSpec(make_config(32, 1), R=128, null_frac=0.1),
+    CaseSpec(make_config(32, 5, "SD", gm=1), R=64, null_frac=0.1),
+    CaseSpec(make_config(12, 2, "DS", lb=-5.0), R=40),
+    CaseSpec(make_config(96, 1, "SD", lb=-5.0, bias=True), R=9),
+    CaseSpec(make_config(16, 8, "DS", record=True), R=20),
 ]
 
 
@@ -113,9 +105,9 @@ def test_matches_reference(spec):
 
 
 @pytest.mark.parametrize("pdl", ["1", "0"])
-@pytest.mark.parametrize("spec", [CaseSpec(_cfg(4, 1), R=6, null_frac=0.0),
-                                  CaseSpec(_cfg(32, 1), R=64, null_frac=0.0),
-                                  CaseSpec(_cfg(2, 3, "DS"), R=5, null_frac=0.0)],
+@pytest.mark.parametrize("spec", [CaseSpec(make_config(4, 1), R=6, null_frac=0.0),
+                                  CaseSpec(make_config(32, 1), R=64, null_frac=0.0),
+                                  CaseSpec(make_config(2, 3, "DS"), R=5, null_frac=0.0)],
                          ids=lambda s: s.id)
 def test_back_to_back_steps(spec, pdl, monkeypatch):
     """Three steps on one pool with no host sync between them: each launch's pre-wait reads
@@ -137,7 +129,7 @@ def test_back_to_back_steps(spec, pdl, monkeypatch):
 
 def test_repeatable():
     """Two runs on the same inputs give bit-identical results (no races)."""
-    spec = CaseSpec(_cfg(32, 5, "DS", gm=1, bias=True), R=33)
+    spec = CaseSpec(make_config(32, 5, "DS", gm=1, bias=True), R=33)
     a1 = make_case(spec, DEV)
     a2 = clone_args(a1)
     step = _step(spec.cfg)
@@ -150,7 +142,7 @@ def test_repeatable():
 
 def test_cuda_graph_capture():
     """The step captures into a CUDA graph (no host sync, no allocation) and replays right."""
-    spec = CaseSpec(_cfg(8, 2, "SD", lb=-5.0), R=12)
+    spec = CaseSpec(make_config(8, 2, "SD", lb=-5.0), R=12)
     cfg = spec.cfg
     args = make_case(spec, DEV)
     before = clone_args(args)
@@ -175,7 +167,7 @@ def test_cuda_graph_capture():
 def test_public_entry_point():
     """kda.kda_decode(..., backend="cuda") reaches this backend and writes ``out`` in place."""
     import kda
-    spec = CaseSpec(_cfg(4, 2, "DS", bias=True), R=6)
+    spec = CaseSpec(make_config(4, 2, "DS", bias=True), R=6)
     cfg = spec.cfg
     args = make_case(spec, DEV)
     before = clone_args(args)

@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 from backends.triton import kda_decode as kd  # noqa: E402
 from kda.config import KdaConfig  # noqa: E402
 from kda.reference import reference_step  # noqa: E402
-from kda.testing import CaseSpec, bits_equal, clone_args, compare_step, make_case  # noqa: E402
+from kda.testing import CaseSpec, bits_equal, clone_args, compare_step, make_case, make_config  # noqa: E402
 
 INTERP = kd.interpreter_enabled()
 WRITTEN = ("out", "state", "conv_state", "v_record", "kg_record")
@@ -40,13 +40,6 @@ def device():
     pytest.skip("no CUDA device and TRITON_INTERPRET is not set")
 
 
-def _cfg(H, T, layout="SD", lb=None, gm=0, bias=False, record=False, extra_window=0,
-         cs32=False, bf16_weights=False):
-    return KdaConfig(num_heads=H, T=T, window=T + 2 + extra_window, conv_layout=layout,
-                     lower_bound=lb, gate_mode=gm, has_conv_bias=bias, record=record,
-                     conv_state_dtype=torch.float32 if cs32 else torch.bfloat16,
-                     conv_weight_dtype=torch.bfloat16 if bf16_weights else torch.float32,
-                     norm_weight_dtype=torch.bfloat16 if bf16_weights else torch.float32)
 
 
 def _run(spec, device, variant):
@@ -61,12 +54,12 @@ def _run(spec, device, variant):
 # Small cases over the axes where the variants differ (row blocks, records, aliasing writes,
 # dead items, padded strides, both layouts and gates, long windows).
 SPECS = [
-    CaseSpec(_cfg(3, 1), R=3),
-    CaseSpec(_cfg(2, 1, "DS", lb=-5.0, gm=1, bias=True, cs32=True), R=3, padded=True),
-    CaseSpec(_cfg(2, 2, "SD", lb=-1.5, extra_window=2, bf16_weights=True), R=4),
-    CaseSpec(_cfg(1, 5, "DS", gm=1, record=True, bias=True), R=3),
-    CaseSpec(_cfg(1, 8, "SD", lb=-5.0), R=2, seed=3),
-    CaseSpec(_cfg(2, 3), R=3, null_frac=1.0),
+    CaseSpec(make_config(3, 1), R=3),
+    CaseSpec(make_config(2, 1, "DS", lb=-5.0, gm=1, bias=True, cs32=True), R=3, padded=True),
+    CaseSpec(make_config(2, 2, "SD", lb=-1.5, extra_window=2, bf16_weights=True), R=4),
+    CaseSpec(make_config(1, 5, "DS", gm=1, record=True, bias=True), R=3),
+    CaseSpec(make_config(1, 8, "SD", lb=-5.0), R=2, seed=3),
+    CaseSpec(make_config(2, 3), R=3, null_frac=1.0),
 ]
 
 
