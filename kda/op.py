@@ -107,6 +107,13 @@ def kda_decode(
       backend: a name from :data:`kda.registry.CHOICES`; default from ``--kda_backend``,
         ``$KDA_BACKEND``, else "auto".
 
+    Layouts accepted (``docs/contract.md`` section 6): x, output_gate, f_a, out with last
+    stride 1, a row stride that is a multiple of 8 elements and 16-byte aligned data (slices of
+    a fused projection output are fine); beta with last stride 1; each slot's state page
+    contiguous (any slot stride, multiple of 4); conv_state in either layout with any slot
+    stride (multiple of 8); everything else contiguous. Written buffers may not share memory
+    with any other argument.
+
     Returns:
       ``out`` [N, dim] bf16.
 
@@ -142,9 +149,10 @@ class KdaDecode:
 
     Construction resolves the backend and compiles (or loads) its kernel for ``cfg``; a call
     then costs only the launch. Arguments are fully validated on the first call and again
-    whenever the batch size changes (``validate="first"``, the default), or on every call
-    (``validate="always"``). Between re-validations the tensors must keep the dtypes, layouts
-    and devices they were validated with.
+    whenever any argument's dtype, shape or strides differ from the last validated call
+    (``validate="first"``, the default: a host-side comparison of metadata), or on every call
+    (``validate="always"``: also re-checks devices, alignment and aliasing between buffers,
+    which the default does not re-check while the metadata stays the same).
 
     Example::
 
@@ -172,6 +180,8 @@ class KdaDecode:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
                 else torch.device("cpu")
         device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise registry.KdaBackendError(f"device {device}: torch sees no CUDA device here")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.cfg = cfg
@@ -195,7 +205,9 @@ class KdaDecode:
         args = KdaArgs(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias,
                        state, state_indices, num_accepted_tokens, output_gate, norm_weight, out,
                        v_record, kg_record)
-        key = (x.shape[0], state_indices.shape[0])
+        # dtype, shape and strides of every argument: a change (a new batch size, another
+        # cache layout or window, a bias appearing) validates again; ~4 us on the host.
+        key = tuple(None if t is None else (t.dtype, t.shape, t.stride()) for t in args)
         if self._always or key != self._validated_key:
             if x.device != self.device:
                 raise KdaArgumentError("x", f"expected device {self.device} (this KdaDecode's), got {x.device}")

@@ -74,6 +74,7 @@ def liveness(state_indices: torch.Tensor, num_accepted: Optional[torch.Tensor], 
     return src, conv_slot, off, live
 
 
+@torch.no_grad()
 def reference_compute(cfg: KdaConfig, args: KdaArgs, precision: str = "bf16") -> ReferenceResult:
     """Compute one decode step functionally (inputs untouched).
 
@@ -208,6 +209,7 @@ def _masked_scatter_(buf: torch.Tensor, index: torch.Tensor, valid: torch.Tensor
     buf.index_put_((index,), torch.where(valid.view(shape), values, keep))
 
 
+@torch.no_grad()
 def reference_step(cfg: KdaConfig, args: KdaArgs) -> None:
     """Run one decode step with the reference and write the results in place.
 

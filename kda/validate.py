@@ -108,6 +108,12 @@ def config_from_args(x, conv_weight, conv_bias, conv_state, state_indices, A_log
                                              f"dim-first strides [s, L, 1] (DS), got {list(conv_state.stride())}")
     if scale is None:
         scale = D ** -0.5
+    for name, val in (("scale", scale), ("norm_eps", norm_eps), ("lower_bound", lower_bound)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, (int, float))):
+            raise KdaArgumentError(name, f"expected a float, got {type(val).__name__} {val!r}")
+    if isinstance(gate_mode, bool) or not isinstance(gate_mode, int):
+        raise KdaArgumentError("gate_mode", f"expected the int 0 or 1, got {type(gate_mode).__name__} "
+                                            f"{gate_mode!r}")
     return KdaConfig(
         num_heads=H, T=T, window=conv_state.shape[2], conv_layout=layout,
         lower_bound=None if lower_bound is None else float(lower_bound),
@@ -119,6 +125,11 @@ def config_from_args(x, conv_weight, conv_bias, conv_state, state_indices, A_log
 
 def validate_config(cfg: KdaConfig) -> None:
     """Check the static configuration's scalars and ranges."""
+    for name, arg in (("num_heads", "A_log"), ("T", "state_indices"), ("window", "conv_state"),
+                      ("gate_mode", "gate_mode")):
+        val = getattr(cfg, name)
+        if isinstance(val, bool) or not isinstance(val, int):
+            raise KdaArgumentError(arg, f"expected an int {name}, got {type(val).__name__} {val!r}")
     if cfg.num_heads < 1:
         raise KdaArgumentError("A_log", f"expected H >= 1 heads, got {cfg.num_heads}")
     if cfg.T < 1:
@@ -130,7 +141,8 @@ def validate_config(cfg: KdaConfig) -> None:
         raise KdaArgumentError("conv_state", f"expected layout in {CONV_LAYOUTS}, got {cfg.conv_layout!r}")
     if cfg.lower_bound is not None:
         lb = cfg.lower_bound
-        if not (isinstance(lb, float) and math.isfinite(lb) and -5.0 <= lb < 0.0):
+        if isinstance(lb, bool) or not (isinstance(lb, (int, float)) and math.isfinite(lb)
+                                        and -5.0 <= lb < 0.0):
             raise KdaArgumentError("lower_bound", f"expected None or a float in [-5, 0), got {lb!r}")
     if cfg.gate_mode not in (0, 1):
         raise KdaArgumentError("gate_mode", f"expected 0 or 1, got {cfg.gate_mode!r}")
@@ -158,6 +170,8 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
     if not isinstance(x, torch.Tensor):
         raise KdaArgumentError("x", f"expected a torch.Tensor, got {type(x).__name__}")
     dev = x.device
+    if dev.type not in ("cpu", "cuda"):
+        raise KdaArgumentError("x", f"expected a cpu or cuda tensor, got device {dev}")
     if x.dim() != 2:
         raise KdaArgumentError("x", f"expected a 2-D tensor [N, 3*dim], got shape {list(x.shape)}")
     if x.shape[1] != 3 * dim:
@@ -253,23 +267,49 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
     _check_no_overlap(args)
 
 
+def _span(t: torch.Tensor):
+    """[lo, hi) byte addresses a tensor can touch (non-negative strides)."""
+    lo = t.data_ptr()
+    return lo, lo + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def _row_period(t: torch.Tensor):
+    """(period, bytes per row) when dim 0 repeats every ``period`` bytes and one row's elements
+    fit inside that period (rows of a fused projection, slots of a paged cache); else None."""
+    if t.dim() < 2 or t.shape[0] < 2:
+        return None
+    period = t.stride(0) * t.element_size()
+    row = (sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:])) + 1) * t.element_size()
+    return (period, row) if 0 < row <= period else None
+
+
+def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b can share an element (conservative: True unless provably disjoint).
+
+    Disjoint byte ranges, or -- for two views that step through one buffer with the same row
+    period, e.g. ``out`` and ``output_gate`` column slices of one projection output, or a
+    slot's conv window and state pages interleaved in one paged cache -- disjoint positions
+    within the period.
+    """
+    (alo, ahi), (blo, bhi) = _span(a), _span(b)
+    if ahi <= blo or bhi <= alo:
+        return False
+    pa, pb = _row_period(a), _row_period(b)
+    if pa is None or pb is None or pa[0] != pb[0]:
+        return True
+    period = pa[0]
+    phase = (blo - alo) % period          # b's row start, relative to a's, within a period
+    return phase < pa[1] or phase + pb[1] > period
+
+
 def _check_no_overlap(args: KdaArgs) -> None:
     """The written buffers must not share memory with each other or with any input."""
-    written = [(n, getattr(args, n)) for n in ("out", "state", "conv_state", "v_record", "kg_record")
-               if getattr(args, n) is not None]
-    spans = []
-    for name, t in args._asdict().items():
-        if t is None or t.numel() == 0:
+    tensors = [(n, t) for n, t in args._asdict().items() if t is not None and t.numel()]
+    for wname in ("out", "state", "conv_state", "v_record", "kg_record"):
+        w = getattr(args, wname)
+        if w is None or w.numel() == 0:
             continue
-        lo = t.data_ptr()
-        hi = lo + (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
-        spans.append((name, lo, hi))
-    for wname, w in written:
-        if w.numel() == 0:
-            continue
-        wlo = w.data_ptr()
-        whi = wlo + (sum((s - 1) * st for s, st in zip(w.shape, w.stride())) + 1) * w.element_size()
-        for name, lo, hi in spans:
-            if name != wname and lo < whi and wlo < hi:
+        for name, t in tensors:
+            if name != wname and may_overlap(w, t):
                 raise KdaArgumentError(wname, f"overlaps the memory of {name}: written buffers must "
                                               "not alias any other argument")

@@ -160,3 +160,62 @@ def test_empty_batch_is_a_no_op(backend_name, require_backend, kda_device):
                                    output_gate=args.output_gate[:0], out=None,
                                    state_indices=empty), backend=backend_name)
     assert out.shape == (0, CFG1.dim)
+
+
+def test_interleaved_paged_cache_and_fused_slices_are_accepted(backend_name, require_backend, kda_device):
+    """vLLM-style pages (a slot's conv window and state side by side in one buffer) and out /
+    output_gate as column slices of one buffer share no element: accepted, same results."""
+    cfg = KdaConfig(num_heads=2, T=1, window=3)
+    require_backend(backend_name, cfg, kda_device)
+    a = make_case(CaseSpec(cfg, R=3, null_frac=0.0, seed=31), kda_device)
+    slots, dim, L, H = a.state.shape[0], cfg.dim, cfg.window, cfg.num_heads
+    cs_bytes, st_bytes = 3 * dim * L * 2, H * 128 * 128 * 4
+    page = cs_bytes + st_bytes
+    raw = torch.zeros(slots * page, dtype=torch.uint8, device=kda_device)
+    cs = torch.as_strided(raw.view(torch.bfloat16), (slots, 3 * dim, L), (page // 2, 1, 3 * dim))
+    st = torch.as_strided(raw.view(torch.float32), (slots, H, 128, 128),
+                          (page // 4, 128 * 128, 128, 1), cs_bytes // 4)
+    cs.copy_(a.conv_state.nan_to_num(0.0))
+    st.copy_(a.state.nan_to_num(0.0))
+    fused = torch.empty(a.out.shape[0], 2 * dim, dtype=torch.bfloat16, device=kda_device)
+    out, gate = fused[:, :dim], fused[:, dim:]
+    gate.copy_(a.output_gate)
+    ref = clone_args(a._replace(conv_state=cs.clone(), state=st.clone()))
+    kda.kda_decode(**_kwargs(a, conv_state=cs, state=st, out=out, output_gate=gate),
+                   backend=backend_name)
+    kda.kda_decode(**_kwargs(ref, output_gate=gate.clone()), backend="reference")
+    assert torch.allclose(out.float(), ref.out.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(cs, ref.conv_state)
+    assert torch.allclose(st, ref.state, atol=1e-3, rtol=1e-3)
+
+
+def test_meta_tensors_are_rejected_by_device():
+    a = make_case(CaseSpec(CFG1, R=2))
+    meta = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in _kwargs(a).items()}
+    with pytest.raises(KdaArgumentError) as ei:
+        kda.kda_decode(**meta)
+    assert ei.value.arg == "x" and "meta" in str(ei.value)
+
+
+@pytest.mark.parametrize("over,arg", [({"lower_bound": "-3"}, "lower_bound"), ({"gate_mode": True}, "gate_mode"),
+                                       ({"gate_mode": 1.0}, "gate_mode"), ({"scale": "x"}, "scale")])
+def test_scalar_types_are_checked(over, arg):
+    a = make_case(CaseSpec(CFG1, R=2))
+    with pytest.raises(KdaArgumentError) as ei:
+        kda.kda_decode(**_kwargs(a), **over)
+    assert ei.value.arg == arg
+
+
+def test_object_form_revalidates_when_a_layout_changes():
+    a = make_case(CaseSpec(CFG1, R=3))
+    step = kda.KdaDecode(CFG1, device="cpu", backend="reference")
+    kw = _kwargs(a)
+    nacc = kw.pop("num_accepted_tokens")
+    kw.pop("v_record"), kw.pop("kg_record")
+    step(**kw, num_accepted_tokens=nacc)
+    dim_first = a.conv_state.contiguous()              # same values, DS layout
+    before = clone_args(a)
+    with pytest.raises(KdaArgumentError) as ei:
+        step(**{**kw, "conv_state": dim_first}, num_accepted_tokens=nacc)
+    assert ei.value.arg == "conv_state"
+    assert bits_equal(a.state, before.state)

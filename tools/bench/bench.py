@@ -52,6 +52,22 @@ flags.DEFINE_float("max_items", 20000, "skip cells with more R*H items than this
 flags.DEFINE_bool("plot", True, "also write the PNG (needs matplotlib; else: python3 -m tools.bench.plot)")
 
 
+def _all_positive(values) -> bool:
+    try:
+        return all(int(v) >= 1 for v in values)
+    except (TypeError, ValueError):
+        return False
+
+
+for _name in ("heads", "batches", "tokens"):
+    flags.register_validator(_name, lambda v: v is None or _all_positive(v),
+                             message=f"--{_name} takes integers >= 1")
+for _name in ("sets", "iters", "warmup"):
+    flags.register_validator(_name, lambda v, _n=_name: v is None or v >= (0 if _n == "warmup" else 1),
+                             message=f"--{_name} must be >= 1 (warmup >= 0)")
+flags.register_validator("gate_mode", lambda v: v in (0, 1), message="--gate_mode must be 0 or 1")
+
+
 def _git_commit() -> str:
     if os.environ.get("KDA_COMMIT"):     # set by whoever ships the tree to a machine without .git
         return os.environ["KDA_COMMIT"]
@@ -89,7 +105,7 @@ def main(argv):
     batches = [int(b) for b in (FLAGS.batches or (["1", "8", "32", "128", "512"] if gpu
                                                   else ["1", "8", "32", "128"]))]
     tokens = [int(t) for t in FLAGS.tokens]
-    iters = FLAGS.iters or (200 if gpu else 5)
+    iters = FLAGS.iters if FLAGS.iters is not None else (200 if gpu else 5)
     warmup = FLAGS.warmup if FLAGS.warmup is not None else (20 if gpu else 1)
     pool = FLAGS.pool_gib if FLAGS.pool_gib is not None else (8.0 if gpu else 0.5)
     copy_bw = harness.copy_bandwidth(device, 2.0 if gpu else 0.25)
@@ -133,6 +149,10 @@ def main(argv):
         if gpu:
             torch.cuda.empty_cache()
 
+    if not cells:
+        console.print("[bold red]no cell was measured[/] (no selected backend can run here, or every "
+                      "cell failed: see above)")
+        return 1
     order = list(dict.fromkeys(c.backend for c in cells))
     tab = Table(title=f"fused KDA decode step, {dev_name}, H={','.join(FLAGS.heads)}, {FLAGS.gate} gate, "
                       f"{FLAGS.layout}: median us (fraction of copy-bandwidth floor)"

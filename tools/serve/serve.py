@@ -51,11 +51,34 @@ flags.DEFINE_string("prompt_len", "8:48", "prompt length range lo:hi")
 flags.DEFINE_string("gen_len", "8:24", "generated tokens per request, range lo:hi")
 flags.DEFINE_float("arrival_rate", 0.7, "mean new requests per step")
 flags.DEFINE_integer("seed", 0, "random seed")
-flags.DEFINE_string("device", "auto", "cpu, cuda or auto")
+flags.DEFINE_enum("device", "auto", ["auto", "cpu", "cuda"], "where the layer runs")
 flags.DEFINE_string("check_against", "", "also run every step with this backend on copies of the "
                     "caches and require agreement step for step (e.g. reference)")
 flags.DEFINE_float("max_rel_err", 0.05, "fail when a token's layer output is further than this "
                    "(relative L2) from fla-core over the whole sequence")
+
+
+def _range_ok(spec: str) -> bool:
+    try:
+        lo, hi = (int(v) for v in spec.split(":"))
+    except ValueError:
+        return False
+    return 1 <= lo <= hi
+
+
+for _name, _check, _msg in (
+        ("max_batch", lambda v: v >= 1, "must be >= 1"),
+        ("num_requests", lambda v: v >= 1, "must be >= 1"),
+        ("spec_tokens", lambda v: v >= 1, "must be >= 1"),
+        ("num_heads", lambda v: v >= 1, "must be >= 1"),
+        ("tp_rank", lambda v: v >= 0, "must be >= 0"),
+        ("layer", lambda v: v >= 0, "must be >= 0"),
+        ("gate_mode", lambda v: v in (0, 1), "must be 0 or 1"),
+        ("arrival_rate", lambda v: v >= 0, "must be >= 0"),
+        ("lower_bound", lambda v: v is None or -5.0 <= v < 0.0, "must be in [-5, 0)"),
+        ("prompt_len", _range_ok, "must be lo:hi with 1 <= lo <= hi"),
+        ("gen_len", _range_ok, "must be lo:hi with 1 <= lo <= hi")):
+    flags.register_validator(_name, _check, message=f"--{_name} {_msg}")
 
 
 @dataclasses.dataclass
@@ -122,15 +145,25 @@ def main(argv):
     console = Console()
     if FLAGS.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    elif FLAGS.device == "cuda" and not torch.cuda.is_available():
+        raise app.UsageError("--device=cuda: torch sees no CUDA device here")
     else:
         device = torch.device(FLAGS.device)
     T, H = FLAGS.spec_tokens, FLAGS.num_heads
     path = FLAGS.checkpoint or default_checkpoint()
-    params, meta = ckpt.load_layer(path, FLAGS.layer)
+    try:
+        params, meta = ckpt.load_layer(path, FLAGS.layer)
+    except (KeyError, ValueError, OSError) as e:
+        raise app.UsageError(f"--checkpoint {path} --layer {FLAGS.layer}: {e}") from e
     label = "SYNTHETIC" if "SYNTHETIC" in meta.get("content", "") else "checkpoint"
     cfg = KdaConfig(num_heads=H, T=T, window=T + 2, conv_layout=FLAGS.conv_layout,
                     lower_bound=FLAGS.lower_bound, gate_mode=FLAGS.gate_mode,
                     norm_eps=FLAGS.norm_eps)
+    total = params["A_log"].numel()
+    if (FLAGS.tp_rank + 1) * H > total:
+        raise app.UsageError(f"--num_heads={H} --tp_rank={FLAGS.tp_rank}: heads "
+                             f"[{FLAGS.tp_rank * H}, {(FLAGS.tp_rank + 1) * H}) are outside the "
+                             f"checkpoint's {total} heads")
     layer = KdaLayer(params, cfg, head0=FLAGS.tp_rank * H, device=device)
     check_op = kda.KdaDecode(cfg, device=device, backend=FLAGS.check_against) \
         if FLAGS.check_against else None
