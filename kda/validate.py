@@ -283,15 +283,15 @@ def _row_period(t: torch.Tensor):
     return (period, row) if 0 < row <= period else None
 
 
-def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+def may_overlap(a: torch.Tensor, b: torch.Tensor, spans=None) -> bool:
     """Whether a and b can share an element (conservative: True unless provably disjoint).
 
     Disjoint byte ranges, or -- for two views that step through one buffer with the same row
     period, e.g. ``out`` and ``output_gate`` column slices of one projection output, or a
     slot's conv window and state pages interleaved in one paged cache -- disjoint positions
-    within the period.
+    within the period. ``spans`` may pass precomputed (:func:`_span`) byte ranges of a and b.
     """
-    (alo, ahi), (blo, bhi) = _span(a), _span(b)
+    (alo, ahi), (blo, bhi) = spans or (_span(a), _span(b))
     if ahi <= blo or bhi <= alo:
         return False
     pa, pb = _row_period(a), _row_period(b)
@@ -304,12 +304,12 @@ def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _check_no_overlap(args: KdaArgs) -> None:
     """The written buffers must not share memory with each other or with any input."""
-    tensors = [(n, t) for n, t in args._asdict().items() if t is not None and t.numel()]
+    spans = {n: (t, _span(t)) for n, t in args._asdict().items() if t is not None and t.numel()}
     for wname in ("out", "state", "conv_state", "v_record", "kg_record"):
-        w = getattr(args, wname)
-        if w is None or w.numel() == 0:
+        if wname not in spans:
             continue
-        for name, t in tensors:
-            if name != wname and may_overlap(w, t):
+        w, wspan = spans[wname]
+        for name, (t, span) in spans.items():
+            if name != wname and may_overlap(w, t, (wspan, span)):
                 raise KdaArgumentError(wname, f"overlaps the memory of {name}: written buffers must "
                                               "not alias any other argument")
