@@ -22,7 +22,8 @@ StepFn = Callable[[KdaArgs], None]
 class Backend(abc.ABC):
     """One implementation of the fused decode step.
 
-    Subclasses set :attr:`name` and :attr:`description` and implement the three methods.
+    Subclasses set :attr:`name` and :attr:`description` and implement :meth:`probe`,
+    :meth:`build` and, where they restrict configurations, :meth:`unsupported`.
     """
 
     #: Registry name, e.g. "triton".
@@ -33,11 +34,23 @@ class Backend(abc.ABC):
     device_types: tuple = ("cuda",)
 
     @abc.abstractmethod
-    def availability(self) -> Optional[str]:
+    def probe(self) -> Optional[str]:
         """None when the backend can run in this process, else the reason it cannot.
 
-        Must be cheap after the first call and must not raise.
+        Called once (by :meth:`availability`, which caches it and turns an exception into a
+        reason), so it may import heavy modules and query devices.
         """
+
+    def availability(self) -> Optional[str]:
+        """:meth:`probe`'s answer, computed once; never raises."""
+        cached = self.__dict__.get("_availability_cache")
+        if cached is None:
+            try:
+                why = self.probe()
+            except Exception as e:  # noqa: BLE001 - availability must not raise
+                why = f"{self.name} availability check failed: {type(e).__name__}: {e}"
+            cached = self.__dict__["_availability_cache"] = (why,)
+        return cached[0]
 
     def unsupported(self, cfg: KdaConfig, device: torch.device) -> List[str]:
         """Reasons this backend cannot serve ``cfg`` on ``device``; empty when it can."""

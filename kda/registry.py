@@ -59,7 +59,7 @@ class _Missing(Backend):
         self.description = "(not importable)"
         self._reason = reason
 
-    def availability(self) -> Optional[str]:
+    def probe(self) -> Optional[str]:
         return self._reason
 
     def build(self, cfg, device):  # pragma: no cover - never called: unavailable

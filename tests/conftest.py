@@ -55,20 +55,35 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("backend_name", selected_backends(metafunc.config))
 
 
+def _skip_or_fail(config, msg):
+    if config.getoption("--kda-require-backends"):
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
 @pytest.fixture
 def require_backend(pytestconfig):
     """require_backend(name, cfg, device) -> Backend, or skip (fail with --kda-require-backends)."""
     from kda.registry import get_backend, unsupported_reasons
 
-    strict = pytestconfig.getoption("--kda-require-backends")
-
     def check(name, cfg, device):
         why = unsupported_reasons(name, cfg, device)
         if why:
-            msg = f"backend {name} cannot run {cfg.short()} on {device}: {'; '.join(why)}"
-            if strict:
-                pytest.fail(msg)
-            pytest.skip(msg)
+            _skip_or_fail(pytestconfig, f"backend {name} cannot run {cfg.short()} on {device}: "
+                                        f"{'; '.join(why)}")
         return get_backend(name)
+
+    return check
+
+
+@pytest.fixture
+def require_available(pytestconfig):
+    """require_available(name): skip (fail with --kda-require-backends) unless it can run here."""
+    from kda.registry import availability
+
+    def check(name):
+        why = availability(name)
+        if why is not None:
+            _skip_or_fail(pytestconfig, f"{name} backend unavailable: {why}")
 
     return check

@@ -29,26 +29,16 @@ class CudaBackend(Backend):
                    "state pages, mma.sync gate projection, PDL")
     device_types = ("cuda",)
 
-    def __init__(self) -> None:
-        self._availability: Optional[str] = None
-        self._checked = False
+    def probe(self) -> Optional[str]:
+        why = gpu_reason(lambda cc: cc == (9, 0),
+                         "an sm_90 GPU (H100 / H200); the kernel is built for sm_90a")
+        if why is None:
+            from backends.cuda import build
 
-    def availability(self) -> Optional[str]:
-        if self._checked:
-            return self._availability
-        self._checked = True
-        try:
-            self._availability = gpu_reason(
-                lambda cc: cc == (9, 0), "an sm_90 GPU (H100 / H200); the kernel is built for sm_90a")
-            if self._availability is None:
-                from backends.cuda import build
-
-                built = build._built_library(build.cache_dir(), build.module_name()) is not None
-                if not built and shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
-                    self._availability = "the extension is not built and nvcc is not on PATH"
-        except Exception as e:  # availability must not raise
-            self._availability = f"cuda backend check failed: {e!r}"
-        return self._availability
+            built = build._built_library(build.cache_dir(), build.module_name()) is not None
+            if not built and shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
+                why = "the extension is not built and nvcc is not on PATH"
+        return why
 
     def unsupported(self, cfg: KdaConfig, device: torch.device) -> List[str]:
         reasons = super().unsupported(cfg, device)

@@ -193,23 +193,11 @@ class _CuteDslBackend(Backend):
     kind = ""
     device_types = ("cuda",)
 
-    def __init__(self) -> None:
-        self._why: Optional[str] = None
-        self._checked = False
-
-    def availability(self) -> Optional[str]:
-        """None with a CUDA sm_90+ device and CuTe DSL importable, else the reason (cached)."""
-        if self._checked:
-            return self._why
-        self._checked = True
-        try:
-            self._why = gpu_reason(lambda cc: cc >= (9, 0),
-                                   "an sm_90+ GPU (griddepcontrol, mma.sync bf16, cp.async)")
-            if self._why is None:
-                self._why = import_cutedsl()
-        except Exception as e:  # noqa: BLE001 - availability must not raise
-            self._why = f"cutedsl availability check failed: {type(e).__name__}: {e}"
-        return self._why
+    def probe(self) -> Optional[str]:
+        """None with a CUDA sm_90+ device and CuTe DSL importable, else the reason."""
+        return (gpu_reason(lambda cc: cc >= (9, 0),
+                           "an sm_90+ GPU (griddepcontrol, mma.sync bf16, cp.async)")
+                or import_cutedsl())
 
     def unsupported(self, cfg: KdaConfig, device: torch.device) -> List[str]:
         """Reasons ``cfg`` cannot run: T outside 1..8, window < T+2, unknown layout / dtypes."""

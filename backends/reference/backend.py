@@ -18,7 +18,7 @@ class ReferenceBackend(Backend):
     description = "PyTorch reference (defines the numerics; CPU and GPU; slow)"
     device_types = ("cpu", "cuda")
 
-    def availability(self) -> Optional[str]:
+    def probe(self) -> Optional[str]:
         return None
 
     def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:

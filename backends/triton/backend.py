@@ -31,22 +31,11 @@ class TritonBackend(Backend):
     name = "triton"
     description = "Triton, one fused launch per step (CUDA; CPU via TRITON_INTERPRET=1)"
 
-    def __init__(self):
-        self._why: Optional[str] = None
-        self._checked = False
-
     @property
     def device_types(self) -> tuple:  # type: ignore[override]
         return ("cpu",) if _interpreter() else ("cuda",)
 
-    def availability(self) -> Optional[str]:
-        if not self._checked:
-            self._why = self._probe()
-            self._checked = True
-        return self._why
-
-    @staticmethod
-    def _probe() -> Optional[str]:
+    def probe(self) -> Optional[str]:
         try:
             import triton  # noqa: F401
             import triton.language  # noqa: F401

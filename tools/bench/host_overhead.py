@@ -35,7 +35,7 @@ class _Null(Backend):
     description = "does nothing (host-overhead measurement)"
     device_types = ("cpu", "cuda")
 
-    def availability(self):
+    def probe(self):
         return None
 
     def build(self, cfg, device):

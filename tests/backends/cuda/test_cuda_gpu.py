@@ -25,22 +25,11 @@ def _backend():
     return BACKEND
 
 
-def _skip_reason():
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    why = _backend().availability()
-    return why
-
-
 @pytest.fixture(autouse=True)
-def _require_cuda_backend(pytestconfig):
+def _require_cuda_backend(require_available):
     """Skip without an sm_90 GPU; fail instead under --kda-require-backends (the GPU machine)."""
-    why = _skip_reason()
-    if why is not None:
-        msg = f"cuda backend unavailable: {why}"
-        if pytestconfig.getoption("--kda-require-backends", default=False):
-            pytest.fail(msg)
-        pytest.skip(msg)
+    require_available("cuda")
+
 
 DEV = torch.device("cuda")
 
