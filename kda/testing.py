@@ -148,11 +148,16 @@ def make_case(spec: CaseSpec, device="cpu") -> KdaArgs:
     live = (src > 0) & (src < slots) & (cslot > 0) & (cslot < slots)
 
     # ---- caches -------------------------------------------------------------------------
+    # The state pool (up to ~1 GiB in the GPU matrix) and the records are built and drawn on
+    # ``device`` with a generator of that device seeded from the spec: deterministic for a
+    # given (spec, device), and no host-side gigabyte per case.
+    dev = torch.device(device)
+    dgen = torch.Generator(device=dev).manual_seed(spec.seed + 7919)
     pad_slot = 64 if spec.padded else 0
-    state_store = torch.full((slots, H * D * D + pad_slot), nan, dtype=torch.float32)
+    state_store = torch.full((slots, H * D * D + pad_slot), nan, dtype=torch.float32, device=dev)
     state = state_store[:, : H * D * D].view(slots, H, D, D)
-    live_src = src[live]
-    state[live_src] = _randn((len(live_src), H, D, D), torch.float32, "cpu", gen, 0.5)
+    live_src = src[live].to(dev)
+    state[live_src] = torch.randn((len(live_src), H, D, D), generator=dgen, device=dev) * 0.5
     cs_dtype = cfg.conv_state_dtype
     pad_cs = 8 if spec.padded else 0
     if cfg.conv_layout == "SD":
@@ -181,8 +186,8 @@ def make_case(spec: CaseSpec, device="cpu") -> KdaArgs:
     norm_weight = _randn((D,), cfg.norm_weight_dtype, "cpu", gen, 0.1, 1.0)
     v_record = kg_record = None
     if cfg.record:
-        v_record = torch.full((slots, H, T, D), nan, dtype=torch.float32)
-        kg_record = torch.full((slots, H, T, 2 * D), nan, dtype=torch.bfloat16)
+        v_record = torch.full((slots, H, T, D), nan, dtype=torch.float32, device=dev)
+        kg_record = torch.full((slots, H, T, 2 * D), nan, dtype=torch.bfloat16, device=dev)
 
     args = KdaArgs(
         x=x, conv_weight=conv_weight, conv_bias=conv_bias, conv_state=conv_state, f_a=f_a,

@@ -3,9 +3,10 @@
 What one cell measures: one decode step of H heads x R requests x T tokens, all live, on a
 state pool much larger than the L2 (``pool_gib``, default 8 GiB on a GPU) with ``sets``
 rotating random slot sets, so every timed step reads its pages from HBM. GPU timings are the
-median of CUDA-event timed CUDA-graph replays (one graph per slot set; eager launches if
-capture fails, recorded as such); the copy bandwidth is measured in the same process (a
-device-to-device copy of ``copy_gib``, bytes read + written), and the floor of a cell is
+median over CUDA-event timed replays of one CUDA graph that runs one step per slot set back
+to back, divided by the number of steps (eager launches if capture fails, recorded as such);
+the copy bandwidth is measured in the same process (a device-to-device copy of
+``copy_gib``, bytes read + written), and the floor of a cell is
 ``kda.testing.step_bytes / copy bandwidth``. On the CPU the cells are wall-clock medians and
 say so: they are not GPU timings.
 """
@@ -132,40 +133,47 @@ def _median_time(fns: List[Callable[[], None]], device: torch.device, iters: int
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts), "cpu-wall"
     torch.cuda.synchronize()
-    runners = fns
+    # One timed unit = the K steps (one per slot set) back to back. In graph mode they are
+    # captured into ONE graph, as a server captures a whole decode step: the launch gaps
+    # between kernels are the device's, not the host's. Before the timed loop the stream is
+    # held by a sleep kernel so that the host queues every unit ahead of the device and no
+    # event brackets host time (with one event pair per single-kernel replay, the host's
+    # replay cost, ~16 us, was measured instead of small kernels).
+    def chain():
+        for f in fns:
+            f()
+    runner = chain
     used = "eager"
     if mode in ("graph", "auto"):
         try:
-            graphs = []
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                for f in fns:          # warm up on the side stream before capture
-                    f()
+                chain()                # warm up on the side stream before capture
             torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize()
-            for f in fns:
-                gr = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(gr):
-                    f()
-                graphs.append(gr)
-            runners = [gr.replay for gr in graphs]
-            used = "graph"
+            gr = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gr):
+                chain()
+            runner = gr.replay
+            used = f"graph of {K} steps"
         except Exception as e:  # noqa: BLE001 - fall back to eager, record why
             if mode == "graph":
                 raise
             used = f"eager (graph capture failed: {type(e).__name__})"
             torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for i in range(min(K, 3)):
-        runners[i % K]()
-    for i in range(iters):
+    units = max(1, iters // K)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(units)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(units)]
+    runner()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)      # ~25 ms at ~2 GHz: the host queues the units meanwhile
+    for i in range(units):
         starts[i].record()
-        runners[i % K]()
+        runner()
         ends[i].record()
     torch.cuda.synchronize()
-    ts = [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
+    ts = [s.elapsed_time(e) / 1e3 / K for s, e in zip(starts, ends)]
     return statistics.median(ts), used
 
 
