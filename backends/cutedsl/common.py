@@ -21,11 +21,15 @@ an item in the phases of ``docs/kda-stream-design.md`` (see also the contract,
   128-255: v channel ``tid-128``) with the window rewritten in place, per-warp sums of q^2
   and k^2, beta, the q/k L2 normalization and the output-gate sigmoids. Then
   :meth:`ItemMath.load_state_regs` moves the state page into registers: thread ``tid`` owns
-  value rows ``tid//4`` and ``tid//4 + 64`` and key columns ``4*(tid%4 + 4c) .. +3`` for
-  c = 0..7.
+  value rows ``tid//8 + 32m`` (m = 0..3) and key columns ``4*(tid%8 + 8c) .. +3`` (c = 0..3).
+  A row's 8 lanes are consecutive, so one warp instruction of the page's loads / stores covers
+  4 rows x 128 contiguous bytes (whole L2 lines). The first version had 4 lanes per row
+  (8 rows x 64 B, half lines, twice the L2 requests per instruction); the CUDA backend's
+  development measured the whole-line layout as its largest single gain.
 * :meth:`ItemMath.phase_b`: the delta-rule recurrence per token (decay, S.k, u, rank-1
-  update, S.q) with row sums reduced in a fixed order (four partial accumulators per row,
-  then the four lanes of the row by butterfly shuffles), o rounded to bf16, the state stores
+  update, S.q) with row sums reduced in a fixed order (two partial accumulators per row, even
+  and odd components, chunks in order; then the eight lanes of the row by butterfly
+  shuffles xor 1, 2, 4), o rounded to bf16, the state stores
   (per token for T > 1) or the record rows, and the gated RMSNorm epilogue.
 
 Both kernels call exactly these methods, so their outputs, states, windows and records are
@@ -150,8 +154,8 @@ class ItemMath:
     def issue_state(self, p, desc):
         """cp.async this thread's 16 chunks of the state page ``state[src, h]`` (if live)."""
         h, src, live = desc[1], desc[2], desc[5]
-        base = p.state + (Int64(src) * p.state_ss + Int64(h * (D * D) + p.row0 * D + 4 * p.l4))
-        offs = [(j * 4096, ((j // 8) * 64 * D + 16 * (j % 8)) * 4) for j in range(16)]
+        base = p.state + (Int64(src) * p.state_ss + Int64(h * (D * D) + p.row0 * D + 4 * p.l8))
+        offs = [(j * 4096, _chunk_offset(j)) for j in range(16)]
         P.cp_async16_multi(p.sb + self.plan.ST + p.tid * 16, base, offs, live)
 
     def issue_operands(self, p, desc):
@@ -470,10 +474,10 @@ class ItemMath:
     # --------------------------------------------------------------------------- phase B
     def _store_state(self, p, slot, h, S, ok):
         """16-byte stores of this thread's 64 state values to state[slot, h] where ``ok``."""
-        base = p.state + (Int64(slot) * p.state_ss + Int64(h * (D * D) + p.row0 * D + 4 * p.l4))
+        base = p.state + (Int64(slot) * p.state_ss + Int64(h * (D * D) + p.row0 * D + 4 * p.l8))
         for j in range(16):
-            off = ((j // 8) * 64 * D + 16 * (j % 8)) * 4
-            P.gst_v4_f32_off(base, off, S[4 * j], S[4 * j + 1], S[4 * j + 2], S[4 * j + 3], ok)
+            P.gst_v4_f32_off(base, _chunk_offset(j), S[4 * j], S[4 * j + 1], S[4 * j + 2],
+                             S[4 * j + 3], ok)
 
     def phase_b(self, p, desc, q, S, ogr):
         """The recurrence over the T tokens, state stores / records, and the epilogue.
@@ -485,57 +489,49 @@ class ItemMath:
         ks, T, pl = self.ks, self.T, self.plan
         r, h, src, cslot = desc[0], desc[1], desc[2], desc[3]
         sb = p.sb
-        colb = p.l4 * 16                      # byte offset of this thread's first column chunk
-        lane_l0 = Int32(p.l4 == 0)
+        colb = p.l8 * 16                      # byte offset of this thread's first column chunk
+        lane_l0 = Int32(p.l8 == 0)
         rec_base = (Int64(cslot) * self.H + Int64(h)) * (T * D)
         for t in range(T):
             tb = t * D * 4
             beta = P.sld_f32(sb + pl.CB + 4 * t)
-            v0 = P.sld_f32(sb + pl.CV + tb + p.row0 * 4)
-            v1 = P.sld_f32(sb + pl.CV + tb + (p.row0 + 64) * 4)
-            acc0 = [None] * 4
-            acc1 = [None] * 4
-            for c in range(8):
-                a4 = P.sld_v4(sb + (pl.CA + tb + 64 * c) + colb)
-                k4 = P.sld_v4(sb + (pl.CK + tb + 64 * c) + colb)
-                for e in range(4):
-                    s0 = P.fmul(S[4 * c + e], a4[e])
-                    s1 = P.fmul(S[32 + 4 * c + e], a4[e])
-                    S[4 * c + e] = s0
-                    S[32 + 4 * c + e] = s1
-                    if (c == 0):
-                        acc0[e] = P.fmul(s0, k4[e])
-                        acc1[e] = P.fmul(s1, k4[e])
-                    else:
-                        acc0[e] = P.ffma(s0, k4[e], acc0[e])
-                        acc1[e] = P.ffma(s1, k4[e], acc1[e])
-            p0 = self._row_reduce(acc0)
-            p1 = self._row_reduce(acc1)
-            u0 = P.fmul(beta, P.fsub(v0, p0))
-            u1 = P.fmul(beta, P.fsub(v1, p1))
-            o0 = [None] * 4
-            o1 = [None] * 4
-            for c in range(8):
-                k4 = P.sld_v4(sb + (pl.CK + tb + 64 * c) + colb)
-                q4 = P.sld_v4(sb + (pl.CQ + tb + 64 * c) + colb)
-                for e in range(4):
-                    s0 = P.ffma(u0, k4[e], S[4 * c + e])
-                    s1 = P.ffma(u1, k4[e], S[32 + 4 * c + e])
-                    S[4 * c + e] = s0
-                    S[32 + 4 * c + e] = s1
-                    if (c == 0):
-                        o0[e] = P.fmul(s0, q4[e])
-                        o1[e] = P.fmul(s1, q4[e])
-                    else:
-                        o0[e] = P.ffma(s0, q4[e], o0[e])
-                        o1[e] = P.ffma(s1, q4[e], o1[e])
-            ob0 = P.bf16_round(self._row_reduce(o0))
-            ob1 = P.bf16_round(self._row_reduce(o1))
-            P.sst_f32(sb + pl.CO + tb + p.row0 * 4, ob0, lane_l0)
-            P.sst_f32(sb + pl.CO + tb + (p.row0 + 64) * 4, ob1, lane_l0)
+            vv = [P.sld_f32(sb + pl.CV + tb + (p.row0 + 32 * m) * 4) for m in range(4)]
+            # S *= alpha; S.k (per row m: partials of the even / odd components, chunks in order)
+            acc = [[None, None] for _ in range(4)]
+            for c in range(4):
+                a4 = P.sld_v4(sb + (pl.CA + tb + 128 * c) + colb)
+                k4 = P.sld_v4(sb + (pl.CK + tb + 128 * c) + colb)
+                for m in range(4):
+                    for e in range(4):
+                        i = 16 * m + 4 * c + e
+                        s_ = P.fmul(S[i], a4[e])
+                        S[i] = s_
+                        if (c == 0 and e < 2):
+                            acc[m][e % 2] = P.fmul(s_, k4[e])
+                        else:
+                            acc[m][e % 2] = P.ffma(s_, k4[e], acc[m][e % 2])
+            u = [P.fmul(beta, P.fsub(vv[m], self._row_reduce(acc[m]))) for m in range(4)]
+            # S += u k^T; S.q
+            o = [[None, None] for _ in range(4)]
+            for c in range(4):
+                k4 = P.sld_v4(sb + (pl.CK + tb + 128 * c) + colb)
+                q4 = P.sld_v4(sb + (pl.CQ + tb + 128 * c) + colb)
+                for m in range(4):
+                    for e in range(4):
+                        i = 16 * m + 4 * c + e
+                        s_ = P.ffma(u[m], k4[e], S[i])
+                        S[i] = s_
+                        if (c == 0 and e < 2):
+                            o[m][e % 2] = P.fmul(s_, q4[e])
+                        else:
+                            o[m][e % 2] = P.ffma(s_, q4[e], o[m][e % 2])
+            for m in range(4):
+                ob = P.bf16_round(self._row_reduce(o[m]))
+                P.sst_f32(sb + pl.CO + tb + (p.row0 + 32 * m) * 4, ob, lane_l0)
             if (ks.record):
-                P.gst_f32(p.vrec + (rec_base + Int64(t * D) + Int64(p.row0)), u0, lane_l0)
-                P.gst_f32(p.vrec + (rec_base + Int64(t * D) + Int64(p.row0 + 64)), u1, lane_l0)
+                for m in range(4):
+                    P.gst_f32(p.vrec + (rec_base + Int64(t * D) + Int64(p.row0 + 32 * m)), u[m],
+                              lane_l0)
             elif (T > 1):
                 dst = P.sld_b32(sb + pl.SL + q * 64 + 4 * t)
                 ok = Int32(dst > 0) & Int32(dst < p.slots)
@@ -547,10 +543,11 @@ class ItemMath:
 
     @staticmethod
     def _row_reduce(acc):
-        """((a0+a1)+(a2+a3)) then the 4 lanes of the row (xor 1, xor 2): same bits in all 4."""
-        x = P.fadd(P.fadd(acc[0], acc[1]), P.fadd(acc[2], acc[3]))
+        """p0 + p1, then the 8 lanes of the row (xor 1, 2, 4): the same bits in all 8."""
+        x = P.fadd(acc[0], acc[1])
         x = P.fadd(x, P.shfl_xor(x, 1))
-        return P.fadd(x, P.shfl_xor(x, 2))
+        x = P.fadd(x, P.shfl_xor(x, 2))
+        return P.fadd(x, P.shfl_xor(x, 4))
 
     def _epilogue(self, p, r, h, ogr):
         """Gated RMSNorm: warp sums of ob^2, then the 4 warps of a token half, fixed order."""
@@ -589,7 +586,13 @@ class ItemMath:
 def thread_coords(tid):
     """Per-thread constants: lane, warp, MMA group/thread-in-group, state row and column lane."""
     return dict(tid=tid, lane=tid & 31, warp=tid >> 5, g=(tid & 31) >> 2, tig=tid & 3,
-                row0=tid >> 2, l4=tid & 3)
+                row0=tid >> 3, l8=tid & 7)
+
+
+def _chunk_offset(j):
+    """Byte offset, from the thread's first element, of its state chunk j = 4m + c (16 bytes:
+    row row0 + 32m, key columns 4*(l8 + 8c) .. +3)."""
+    return ((j // 4) * 32 * D + 32 * (j % 4)) * 4
 
 
 def load_norm_weight(ks: KernelStatic, nw_ptr, tid):

@@ -156,6 +156,12 @@ def cp_async_commit():
     asm("cp.async.commit_group;", [], [], memory=True)
 
 
+def cp_async_wait_group(n: int):
+    """Wait until at most ``n`` of this thread's most recently committed cp.async groups are
+    still pending (``n`` is an immediate)."""
+    asm("cp.async.wait_group %d;" % n, [], [], memory=True)
+
+
 def cp_async_wait_all():
     """Wait for every cp.async of this thread (then a barrier publishes them)."""
     asm("cp.async.wait_all;", [], [], memory=True)

@@ -9,12 +9,14 @@ range ``[i*items // ncta, (i+1)*items // ncta)`` (items = R*H). Schedule per CTA
             load its beta.
   loop n    load item n+1's slot ids (one per lane of warp 0) and item n's per-head
             parameters; item n's gate projection (tensor cores, f_a from global); wait for
-            item n's staging + barrier; phase A of item n (conv, norms); stage item n+1's
-            slot ids; barrier (frees the operand buffers); issue
-            item n+1's operand rows (cp.async) and window / beta register loads; move item
-            n's state page shared -> registers; barrier (frees the state buffer); cp.async
-            item n+1's state page. All of these fly during item n's recurrence and epilogue
-            (phase B, or zeros if item n is dead).
+            item n's operand rows only (cp.async group E(n); its page, group S(n), may still
+            be landing) + barrier; phase A of item n (conv, norms); stage item n+1's slot
+            ids; barrier (frees the operand buffers); issue item n+1's operand rows
+            (cp.async, group E(n+1)) and window / beta register loads; wait for S(n) and move
+            item n's state page shared -> registers; barrier (frees the state buffer);
+            cp.async item n+1's state page (group S(n+1)). All of these fly during item n's
+            recurrence and epilogue (phase B, or zeros if item n is dead) and item n+1's
+            gate projection and phase A.
   end       fence + barrier + ``griddepcontrol.launch_dependents`` (after the prologue instead
             with ``KDA_CUTEDSL_PDL=early``; see ``README.md``).
 
@@ -98,7 +100,13 @@ class KdaStream:
             hp = self.math.head_loads(p, desc[1])
             if live != 0:
                 self.math.gate(p, desc, hp)  # needs no staged data: overlaps the staging
-            P.cp_async_wait_all()
+            # item n's operand rows (group E(n)) must have landed; its state page (S(n), the
+            # most recent group) may still be landing during phase A. The prologue committed
+            # the first item's page and rows as one group: wait for everything there.
+            if n == start:
+                P.cp_async_wait_all()
+            else:
+                P.cp_async_wait_group(1)
             P.bar_sync()
             for i in cutlass.range_constexpr(4):
                 ogr[i] = Float32(0.0)       # not loop-carried: ogr is per item
@@ -110,20 +118,24 @@ class KdaStream:
             nvals, nna = self.math.staged_slot_values(p, q ^ 1)
             self.math.make_desc(p, n + 1, nvalid, nvals, nna, ndesc)
             self.math.issue_operands(p, ndesc)
-            self.math.load_window(p, ndesc, wreg)
+            self.math.load_window(p, ndesc, wreg)   # SD layout: cp.async too
             self.math.load_beta(p, ndesc, wreg)
+            P.cp_async_commit()               # group E(n+1): rows and window history
+            # item n's page (S(n)) must have landed; E(n+1) may stay in flight. Each thread
+            # reads back only the chunks it copied itself: no barrier needed before reading.
+            P.cp_async_wait_group(1)
             # S is written and read inside one branch, so it is never loop-carried
             if live != 0:
                 self.math.load_state_regs(p, S)
                 P.bar_sync()
                 # every thread has read its state chunks: prefetch item n+1's state page
                 self.math.issue_state(p, ndesc)
-                P.cp_async_commit()
+                P.cp_async_commit()           # group S(n+1)
                 self.math.phase_b(p, desc, q, S, ogr)
             else:
                 P.bar_sync()
                 self.math.issue_state(p, ndesc)
-                P.cp_async_commit()
+                P.cp_async_commit()           # group S(n+1)
                 self.math.write_zeros(p, desc)
             q = q ^ 1
 

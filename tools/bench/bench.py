@@ -27,6 +27,7 @@ from absl import app, flags, logging
 
 from kda import registry
 from kda.config import KdaConfig
+from tools import flags as _shared_flags  # noqa: F401  (defines --gate_mode)
 from tools.bench import harness, peers, plot
 
 FLAGS = flags.FLAGS
@@ -40,7 +41,6 @@ flags.DEFINE_list("batches", None, "R values (default GPU: 1,8,32,128,512; CPU: 
 flags.DEFINE_list("tokens", ["1", "2", "5"], "T values")
 flags.DEFINE_enum("gate", "softplus", ["softplus", "bounded"], "gate kind (bounded: lower_bound -5)")
 flags.DEFINE_enum("layout", "SD", ["SD", "DS"], "conv cache layout")
-flags.DEFINE_integer("gate_mode", 0, "gate accumulation order")
 flags.DEFINE_float("pool_gib", None, "state pool size in GiB (default 8 on GPU, 0.5 on CPU)")
 flags.DEFINE_integer("sets", 8, "rotating slot sets")
 flags.DEFINE_integer("iters", None, "timed iterations per cell (default 200 GPU, 5 CPU)")
@@ -65,7 +65,6 @@ for _name in ("heads", "batches", "tokens"):
 for _name in ("sets", "iters", "warmup"):
     flags.register_validator(_name, lambda v, _n=_name: v is None or v >= (0 if _n == "warmup" else 1),
                              message=f"--{_name} must be >= 1 (warmup >= 0)")
-flags.register_validator("gate_mode", lambda v: v in (0, 1), message="--gate_mode must be 0 or 1")
 
 
 def _git_commit() -> str:
@@ -181,7 +180,8 @@ def main(argv):
             "torch": torch.__version__, "python": platform.python_version(),
             "pool_gib": pool, "sets": FLAGS.sets, "iters": iters, "gate": FLAGS.gate,
             "layout": FLAGS.layout, "gate_mode": FLAGS.gate_mode,
-            "timing": "median of CUDA-event timed CUDA-graph replays" if gpu else "CPU wall clock",
+            "timing": ("median over CUDA-event timed replays of one CUDA graph of `sets` steps "
+                       "(one per slot set), divided by `sets`") if gpu else "CPU wall clock",
         }
         path = os.path.join(FLAGS.out_dir, f"bench-{tag}.json")
         with open(path, "w") as f:

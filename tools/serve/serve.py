@@ -33,6 +33,7 @@ from kda.config import KdaConfig
 from kda.testing import TOLERANCES
 from tools.serve import checkpoint as ckpt
 from tools.serve.layer import KdaLayer
+from tools import flags as _shared_flags  # noqa: F401  (defines --gate_mode)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", "", "safetensors file with HF Kimi-Linear parameter names "
@@ -41,7 +42,6 @@ flags.DEFINE_integer("layer", 0, "layer index in the checkpoint's parameter name
 flags.DEFINE_integer("num_heads", 32, "KDA heads on this GPU (Kimi-Linear: 32/16/8/4 at TP 1/2/4/8)")
 flags.DEFINE_integer("tp_rank", 0, "tensor-parallel rank: serves heads [rank*H, (rank+1)*H)")
 flags.DEFINE_float("lower_bound", None, "bounded gate lower bound in [-5, 0) (default: softplus gate)")
-flags.DEFINE_integer("gate_mode", 0, "gate projection accumulation order (0 or 1)")
 flags.DEFINE_enum("conv_layout", "SD", ["SD", "DS"], "conv cache layout")
 flags.DEFINE_float("norm_eps", 1e-5, "gated RMSNorm eps")
 flags.DEFINE_integer("spec_tokens", 1, "T: tokens per request per step (>1: speculative verify)")
@@ -73,7 +73,6 @@ for _name, _check, _msg in (
         ("num_heads", lambda v: v >= 1, "must be >= 1"),
         ("tp_rank", lambda v: v >= 0, "must be >= 0"),
         ("layer", lambda v: v >= 0, "must be >= 0"),
-        ("gate_mode", lambda v: v in (0, 1), "must be 0 or 1"),
         ("arrival_rate", lambda v: v >= 0, "must be >= 0"),
         ("lower_bound", lambda v: v is None or -5.0 <= v < 0.0, "must be in [-5, 0)"),
         ("prompt_len", _range_ok, "must be lo:hi with 1 <= lo <= hi"),

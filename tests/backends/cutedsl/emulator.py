@@ -282,7 +282,8 @@ class CTA:
         self.block = block
         self.smem = np.full(smem_bytes, 0xFF, np.uint8)      # NaN-ish garbage
         self.pending = np.zeros(smem_bytes, bool)
-        self.queue = []
+        self.queue = []          # issued, not yet committed
+        self.groups = []         # committed groups, oldest first
         self.gmem = gmem
         self.barriers = 0
 
@@ -331,11 +332,21 @@ class CTA:
         self.pending[idx] = True
         self.queue.append((idx, data[mask]))
 
-    def wait_all(self):
-        for idx, data in self.queue:
-            self.smem[idx] = data
-            self.pending[idx] = False
+    def commit(self):
+        self.groups.append(self.queue)
         self.queue = []
+
+    def wait_group(self, n):
+        """Complete all but the n most recently committed groups (uncommitted copies stay)."""
+        while len(self.groups) > n:
+            for idx, data in self.groups.pop(0):
+                self.smem[idx] = data
+                self.pending[idx] = False
+
+    def wait_all(self):
+        """cp.async.wait_all = commit_group + wait_group 0."""
+        self.commit()
+        self.wait_group(0)
 
 
 def _bytes_to(data, dtype):
@@ -425,7 +436,16 @@ def _cp_async16_multi(sbase, gbase, offsets, pred):
 
 @_reg("cp_async_commit")
 def _commit():
-    pass
+    if not _active().all():
+        raise EmulationError("cp.async.commit_group emulated only CTA-wide")
+    _cta().commit()
+
+
+@_reg("cp_async_wait_group")
+def _wait_group(n):
+    if not _active().all():
+        raise EmulationError("cp.async.wait_group emulated only CTA-wide")
+    _cta().wait_group(n)
 
 
 @_reg("cp_async_wait_all")

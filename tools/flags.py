@@ -1,0 +1,13 @@
+"""absl flags that more than one tool defines, defined once here.
+
+absl's flag registry is process-wide: two tool modules that each defined ``--gate_mode``
+could not be imported into one process (``python3 -m pytest tests`` imports both the bench's
+and the server's tests). Tools import the shared flags from here instead.
+"""
+
+from absl import flags
+
+GATE_MODE = flags.DEFINE_integer(
+    "gate_mode", 0, "gate projection accumulation order: 0 = one chain over the rank, "
+    "1 = four 32-wide chains summed ((c0+c1)+c2)+c3 (docs/contract.md)")
+flags.register_validator("gate_mode", lambda v: v in (0, 1), message="--gate_mode must be 0 or 1")
