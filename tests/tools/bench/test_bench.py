@@ -16,9 +16,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 
 
 def test_readme_table_is_generated_from_committed_results(monkeypatch):
-    paths = [p for p in sorted(glob.glob(os.path.join(ROOT, "docs", "results", "*", "bench-*.json")))
-             if report.load_run(p)[0]["gpu"]]          # the README shows the GPU runs
-    assert paths
+    runs = [(report.load_run(p)[0]["date"], p)
+            for p in glob.glob(os.path.join(ROOT, "docs", "results", "*", "bench-*.json"))
+            if report.load_run(p)[0]["gpu"]]
+    assert runs
+    paths = [max(runs)[1]]                   # the README shows the newest GPU run
     monkeypatch.chdir(ROOT)
     monkeypatch.delenv("BUILD_WORKSPACE_DIRECTORY", raising=False)
     assert report.main(["--check", *[os.path.relpath(p, ROOT) for p in paths]]) == 0, \
