@@ -5,6 +5,7 @@
                          (use on the GPU machine, where every backend must run)
 --kda-matrix=ci|full     the conformance matrix: small shapes (CI, CPU) or the full one (GPU)
 --kda-device=cpu|cuda    device for the cases (default: cuda when available, else cpu)
+--kda-shard=i/n          only every n-th conformance case, starting at case i (parallel runs)
 """
 
 import pytest
@@ -19,6 +20,19 @@ def pytest_addoption(parser):
     g.addoption("--kda-matrix", default="ci", choices=("ci", "full"),
                 help="conformance matrix size")
     g.addoption("--kda-device", default=None, choices=("cpu", "cuda"), help="device for the cases")
+    g.addoption("--kda-shard", default="0/1", help="i/n: only conformance cases i, i+n, i+2n, ...")
+
+
+def shard_of(config):
+    """(i, n) from ``--kda-shard=i/n``; a malformed value is a usage error."""
+    raw = config.getoption("--kda-shard")
+    try:
+        i, n = (int(v) for v in raw.split("/"))
+        if not 0 <= i < n:
+            raise ValueError
+    except ValueError:
+        raise pytest.UsageError(f"--kda-shard expects i/n with 0 <= i < n, got {raw!r}") from None
+    return i, n
 
 
 def pytest_configure(config):

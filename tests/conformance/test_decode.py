@@ -11,11 +11,13 @@ function than the reference is.
 from kda.reference import reference_compute, reference_step
 from kda.testing import args_to, bits_equal, call_public, clone_args, compare_step, make_case, rel_err
 from tests.conformance.cases import cases
+from tests.conftest import shard_of
 
 
 def pytest_generate_tests(metafunc):  # noqa: D103 - pytest hook
     if "spec" in metafunc.fixturenames:
-        cs = cases(metafunc.config.getoption("--kda-matrix"))
+        i, n = shard_of(metafunc.config)
+        cs = cases(metafunc.config.getoption("--kda-matrix"))[i::n]
         metafunc.parametrize("spec", cs, ids=[c.id for c in cs])
 
 

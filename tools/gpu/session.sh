@@ -3,17 +3,20 @@
 # being timed, within a time budget ($KDA_BUDGET seconds, default 560). There is no Bazel on
 # that machine: plain python3 + pytest from the repo root, after the staged wheels are installed.
 #
-#   1. environment and backend availability; build (or load) the CUDA extension
-#   2. alone: the benchmark (every backend, the Triton launch variants in $KDA_TRITON_VARIANTS,
-#      the fla-core peers; H=32) -> $OUT/bench-h200.json
-#   3. alone: one Nsight Compute profile (speed of light, memory, warp stalls) of each GPU
-#      backend and of fla-core's recurrence at H=32 R=128 T=1 -> logs/ncu.log
-#   4. in parallel (one CPU thread each): the conformance suite once per GPU backend (ci matrix,
-#      every backend required), the per-backend GPU tests, tests/kda + tests/tools, serve runs
-#      checked step for step against the reference, the GPU-scale cases (2**31 offsets,
-#      >65,535 items), the full matrix per backend in two shards
+#   env      environment and backend availability; build (or load) the CUDA extension
+#   bench    alone: the benchmark (the backends in $KDA_GPU_BACKENDS, the Triton launch
+#            variants in $KDA_TRITON_VARIANTS, the fla-core peers; H=32) -> $OUT/bench-h200.json
+#   ncu      alone: one Nsight Compute profile (speed of light, memory, warp stats) per backend
+#            at H=32 R=128 T=1 -> logs/ncu.log
+#   tests    in parallel (one CPU thread each): the conformance suite once per backend (ci
+#            matrix, every backend required), the per-backend GPU tests, tests/kda + tests/tools
+#   serve    serve runs checked step for step against the reference
+#   bigmem   the GPU-scale cases (2**31 offsets, >65,535 items)
+#   full     the full conformance matrix, per backend in $KDA_FULL_SHARDS shards (default 2)
 #
-# $OUT gets summary.txt (last lines also printed), logs.tgz (every log) and bench-h200.json.
+# Stages run in the order above; tests/serve/bigmem/full run together in the background.
+# $KDA_STAGES picks stages (default: all of them). $OUT gets summary.txt (also printed),
+# logs.tgz (every log) and bench-h200.json.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/kda-gpu-out}
@@ -21,6 +24,10 @@ L=$OUT/logs
 mkdir -p "$L"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 KDA_CACHE_DIR=${KDA_CACHE_DIR:-/tmp/kda-cache}
 deadline=$((SECONDS + ${KDA_BUDGET:-560}))
+STAGES=" ${KDA_STAGES:-bench ncu tests serve bigmem full} "
+GPU=${KDA_GPU_BACKENDS:-triton cutedsl cutedsl_wide cuda}
+want() { [[ "$STAGES" == *" $1 "* ]]; }
+has() { [[ " $GPU " == *" $1 "* ]]; }
 left() { local l=$((deadline - SECONDS)); [ $l -lt 5 ] && l=5; echo $l; }
 bg() {  # bg <name> <command...>: run in the background under the deadline, record rc and tail
   local name=$1; shift
@@ -33,7 +40,6 @@ finish() {
   cat "$OUT/summary.txt"
 }
 trap finish EXIT
-GPU="triton cutedsl cutedsl_wide cuda"
 
 python3 - > "$L/env.log" 2>&1 <<'PY'
 import sys, torch, kda
@@ -41,53 +47,66 @@ print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.
 for n, why, d in kda.registry.status():
     print(f"{n:13s}", "available" if why is None else why)
 PY
-cat "$L/env.log" > "$OUT/summary.txt"
+{ echo "stages:$STAGES backends: $GPU"; cat "$L/env.log"; } > "$OUT/summary.txt"
 bg cudabuild python3 -c "
 import time; t = time.time()
 from backends.cuda import build
 print(build.load().__file__, f'ready in {time.time() - t:.1f} s')"
 wait
 
-t0=$SECONDS
-timeout "$(left)" python3 -m tools.bench.bench --backends=all --out_dir="$OUT" --tag=h200 --noplot \
-  --triton_variants="${KDA_TRITON_VARIANTS-item,vsplit2,vsplit4,item_w16_r64}" > "$L/bench.log" 2>&1
-echo "bench rc=$? $((SECONDS - t0))s" >> "$L/_rc"
-tail -n 30 "$L/bench.log" >> "$OUT/summary.txt"
+if want bench; then
+  t0=$SECONDS
+  timeout "$(left)" python3 -m tools.bench.bench --backends="${GPU// /,}" --out_dir="$OUT" --tag=h200 \
+    --noplot --triton_variants="${KDA_TRITON_VARIANTS-item,vsplit2,vsplit4,item_w16_r64}" \
+    > "$L/bench.log" 2>&1
+  echo "bench rc=$? $((SECONDS - t0))s" >> "$L/_rc"
+  tail -n 30 "$L/bench.log" >> "$OUT/summary.txt"
+fi
 
-t0=$SECONDS
-for b in cuda cutedsl cutedsl_wide triton; do
-  echo "=== $b" >> "$L/ncu.log"
-  timeout 60 ncu --clock-control none --launch-skip 2 --launch-count 1 \
-    -k 'regex:kda|Kda|cutlass' --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section WarpStateStats --section Occupancy --section LaunchStats \
-    python3 -m tools.bench.bench --backends="$b" --peers= --batches=128 --tokens=1 --iters=8 \
-    --warmup=0 --mode=eager --noplot >> "$L/ncu.log" 2>&1
-done
-echo "ncu rc=$? $((SECONDS - t0))s" >> "$L/_rc"
+if want ncu; then
+  t0=$SECONDS
+  for b in $GPU; do
+    echo "=== $b" >> "$L/ncu.log"
+    timeout 60 ncu --clock-control none --launch-skip 2 --launch-count 1 \
+      -k 'regex:kda|Kda|cutlass' --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section Occupancy --section LaunchStats \
+      python3 -m tools.bench.bench --backends="$b" --peers= --batches=128 --tokens=1 --iters=8 \
+      --warmup=0 --mode=eager --noplot >> "$L/ncu.log" 2>&1
+  done
+  echo "ncu rc=$? $((SECONDS - t0))s" >> "$L/_rc"
+fi
 
 export OMP_NUM_THREADS=1
-for b in $GPU; do
-  bg "conformance-$b" python3 -m pytest -q -rfE tests/conformance --kda-backends="$b" \
-     --kda-require-backends -m "not bigmem"
-done
-bg backends-cuda python3 -m pytest -q -rfE tests/backends/cuda --kda-require-backends
-bg backends-cutedsl python3 -m pytest -q -rfE tests/backends/cutedsl --kda-require-backends
-bg backends-triton python3 -m pytest -q -rfE tests/backends/triton --kda-require-backends
-bg kda-tools python3 -m pytest -q -rfE tests/kda tests/tools
-bg serve-cutedsl python3 -m tools.serve.serve --kda_backend=cutedsl --check_against=reference \
-   --num_requests=24 --max_batch=16
-bg serve-cuda-T3 python3 -m tools.serve.serve --kda_backend=cuda --check_against=reference \
-   --num_requests=16 --max_batch=8 --spec_tokens=3 --lower_bound=-5
-bg serve-triton-T2 python3 -m tools.serve.serve --kda_backend=triton --check_against=reference \
-   --num_requests=16 --max_batch=8 --spec_tokens=2
-bg serve-wide python3 -m tools.serve.serve --kda_backend=cutedsl_wide --check_against=reference \
-   --num_requests=16 --max_batch=8
-bg bigmem python3 -m pytest -q -rfE tests/conformance -m bigmem --kda-backends="${GPU// /,}" \
-   --kda-require-backends
-for b in $GPU; do
-  bg "full-$b-a" python3 -m pytest -q -rfE tests/conformance/test_decode.py --kda-backends="$b" \
-     --kda-require-backends --kda-matrix=full -k "H1- or H4- or H8- or H12-"
-  bg "full-$b-b" python3 -m pytest -q -rfE tests/conformance/test_decode.py --kda-backends="$b" \
-     --kda-require-backends --kda-matrix=full -k "not (H1- or H4- or H8- or H12-)"
-done
+PYT="python3 -m pytest -q -rfE -p no:cacheprovider --durations=5"
+if want tests; then
+  for b in $GPU; do
+    bg "conformance-$b" $PYT tests/conformance --kda-backends="$b" --kda-require-backends -m "not bigmem"
+  done
+  has cuda && bg backends-cuda $PYT tests/backends/cuda --kda-require-backends
+  { has cutedsl || has cutedsl_wide; } && bg backends-cutedsl $PYT tests/backends/cutedsl --kda-require-backends
+  has triton && bg backends-triton $PYT tests/backends/triton --kda-require-backends
+  bg kda-tools $PYT tests/kda tests/tools
+fi
+if want serve; then
+  has cutedsl && bg serve-cutedsl python3 -m tools.serve.serve --kda_backend=cutedsl \
+     --check_against=reference --num_requests=24 --max_batch=16
+  has cuda && bg serve-cuda-T3 python3 -m tools.serve.serve --kda_backend=cuda \
+     --check_against=reference --num_requests=16 --max_batch=8 --spec_tokens=3 --lower_bound=-5
+  has triton && bg serve-triton-T2 python3 -m tools.serve.serve --kda_backend=triton \
+     --check_against=reference --num_requests=16 --max_batch=8 --spec_tokens=2
+  has cutedsl_wide && bg serve-wide python3 -m tools.serve.serve --kda_backend=cutedsl_wide \
+     --check_against=reference --num_requests=16 --max_batch=8
+fi
+if want bigmem; then
+  bg bigmem $PYT tests/conformance -m bigmem --kda-backends="${GPU// /,}" --kda-require-backends
+fi
+if want full; then
+  n=${KDA_FULL_SHARDS:-2}
+  for b in $GPU; do
+    for ((i = 0; i < n; i++)); do
+      bg "full-$b-$i" $PYT tests/conformance/test_decode.py --kda-backends="$b" \
+         --kda-require-backends --kda-matrix=full --kda-shard="$i/$n"
+    done
+  done
+fi
 wait
