@@ -581,9 +581,15 @@ VARIANTS: Dict[str, Variant] = {v.name: v for v in (
             description="4 programs per item (32 rows each), last-arriver finish, <=96 regs"),
     Variant("persistent", persistent=True, maxnreg=128,
             description="2 programs/SM looping over items"),
-    Variant("chunked", kernel="chunked", bv=32, num_stages=2, num_warps=4,
-            description="one 4-warp program per item, 32-row chunks of the page, pipelined "
-                        "(kda_decode_chunked.py)"),
+    Variant("chunked", kernel="chunked", bv=32, num_stages=2, num_warps=4, maxnreg=88,
+            description="one 4-warp program per item, 32-row chunks of the page, 2-stage "
+                        "pipelined loop, <=88 regs (5 CTAs/SM; kda_decode_chunked.py)"),
+    Variant("chunked_bv16", kernel="chunked", bv=16, num_stages=2, num_warps=4, maxnreg=88,
+            description="chunked with 16-row chunks"),
+    Variant("chunked_s3", kernel="chunked", bv=32, num_stages=3, num_warps=4, maxnreg=88,
+            description="chunked with a 3-stage pipeline"),
+    Variant("chunked_nocap", kernel="chunked", bv=32, num_stages=2, num_warps=4,
+            description="chunked without the register cap"),
 )}
 DEFAULT_VARIANT = "auto"
 

@@ -100,8 +100,8 @@ from backends.triton.kda_decode import (
     _sigmoid, _write_window, interpreter_enabled)
 from kda.config import KdaArgs, KdaConfig
 
-#: fp32 values of scratch per item and token: q̂, k̂, α.
-SCR_PER_TOKEN = 3 * D
+#: fp32 values of scratch per item and token: q̂, k̂, α, y_v.
+SCR_PER_TOKEN = 4 * D
 
 
 @triton.jit
@@ -176,7 +176,7 @@ def _kda_chunked_kernel(
     tt = tl.arange(0, TP)
     tmask = tt < T
     cs_base = cs_ptr + tl.multiple_of(cs64 * stride_cs, 8)
-    scr_item = scr_ptr + item64 * (T * 3 * 128)
+    scr_item = scr_ptr + item64 * (T * 512)
 
     # ---- 2. per item: q, k conv and norms, gate, decay, beta, write slots ------------------
     t2 = tt[:, None]
@@ -191,8 +191,13 @@ def _kda_chunked_kernel(
                     DIM, STRIDE_L, HAS_BIAS, INTERP)
     qh = yq * tl.rsqrt(tl.sum(yq * yq, axis=1) + 1e-6)[:, None] * scale
     kh = yk * tl.rsqrt(tl.sum(yk * yk, axis=1) + 1e-6)[:, None]
-    tl.store(scr_item + t2 * 384 + dd[None, :], qh, mask=m2)
-    tl.store(scr_item + t2 * 384 + 128 + dd[None, :], kh, mask=m2)
+    tl.store(scr_item + t2 * 512 + dd[None, :], qh, mask=m2)
+    tl.store(scr_item + t2 * 512 + 128 + dd[None, :], kh, mask=m2)
+    chv = 2 * DIM + chq                                             # v channels
+    yv = _conv_silu(cs_base + chv * STRIDE_C, x_ptr + chv, stride_x, n0, off,
+                    cw_ptr + 8 * DIM + h * 128 + dd[None, :], cb_ptr + chv, t2, m2,
+                    DIM, STRIDE_L, HAS_BIAS, INTERP)
+    tl.store(scr_item + t2 * 512 + 384 + dd[None, :], yv, mask=m2)
 
     G = _gate_projection(fa_ptr, stride_fa, n0, fb_ptr, h, live, scale * 0.0, T, GATE_MODE,
                          INTERP)                                    # [16, 128] raw gate rg
@@ -201,7 +206,7 @@ def _kda_chunked_kernel(
                    BOUNDED)
     g16 = tl.arange(0, 16)[:, None]
     gmask = (g16 < T) & live
-    tl.store(scr_item + g16 * 384 + 256 + dd[None, :], alpha, mask=gmask)
+    tl.store(scr_item + g16 * 512 + 256 + dd[None, :], alpha, mask=gmask)
     if RECORD:
         # kg_record[conv_slot, h, t] = [bf16 k before the L2 norm | rg before dt_bias]
         kg_rows = kgrec_ptr + (cs64 * (H * T) + h * T) * 256
@@ -223,7 +228,6 @@ def _kda_chunked_kernel(
     # ---- 3. the row loop -------------------------------------------------------------------
     st_page = st_ptr + tl.multiple_of(src64 * stride_st, 4) + h * (128 * 128)
     rows = tl.arange(0, BV)
-    chv0 = 2 * DIM + h * 128                                        # v channels of head h
     for c in tl.range(0, NCHUNK, num_stages=NUM_STAGES):
         vv = c * BV + rows                                          # this chunk's value rows
         st_off = vv[:, None] * 128 + dd[None, :]
@@ -231,27 +235,23 @@ def _kda_chunked_kernel(
             S = tl.load(st_page + st_off, mask=live, other=0.0, eviction_policy="evict_first")
         else:
             S = tl.load(st_page + st_off, mask=live, other=0.0)
-        chv = chv0 + vv
-        vmask = live & (vv < 128)                                   # [BV], all live rows
         for t in tl.static_range(T):
-            yv = _conv_silu(cs_base + chv * STRIDE_C, x_ptr + chv, stride_x, n0, off,
-                            cw_ptr + 8 * DIM + h * 128 + vv, cb_ptr + chv, t, vmask,
-                            DIM, STRIDE_L, HAS_BIAS, INTERP)        # [BV]
+            v_t = tl.load(scr_item + t * 512 + 384 + vv)            # the chunk's rows of y_v
             if T == 1:
                 q_t = q_0
                 k_t = k_0
                 a_t = a_0
                 b_t = tl.sum(bvec, axis=0)
             else:
-                q_t = tl.load(scr_item + t * 384 + dd)
-                k_t = tl.load(scr_item + t * 384 + 128 + dd)
-                a_t = tl.load(scr_item + t * 384 + 256 + dd)
+                q_t = tl.load(scr_item + t * 512 + dd)
+                k_t = tl.load(scr_item + t * 512 + 128 + dd)
+                a_t = tl.load(scr_item + t * 512 + 256 + dd)
                 b_t = tl.sum(tl.where(tt == t, bvec, 0.0), axis=0)
 
             # recurrence on the chunk's rows (V-major: row = value channel, column = key)
             S = S * a_t[None, :]
             Sk = tl.sum(S * k_t[None, :], axis=1)
-            u = b_t * (yv - Sk)
+            u = b_t * (v_t - Sk)
             S = S + u[:, None] * k_t[None, :]
             o = tl.sum(S * q_t[None, :], axis=1)
 
