@@ -29,35 +29,37 @@ the page:
    ``a = clamp(nacc[r], 1, T)``, ``src = state_indices[r, a-1]``, ``conv_slot =
    state_indices[r, 0]``, ``off = a-1``; live iff ``0 < src < slots`` and ``0 < conv_slot <
    slots``; slot offsets in int64.
-2. per item, before the row loop: conv + SiLU of the q and k channels of all T tokens as
-   [TP, 128] tiles (TP = T padded to a power of two), y rounded to bf16, the L2 norms (eps
-   1e-6 on the sum of squares), the gate projection (``_gate_projection``: bf16 operands on
+2. per item, before the row loop: conv + SiLU of the q, k and v channels of all T tokens as
+   [TP, 128] tiles (TP = T padded to a power of two), y rounded to bf16, the L2 norms of q
+   and k (eps 1e-6 on the sum of squares), the gate projection (``_gate_projection``: bf16 operands on
    tensor cores, fp32 accumulation in gate_mode's order, rounded once) and the decay of all
    T tokens (``_decay``), beta of all T tokens (a [TP] vector), the T write slots (a [TP]
    vector); record mode: the kg_record rows.
-   ``q̂_t, k̂_t, α_t`` (fp32, along the key dimension) go to a per-item scratch (``scr``,
-   [items, T, 3, 128] fp32, owned by the step function) and a CTA barrier makes them visible
-   to every thread. Storing the decay cuts the MMA layout of the gate's ``tl.dot`` off from
-   the state chunk (Triton would otherwise convert the chunk into the MMA layout).
-   T=1: the three vectors are read back once, before the loop, and stay in registers (4
-   floats each per thread in the chunk's column layout). T>1: they are re-read per chunk and
-   token (cache hits, 512 bytes each, the same addresses for all 4 warps); holding 3T vectors
-   in registers would cost 12T registers per thread.
+   ``q̂_t, k̂_t, α_t`` (fp32, along the key dimension) and ``y_v,t`` (along the value
+   dimension) go to a per-item scratch (``scr``, [items, T, 4, 128] fp32, owned by the step
+   function) and a CTA barrier makes them visible to every thread. Storing the decay cuts
+   the MMA layout of the gate's ``tl.dot`` off from the state chunk (Triton would otherwise
+   convert the chunk into the MMA layout). T=1: q̂, k̂, α are read back once, before the
+   loop, and stay in registers (4 floats each per thread in the chunk's column layout).
+   T>1: they are re-read per chunk and token (cache hits, 512 bytes each, the same addresses
+   for all 4 warps); holding 3T vectors in registers would cost 12T registers per thread.
+   The chunk's rows of ``y_v,t`` are re-read per chunk and token (BV values). Doing the v
+   conv here rather than per chunk keeps the window reads and the conv's fma chains out of
+   the loop (with the conv in the loop the loop needed ~160-190 registers at T=5..8).
 3. the row loop ``for c in tl.range(0, 128 // BV, num_stages=NUM_STAGES)``: load the
    [BV, 128] chunk of the source page (16-byte loads along the key dimension,
    ``evict_first``; its address depends only on ``src`` and ``c``, loaded/known before the
    loop, so the software pipeliner can prefetch chunk c+1 with async copies while chunk c
    computes); then, for each token t (unrolled: Triton does not pipeline a loop that
-   contains another loop): the conv + SiLU of the chunk's v channels, the recurrence in the
-   reference's order (``S *= α_t``; ``u = β_t (v - S k̂_t)``; ``S += u k̂_tᵀ``; ``o = S q̂_t``),
+   contains another loop): the recurrence in the reference's order (``S *= α_t``; ``u = β_t (v - S k̂_t)``; ``S += u k̂_tᵀ``; ``o = S q̂_t``),
    the chunk's state write (T=1: to ``src``; T>1: to ``state_indices[r, t]`` when that slot
    is valid, in token order; record mode: ``v_record`` rows instead), and ``bf16(o)`` of the
    chunk's rows parked in the item's out row t (overwritten by the result in step 4).
 4. after the loop: a CTA barrier, the gated RMSNorm of all T rows as one [TP, 128] tile
    (``_finish_rows``: it reads the parked o rows, then a barrier, then writes out), and the
    conv window rewrite (``_write_window``: reads w1, w2, a CTA barrier, then the writes; every
-   read of the old window by any thread of the program -- the q/k conv of step 2, the v conv
-   of step 3 -- precedes its writes).
+   read of the old window by any thread of the program -- the conv of step 2 -- precedes
+   its writes).
 
 Dead items (null / out-of-range slots): every load and store is masked by ``live``; the out
 rows get exact zeros (``_finish_rows``), nothing else is written (the scratch is the step
@@ -73,8 +75,17 @@ same thread, so its state lands. The window: see step 4.
 
 The scratch is owned by the step function (grown, never shrunk, refused during CUDA-graph
 capture as the V-split scratch of ``kda_decode``): one step function must not run on two
-streams at once. Its size is ``R * H * T * 1.5 KiB``: 1.2% of the page traffic of an item at
-T=1, less at T>1 (one page write per token).
+streams at once. Its size is ``R * H * T * 2 KiB`` (written and re-read by the same program,
+so mostly L2 traffic; were it all written back to DRAM, 1.6% of an item's page traffic at
+T=1, less at T>1, where every token writes a page).
+
+Registers and pipelining (offline sm_90a compile, :func:`compile_chunked_offline`, Triton
+3.6, BV=32, 2 stages, ``maxnreg=88``: 5 CTAs of 4 warps per SM): T=1 88 registers and no
+stack in both gate modes and conv layouts; T=2 8 bytes of stack, T=5 ~150, T=8 ~200 (ptxas
+hoists the unrolled tokens' loads). Without the cap T=1 needs 80-114 (gate_mode 1 holds
+more accumulators), T=5 158, T=8 194. The TTGIR shows the state chunk loaded by
+``ttg.async_copy_global_to_local`` into a shared-memory ring (16 KiB per stage), together
+with the loop's scratch loads.
 
 Numerics: the contract's rounding points (y, rg, o, out in bf16; everything else fp32), the
 same formulas and operation order as the reference and the ``item`` kernel. On the GPU the
