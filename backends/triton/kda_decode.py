@@ -85,6 +85,10 @@ variant)`` or the environment variable ``KDA_TRITON_VARIANT``):
   (Triton 3.6's software pipeliner leaves this loop alone -- no async copies in the TTGIR with
   ``num_stages=2`` -- because each item's addresses depend on its slot ids loaded in the same
   iteration; the variant is there to measure the cost of the grid alone.)
+* ``chunked`` (and ``chunked_bv16`` / ``chunked_s3`` / ``chunked_nocap``): another kernel,
+  :mod:`backends.triton.kda_decode_chunked`: one 4-warp program per item walking the page in
+  32-row chunks (a software-pipelined loop: the next chunk is prefetched with async copies),
+  <= 88 registers (5 CTAs per SM). Not the default until it is measured.
 * ``auto`` (the default): ``vsplit4`` / ``vsplit2`` when R*H is at most a quarter / half of
   the SM count, else ``item``. Why: at the batch sizes that matter for bandwidth
   (R*H >= thousands) one program per item with the page held in registers is the simplest

@@ -31,10 +31,10 @@ the page:
    slots``; slot offsets in int64.
 2. per item, before the row loop: conv + SiLU of the q, k and v channels of all T tokens as
    [TP, 128] tiles (TP = T padded to a power of two), y rounded to bf16, the L2 norms of q
-   and k (eps 1e-6 on the sum of squares), the gate projection (``_gate_projection``: bf16 operands on
-   tensor cores, fp32 accumulation in gate_mode's order, rounded once) and the decay of all
-   T tokens (``_decay``), beta of all T tokens (a [TP] vector), the T write slots (a [TP]
-   vector); record mode: the kg_record rows.
+   and k (eps 1e-6 on the sum of squares), the gate projection (``_gate_projection``: bf16
+   operands on tensor cores, fp32 accumulation in gate_mode's order, rounded once), the
+   decay of all T tokens (``_decay``), beta of all T tokens (a [TP] vector), the T write
+   slots (a [TP] vector); record mode: the kg_record rows.
    ``q̂_t, k̂_t, α_t`` (fp32, along the key dimension) and ``y_v,t`` (along the value
    dimension) go to a per-item scratch (``scr``, [items, T, 4, 128] fp32, owned by the step
    function) and a CTA barrier makes them visible to every thread. Storing the decay cuts
@@ -45,16 +45,18 @@ the page:
    for all 4 warps); holding 3T vectors in registers would cost 12T registers per thread.
    The chunk's rows of ``y_v,t`` are re-read per chunk and token (BV values). Doing the v
    conv here rather than per chunk keeps the window reads and the conv's fma chains out of
-   the loop (with the conv in the loop the loop needed ~160-190 registers at T=5..8).
+   the loop (with the v conv in the loop, uncapped, T=5 needed 255 registers and spilled;
+   T=1 DS with bias 150).
 3. the row loop ``for c in tl.range(0, 128 // BV, num_stages=NUM_STAGES)``: load the
    [BV, 128] chunk of the source page (16-byte loads along the key dimension,
    ``evict_first``; its address depends only on ``src`` and ``c``, loaded/known before the
    loop, so the software pipeliner can prefetch chunk c+1 with async copies while chunk c
    computes); then, for each token t (unrolled: Triton does not pipeline a loop that
-   contains another loop): the recurrence in the reference's order (``S *= α_t``; ``u = β_t (v - S k̂_t)``; ``S += u k̂_tᵀ``; ``o = S q̂_t``),
-   the chunk's state write (T=1: to ``src``; T>1: to ``state_indices[r, t]`` when that slot
-   is valid, in token order; record mode: ``v_record`` rows instead), and ``bf16(o)`` of the
-   chunk's rows parked in the item's out row t (overwritten by the result in step 4).
+   contains another loop): the recurrence in the reference's order (``S *= α_t``;
+   ``u = β_t (v - S k̂_t)``; ``S += u k̂_tᵀ``; ``o = S q̂_t``), the chunk's state write (T=1:
+   to ``src``; T>1: to ``state_indices[r, t]`` when that slot is valid, in token order;
+   record mode: ``v_record`` rows instead), and ``bf16(o)`` of the chunk's rows parked in
+   the item's out row t (overwritten by the result in step 4).
 4. after the loop: a CTA barrier, the gated RMSNorm of all T rows as one [TP, 128] tile
    (``_finish_rows``: it reads the parked o rows, then a barrier, then writes out), and the
    conv window rewrite (``_write_window``: reads w1, w2, a CTA barrier, then the writes; every

@@ -97,6 +97,24 @@ def test_vsplit_counters_survive_repeated_steps(device):
         assert bool((ctr % 4 == 0).all()), ctr
 
 
+def test_chunked_scratch_across_batch_sizes(device):
+    """One chunked step function, batches of growing and shrinking size: the per-item scratch
+    grows once and is reused (no stale values leak between steps)."""
+    cfg = KdaConfig(num_heads=2, T=3, window=5)
+    step = kd.build_step(cfg, device, "chunked")
+    sizes = []
+    for i, R in enumerate((2, 40, 3)):
+        spec = CaseSpec(cfg, R=R, seed=60 + i)
+        args = make_case(spec, device)
+        before, expected = clone_args(args), clone_args(args)
+        reference_step(cfg, expected)
+        step(args)
+        errors = compare_step(args, expected, before)
+        assert not errors, f"step {i}: " + "\n".join(errors)
+        sizes.append(step._scr.numel())
+    assert sizes[0] < sizes[1] == sizes[2], sizes
+
+
 def test_persistent_tail_and_auto_split(device):
     """Persistent grid whose work count is not a multiple of the grid (tail iterations are
     masked), and the auto variant's choice of row blocks."""
@@ -213,7 +231,7 @@ def test_offline_sm90a_compilation():
 
 
 @pytest.mark.skipif(INTERP or not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("variant", ["item", "vsplit4", "persistent"])
+@pytest.mark.parametrize("variant", ["item", "vsplit4", "persistent", "chunked"])
 def test_cuda_graph_capture(variant):
     cfg = KdaConfig(num_heads=4, T=2, window=4)
     spec = CaseSpec(cfg, R=6, seed=9)
