@@ -85,6 +85,10 @@ variant)`` or the environment variable ``KDA_TRITON_VARIANT``):
   (Triton 3.6's software pipeliner leaves this loop alone -- no async copies in the TTGIR with
   ``num_stages=2`` -- because each item's addresses depend on its slot ids loaded in the same
   iteration; the variant is there to measure the cost of the grid alone.)
+* ``chunked`` (and ``chunked_bv16`` / ``chunked_s3`` / ``chunked_nocap``): another kernel,
+  :mod:`backends.triton.kda_decode_chunked`: one 4-warp program per item walking the page in
+  32-row chunks (a software-pipelined loop: the next chunk is prefetched with async copies),
+  <= 88 registers (5 CTAs per SM). Not the default until it is measured.
 * ``auto`` (the default): ``vsplit4`` / ``vsplit2`` when R*H is at most a quarter / half of
   the SM count, else ``item``. Why: at the batch sizes that matter for bandwidth
   (R*H >= thousands) one program per item with the page held in registers is the simplest
@@ -167,6 +171,22 @@ def _sigmoid(x):
 def _load_f32(ptrs, mask):
     """Load and convert to fp32 right away (the interpreter gets bf16 arithmetic wrong)."""
     return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _decay(g, A, lower_bound, BOUNDED: tl.constexpr):
+    """The decay ``alpha = exp(gk)`` of the gate ``g = rg + dt_bias`` (any shape), with
+    ``gk = lower_bound * sigmoid(A * g)`` (bounded gate) or ``-A * softplus(g)``."""
+    if BOUNDED:
+        gk = lower_bound * _sigmoid(A * g)
+    else:
+        # softplus(g) = g for g > 20, else log1p(exp(g)); log1p(e) = log(u) * e / (u - 1)
+        # with u = 1 + e (exact where u != 1, Goldberg's identity), e itself where u == 1
+        eg = tl.exp(tl.minimum(g, 20.0))
+        u1 = 1.0 + eg
+        log1p_e = tl.where(u1 == 1.0, eg, tl.log(u1) * (eg / (u1 - 1.0)))
+        gk = -A * tl.where(g > 20.0, g, log1p_e)
+    return tl.exp(gk)
 
 
 @triton.jit
@@ -400,16 +420,7 @@ def _kda_work(w, w_ok,
         out_row = out_ptr + _rowoff(n, stride_out) + h * 128
         rg = _load_f32(out_row + dd, live)                          # row t of the gate tile
         g = rg + _load_f32(dtb_ptr + h * 128 + dd, True)
-        if BOUNDED:
-            gk = lower_bound * _sigmoid(A * g)
-        else:
-            # softplus(g) = g for g > 20, else log1p(exp(g)); log1p(e) = log(u) * e / (u - 1)
-            # with u = 1 + e (exact where u != 1, Goldberg's identity), e itself where u == 1
-            eg = tl.exp(tl.minimum(g, 20.0))
-            u1 = 1.0 + eg
-            log1p_e = tl.where(u1 == 1.0, eg, tl.log(u1) * (eg / (u1 - 1.0)))
-            gk = -A * tl.where(g > 20.0, g, log1p_e)
-        alpha = tl.exp(gk)
+        alpha = _decay(g, A, lower_bound, BOUNDED)
         b_t = _sigmoid(tl.load(beta_ptr + n * stride_beta + h, mask=live, other=0.0).to(tl.float32))
 
         # recurrence on this block's rows (V-major: row = value channel, column = key)
@@ -536,6 +547,10 @@ class Variant:
       maxnreg: register cap per thread passed to ptxas when a program owns all 128 rows (None
         = Triton's choice); 128 with 8 warps lets two programs share an SM.
       split_maxnreg: the same for V-split launches (4 warps); 96 fits 5 programs per SM.
+      kernel: "item" (:func:`_kda_decode_kernel`) or "chunked" (the kernel of
+        :mod:`backends.triton.kda_decode_chunked`: one 4-warp program per item walking the
+        page in chunks of ``bv`` value rows, ``num_stages`` pipelining stages of that loop).
+      bv: value rows per chunk of the ``chunked`` kernel.
       description: one line for benchmark tables.
     """
 
@@ -548,6 +563,8 @@ class Variant:
     evict: bool = True
     maxnreg: Optional[int] = None
     split_maxnreg: Optional[int] = None
+    kernel: str = "item"
+    bv: int = 32
     description: str = ""
 
 
@@ -568,6 +585,15 @@ VARIANTS: Dict[str, Variant] = {v.name: v for v in (
             description="4 programs per item (32 rows each), last-arriver finish, <=96 regs"),
     Variant("persistent", persistent=True, maxnreg=128,
             description="2 programs/SM looping over items"),
+    Variant("chunked", kernel="chunked", bv=32, num_stages=2, num_warps=4, maxnreg=88,
+            description="one 4-warp program per item, 32-row chunks of the page, 2-stage "
+                        "pipelined loop, <=88 regs (5 CTAs/SM; kda_decode_chunked.py)"),
+    Variant("chunked_bv16", kernel="chunked", bv=16, num_stages=2, num_warps=4, maxnreg=88,
+            description="chunked with 16-row chunks"),
+    Variant("chunked_s3", kernel="chunked", bv=32, num_stages=3, num_warps=4, maxnreg=88,
+            description="chunked with a 3-stage pipeline"),
+    Variant("chunked_nocap", kernel="chunked", bv=32, num_stages=2, num_warps=4,
+            description="chunked without the register cap"),
 )}
 DEFAULT_VARIANT = "auto"
 
@@ -681,7 +707,7 @@ def resolve_variant(variant: Optional[str] = None) -> Variant:
     return VARIANTS[name]
 
 
-def build_step(cfg: KdaConfig, device, variant: Optional[str] = None) -> TritonStep:
+def build_step(cfg: KdaConfig, device, variant: Optional[str] = None):
     """Build the Triton step function for ``cfg`` on ``device``.
 
     Args:
@@ -690,9 +716,15 @@ def build_step(cfg: KdaConfig, device, variant: Optional[str] = None) -> TritonS
       variant: a key of :data:`VARIANTS`; default ``$KDA_TRITON_VARIANT``, else ``auto``.
 
     Returns:
-      A :class:`TritonStep`: ``step(args: KdaArgs) -> None`` writes in place.
+      A :class:`TritonStep` (or, for the ``chunked`` kernel,
+      :class:`backends.triton.kda_decode_chunked.ChunkedStep`): ``step(args: KdaArgs) -> None``
+      writes in place.
     """
-    return TritonStep(cfg, device, resolve_variant(variant))
+    v = resolve_variant(variant)
+    if v.kernel == "chunked":
+        from backends.triton.kda_decode_chunked import ChunkedStep
+        return ChunkedStep(cfg, device, v)
+    return TritonStep(cfg, device, v)
 
 
 # --------------------------------------------------------------------------------------------
@@ -721,6 +753,10 @@ def compile_offline(cfg: KdaConfig, variant: str = "item", nv: Optional[int] = N
     from triton.compiler import ASTSource
 
     v = resolve_variant(variant)
+    if v.kernel == "chunked":
+        from backends.triton.kda_decode_chunked import compile_chunked_offline
+        return compile_chunked_offline(cfg, v, arch=arch, stride_divisible=stride_divisible,
+                                       **options)
     nv = nv or v.nv or 1
     ptr = {
         "x_ptr": "*bf16", "cw_ptr": "*" + _DT[cfg.conv_weight_dtype], "cb_ptr": "*fp32",

@@ -28,7 +28,7 @@ from kda.testing import CaseSpec, bits_equal, clone_args, compare_step, make_cas
 
 INTERP = kd.interpreter_enabled()
 WRITTEN = ("out", "state", "conv_state", "v_record", "kg_record")
-VARIANTS = ("item", "vsplit2", "vsplit4", "persistent", "item_w16")
+VARIANTS = ("item", "vsplit2", "vsplit4", "persistent", "item_w16", "chunked")
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +97,24 @@ def test_vsplit_counters_survive_repeated_steps(device):
         assert bool((ctr % 4 == 0).all()), ctr
 
 
+def test_chunked_scratch_across_batch_sizes(device):
+    """One chunked step function, batches of growing and shrinking size: the per-item scratch
+    grows once and is reused (no stale values leak between steps)."""
+    cfg = KdaConfig(num_heads=2, T=3, window=5)
+    step = kd.build_step(cfg, device, "chunked")
+    sizes = []
+    for i, R in enumerate((2, 40, 3)):
+        spec = CaseSpec(cfg, R=R, seed=60 + i)
+        args = make_case(spec, device)
+        before, expected = clone_args(args), clone_args(args)
+        reference_step(cfg, expected)
+        step(args)
+        errors = compare_step(args, expected, before)
+        assert not errors, f"step {i}: " + "\n".join(errors)
+        sizes.append(step._scr.numel())
+    assert sizes[0] < sizes[1] == sizes[2], sizes
+
+
 def test_persistent_tail_and_auto_split(device):
     """Persistent grid whose work count is not a multiple of the grid (tail iterations are
     masked), and the auto variant's choice of row blocks."""
@@ -141,6 +159,12 @@ cases = {
     "t2rec": (KdaConfig(num_heads=8, T=2, window=4, record=True,
                         conv_state_dtype=torch.float32), "item"),
     "vsplit4": (KdaConfig(num_heads=32, T=2, window=4), "vsplit4"),
+    "chunked_t1": (KdaConfig(num_heads=32), "chunked"),
+    "chunked_t1ds": (KdaConfig(num_heads=32, conv_layout="DS", gate_mode=1, has_conv_bias=True),
+                     "chunked"),
+    "chunked_t5": (KdaConfig(num_heads=32, T=5, window=7, lower_bound=-5.0), "chunked"),
+    "chunked_t2rec": (KdaConfig(num_heads=8, T=2, window=4, record=True,
+                                conv_state_dtype=torch.float32), "chunked"),
 }
 out = {}
 for name, (cfg, variant) in cases.items():
@@ -156,7 +180,10 @@ for name, (cfg, variant) in cases.items():
         state_ld_v4=len(re.findall(r"ld\.global\.L1::evict_first[.\w:]*\.v4\.b32", ptx)),
         state_st_v4=len(re.findall(r"st\.global\.cs\.v4\.b32", ptx)),
         mma=len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)),
-        atom=len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)))
+        atom=len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)),
+        state_async=len(re.findall(r"ttg\.async_copy_global_to_local .* evictionPolicy = "
+                                   r"evict_first .*tensor<32x128x!tt\.ptr<f32>", g)),
+        cp_async16=len(re.findall(r"cp\.async\.cg\.shared\.global .*, 0x10", ptx)))
 print("RESULT" + json.dumps(out))
 """
 
@@ -184,6 +211,19 @@ def test_offline_sm90a_compilation():
     assert res["t5"]["state_st_v4"] == 16                   # token loop: one page write each
     assert res["t2rec"]["state_st_v4"] == 0                 # record mode: no state write
     assert res["vsplit4"]["atom"] >= 1                      # last-arriver counter
+    # chunked: <= 88 registers (5 CTAs of 4 warps per SM), no spill at T=1, the 32x128 state
+    # chunk prefetched by the software pipeliner (async copies of 16 bytes into shared memory)
+    for name in ("chunked_t1", "chunked_t1ds", "chunked_t5", "chunked_t2rec"):
+        r = res[name]
+        assert r["regs"] <= 88, (name, r)
+        assert r["state_async"] >= 1, (name, r)             # prologue + loop copies
+        assert r["cp_async16"] >= 8, (name, r)
+    for name in ("chunked_t1", "chunked_t1ds"):
+        assert res[name]["stack"] == 0, (name, res[name])
+    assert res["chunked_t5"]["stack"] <= 256, res["chunked_t5"]
+    assert res["chunked_t1"]["state_st_v4"] == 8            # 32x128 chunk: 8 x 16 B per thread
+    assert res["chunked_t5"]["state_st_v4"] == 40           # one chunk write per token
+    assert res["chunked_t2rec"]["state_st_v4"] == 0         # record mode: no state write
     # gate_mode 0: one accumulator chain through the 4 K-slices; gate_mode 1: 4 separate
     # chains (Triton must not fold "acc + dot(a, b, 0)" into "dot(a, b, acc)")
     assert (res["t1"]["dots"], res["t1"]["chained_dots"]) == (4, 3), res["t1"]
@@ -191,7 +231,7 @@ def test_offline_sm90a_compilation():
 
 
 @pytest.mark.skipif(INTERP or not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("variant", ["item", "vsplit4", "persistent"])
+@pytest.mark.parametrize("variant", ["item", "vsplit4", "persistent", "chunked"])
 def test_cuda_graph_capture(variant):
     cfg = KdaConfig(num_heads=4, T=2, window=4)
     spec = CaseSpec(cfg, R=6, seed=9)

@@ -1,0 +1,414 @@
+"""The fused KDA decode step as one Triton launch, "chunked" over value rows, and its host
+wrapper (the ``chunked`` variant of :mod:`backends.triton.kda_decode`).
+
+Contract: ``docs/contract.md`` (section 2 formulas, section 3 rounding points, section 6
+project decisions: liveness, per-token state writes for T>1, record mode, window rewrite,
+64-bit slot offsets). The device helpers (bf16 rounding, fma, the gate projection, the decay,
+the gated RMSNorm epilogue, the window rewrite) are those of ``kda_decode.py``.
+
+Why another kernel
+------------------
+Measured on an H200 (H=32, fraction of the copy-bandwidth floor): the ``item`` kernel (one
+8-warp program per item, the 128x128 fp32 page held in registers, 128 registers) reaches 0.49
+at R=128 T=1, 0.50 at R=512 T=1, 0.36 at R=128 T=5; its V-split variants are slower. Nsight
+Compute (``item``, R=128 T=1): DRAM 41%, L1/TEX 73% (L1-bound: values parked in global memory
+and operands reloaded per token, layout conversions through shared memory), occupancy 25%
+(2 CTAs/SM, register-limited). fla-core's ``fused_recurrent_kda_fwd`` (recurrence only: 4
+programs per item, each a 32x128 fp32 block, 4 warps, ``num_stages=2``, ~32 state floats per
+thread, many CTAs per SM) reaches 0.79.
+
+Work decomposition
+------------------
+The delta-rule update is independent per value row: row v of S evolves with k, q, the decay
+vector, beta and v[v] only; just the gated RMSNorm at the end needs all 128 values of o. So
+one program (4 warps) per item ``(r, h) = divmod(pid, H)`` walks the page in chunks of ``BV``
+value rows, holding only one [BV, 128] fp32 chunk (BV=32: 32 floats per thread) instead of
+the page:
+
+1. slots and liveness (as ``kda_decode``): T=1 ``src = conv_slot = state_indices[r]``; T>1
+   ``a = clamp(nacc[r], 1, T)``, ``src = state_indices[r, a-1]``, ``conv_slot =
+   state_indices[r, 0]``, ``off = a-1``; live iff ``0 < src < slots`` and ``0 < conv_slot <
+   slots``; slot offsets in int64.
+2. per item, before the row loop: conv + SiLU of the q, k and v channels of all T tokens as
+   [TP, 128] tiles (TP = T padded to a power of two), y rounded to bf16, the L2 norms of q
+   and k (eps 1e-6 on the sum of squares), the gate projection (``_gate_projection``: bf16
+   operands on tensor cores, fp32 accumulation in gate_mode's order, rounded once), the
+   decay of all T tokens (``_decay``), beta of all T tokens (a [TP] vector), the T write
+   slots (a [TP] vector); record mode: the kg_record rows.
+   ``q̂_t, k̂_t, α_t`` (fp32, along the key dimension) and ``y_v,t`` (along the value
+   dimension) go to a per-item scratch (``scr``, [items, T, 4, 128] fp32, owned by the step
+   function) and a CTA barrier makes them visible to every thread. Storing the decay cuts
+   the MMA layout of the gate's ``tl.dot`` off from the state chunk (Triton would otherwise
+   convert the chunk into the MMA layout). T=1: q̂, k̂, α are read back once, before the
+   loop, and stay in registers (4 floats each per thread in the chunk's column layout).
+   T>1: they are re-read per chunk and token (cache hits, 512 bytes each, the same addresses
+   for all 4 warps); holding 3T vectors in registers would cost 12T registers per thread.
+   The chunk's rows of ``y_v,t`` are re-read per chunk and token (BV values). Doing the v
+   conv here rather than per chunk keeps the window reads and the conv's fma chains out of
+   the loop (with the v conv in the loop, uncapped, T=5 needed 255 registers and spilled;
+   T=1 DS with bias 150).
+3. the row loop ``for c in tl.range(0, 128 // BV, num_stages=NUM_STAGES)``: load the
+   [BV, 128] chunk of the source page (16-byte loads along the key dimension,
+   ``evict_first``; its address depends only on ``src`` and ``c``, loaded/known before the
+   loop, so the software pipeliner can prefetch chunk c+1 with async copies while chunk c
+   computes); then, for each token t (unrolled: Triton does not pipeline a loop that
+   contains another loop): the recurrence in the reference's order (``S *= α_t``;
+   ``u = β_t (v - S k̂_t)``; ``S += u k̂_tᵀ``; ``o = S q̂_t``), the chunk's state write (T=1:
+   to ``src``; T>1: to ``state_indices[r, t]`` when that slot is valid, in token order;
+   record mode: ``v_record`` rows instead), and ``bf16(o)`` of the chunk's rows parked in
+   the item's out row t (overwritten by the result in step 4).
+4. after the loop: a CTA barrier, the gated RMSNorm of all T rows as one [TP, 128] tile
+   (``_finish_rows``: it reads the parked o rows, then a barrier, then writes out), and the
+   conv window rewrite (``_write_window``: reads w1, w2, a CTA barrier, then the writes; every
+   read of the old window by any thread of the program -- the conv of step 2 -- precedes
+   its writes).
+
+Dead items (null / out-of-range slots): every load and store is masked by ``live``; the out
+rows get exact zeros (``_finish_rows``), nothing else is written (the scratch is the step
+function's own buffer, not touched either).
+
+Aliasing: a token's write slot may be the source slot (T>1), and the window read and write
+ranges overlap. Chunks cover disjoint rows and each chunk is loaded completely (the same
+thread writes an element that it read; with async copies, the wait for chunk c precedes its
+consumers) before any of its rows is written; the pipeliner's prefetch of chunk c+1 (or c+2
+with more stages) reads rows that no earlier iteration wrote, so it always sees the source
+state. Two tokens naming the same write slot: the later token's store is issued later by the
+same thread, so its state lands. The window: see step 4.
+
+The scratch is owned by the step function (grown, never shrunk, refused during CUDA-graph
+capture as the V-split scratch of ``kda_decode``): one step function must not run on two
+streams at once. Its size is ``R * H * T * 2 KiB`` (written and re-read by the same program,
+so mostly L2 traffic; were it all written back to DRAM, 1.6% of an item's page traffic at
+T=1, less at T>1, where every token writes a page).
+
+Registers and pipelining (offline sm_90a compile, :func:`compile_chunked_offline`, Triton
+3.6, BV=32, 2 stages, ``maxnreg=88``: 5 CTAs of 4 warps per SM): T=1 88 registers and no
+stack in both gate modes and conv layouts; T=2 8 bytes of stack, T=5 ~150, T=8 ~200 (ptxas
+hoists the unrolled tokens' loads). Without the cap T=1 needs 80-114 (gate_mode 1 holds
+more accumulators), T=5 158, T=8 194. The TTGIR shows the state chunk loaded by
+``ttg.async_copy_global_to_local`` into a shared-memory ring (16 KiB per stage), together
+with the loop's scratch loads.
+
+Numerics: the contract's rounding points (y, rg, o, out in bf16; everything else fp32), the
+same formulas and operation order as the reference and the ``item`` kernel. On the GPU the
+transcendental functions are Triton's fast ones (allowed by the contract). Under
+``TRITON_INTERPRET=1`` (CPU) the ``INTERP`` constexpr selects the emulations of
+``kda_decode``'s helpers that match the reference: bf16 loads converted to fp32 at once,
+fma emulated in float64 (exact product, one rounding), the gate projection's exact k16
+steps rounded to fp32 and chained in gate_mode's order, integer round-to-nearest-even bf16
+rounding. The interpreter's reductions are numpy's, per row of 128 values whatever the tile,
+so the interpreter results are bit-identical to the other variants' (checked by the tests).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from backends.triton.kda_decode import (
+    D, _DT, _bf16_round, _decay, _finish_rows, _fma, _gate_projection, _load_f32, _rowoff,
+    _sigmoid, _write_window, interpreter_enabled)
+from kda.config import KdaArgs, KdaConfig
+
+#: fp32 values of scratch per item and token: q̂, k̂, α, y_v.
+SCR_PER_TOKEN = 4 * D
+
+
+@triton.jit
+def _conv_silu(c_ptr, xc_ptr, stride_x, n0, off, w_ptr, b_ptr, t, mask,
+               DIM: tl.constexpr, STRIDE_L: tl.constexpr, HAS_BIAS: tl.constexpr,
+               INTERP: tl.constexpr):
+    """``y = bf16(silu(conv))`` of token(s) ``t`` for channels addressed by ``c_ptr`` (window
+    position 0 of each channel), ``xc_ptr`` (x row 0 + channel), ``w_ptr`` (tap 0 weight),
+    ``b_ptr`` (bias): taps over the sequence [w0, w1, w2, x_0, ..]; element p = t + e is window
+    position off + p (p < 3) or token row p - 3. ``t``, ``mask`` and the pointers broadcast
+    together; ``mask`` has the result's shape, or one that broadcasts to it with ``t``."""
+    if HAS_BIAS:
+        acc = _load_f32(b_ptr, mask)
+    else:
+        acc = tl.zeros(mask.shape, dtype=tl.float32)
+    for e in tl.static_range(4):
+        p = t + e
+        s_w = _load_f32(c_ptr + (off + p) * STRIDE_L, mask & (p < 3))
+        s_x = _load_f32(xc_ptr + (n0 + p - 3) * stride_x, mask & (p >= 3))
+        s_e = tl.where(p < 3, s_w, s_x)
+        acc = _fma(s_e, _load_f32(w_ptr + e * DIM, mask), acc, INTERP)
+    return _bf16_round(acc / (1.0 + tl.exp(-acc)), INTERP)
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def _kda_chunked_kernel(
+        x_ptr, stride_x, cw_ptr, cb_ptr, cs_ptr, stride_cs,
+        fa_ptr, stride_fa, fb_ptr, beta_ptr, stride_beta, alog_ptr, dtb_ptr,
+        st_ptr, stride_st, si_ptr, nacc_ptr, og_ptr, stride_og, nw_ptr,
+        out_ptr, stride_out, vrec_ptr, kgrec_ptr, scr_ptr,
+        num_slots, scale, norm_eps, lower_bound,
+        H: tl.constexpr, T: tl.constexpr, L: tl.constexpr, SD: tl.constexpr,
+        HAS_BIAS: tl.constexpr, BOUNDED: tl.constexpr, GATE_MODE: tl.constexpr,
+        RECORD: tl.constexpr, BV: tl.constexpr, NUM_STAGES: tl.constexpr,
+        EVICT: tl.constexpr, INTERP: tl.constexpr):
+    """The fused KDA decode step, one program per item, value rows in chunks of ``BV`` (see
+    the module docstring). Grid: ``R * H`` programs. Pointers: the :class:`KdaArgs` tensors
+    (unused optional ones point at any tensor and are never dereferenced) and the scratch;
+    strides in elements."""
+    DIM: tl.constexpr = H * 128
+    TP: tl.constexpr = 1 if T == 1 else (2 if T == 2 else (4 if T <= 4 else 8))
+    NCHUNK: tl.constexpr = 128 // BV
+    if SD:
+        STRIDE_C: tl.constexpr = 1
+        STRIDE_L: tl.constexpr = 3 * H * 128
+    else:
+        STRIDE_C: tl.constexpr = L
+        STRIDE_L: tl.constexpr = 1
+    item = tl.program_id(0)
+    r = item // H
+    h = item % H
+    r64 = r.to(tl.int64)
+    item64 = item.to(tl.int64)
+
+    # ---- 1. slots and liveness ----------------------------------------------------------
+    if T == 1:
+        src = tl.load(si_ptr + r64)
+        cslot = src
+        off = 0
+    else:
+        a = tl.load(nacc_ptr + r64)
+        a = tl.minimum(tl.maximum(a, 1), T)
+        src = tl.load(si_ptr + r64 * T + (a - 1))
+        cslot = tl.load(si_ptr + r64 * T)
+        off = a - 1
+    live = (src > 0) & (src < num_slots) & (cslot > 0) & (cslot < num_slots)
+    src64 = tl.where(live, src, 0).to(tl.int64)
+    cs64 = tl.where(live, cslot, 0).to(tl.int64)
+    n0 = r64 * T                                                    # first token row
+
+    dd = tl.arange(0, 128)                                          # q/k channel, key column
+    tt = tl.arange(0, TP)
+    tmask = tt < T
+    cs_base = cs_ptr + tl.multiple_of(cs64 * stride_cs, 8)
+    scr_item = scr_ptr + item64 * (T * 512)
+
+    # ---- 2. per item: q, k conv and norms, gate, decay, beta, write slots ------------------
+    t2 = tt[:, None]
+    m2 = tmask[:, None] & live
+    chq = h * 128 + dd[None, :]                                     # q channels of head h
+    chk = DIM + chq                                                 # k channels
+    yq = _conv_silu(cs_base + chq * STRIDE_C, x_ptr + chq, stride_x, n0, off,
+                    cw_ptr + h * 128 + dd[None, :], cb_ptr + chq, t2, m2,
+                    DIM, STRIDE_L, HAS_BIAS, INTERP)                # [TP, 128]
+    yk = _conv_silu(cs_base + chk * STRIDE_C, x_ptr + chk, stride_x, n0, off,
+                    cw_ptr + 4 * DIM + h * 128 + dd[None, :], cb_ptr + chk, t2, m2,
+                    DIM, STRIDE_L, HAS_BIAS, INTERP)
+    qh = yq * tl.rsqrt(tl.sum(yq * yq, axis=1) + 1e-6)[:, None] * scale
+    kh = yk * tl.rsqrt(tl.sum(yk * yk, axis=1) + 1e-6)[:, None]
+    tl.store(scr_item + t2 * 512 + dd[None, :], qh, mask=m2)
+    tl.store(scr_item + t2 * 512 + 128 + dd[None, :], kh, mask=m2)
+    chv = 2 * DIM + chq                                             # v channels
+    yv = _conv_silu(cs_base + chv * STRIDE_C, x_ptr + chv, stride_x, n0, off,
+                    cw_ptr + 8 * DIM + h * 128 + dd[None, :], cb_ptr + chv, t2, m2,
+                    DIM, STRIDE_L, HAS_BIAS, INTERP)
+    tl.store(scr_item + t2 * 512 + 384 + dd[None, :], yv, mask=m2)
+
+    G = _gate_projection(fa_ptr, stride_fa, n0, fb_ptr, h, live, scale * 0.0, T, GATE_MODE,
+                         INTERP)                                    # [16, 128] raw gate rg
+    A = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    alpha = _decay(G + _load_f32(dtb_ptr + h * 128 + dd, True)[None, :], A, lower_bound,
+                   BOUNDED)
+    g16 = tl.arange(0, 16)[:, None]
+    gmask = (g16 < T) & live
+    tl.store(scr_item + g16 * 512 + 256 + dd[None, :], alpha, mask=gmask)
+    if RECORD:
+        # kg_record[conv_slot, h, t] = [bf16 k before the L2 norm | rg before dt_bias]
+        kg_rows = kgrec_ptr + (cs64 * (H * T) + h * T) * 256
+        tl.store(kg_rows + t2 * 256 + dd[None, :], yk.to(tl.bfloat16), mask=m2)
+        tl.store(kg_rows + g16 * 256 + 128 + dd[None, :], G.to(tl.bfloat16), mask=gmask)
+
+    bvec = _sigmoid(tl.load(beta_ptr + (n0 + tt) * stride_beta + h, mask=tmask & live,
+                            other=0.0).to(tl.float32))              # [TP] beta per token
+    if T > 1:
+        tgt = tl.load(si_ptr + n0 + tt, mask=tmask & live, other=0)
+        tgt_ok = live & (tgt > 0) & (tgt < num_slots)
+        tgt64 = tl.where(tgt_ok, tgt, 0).to(tl.int64)               # [TP]; 0 = no write
+    tl.debug_barrier()                       # scratch rows visible to every thread
+    if T == 1:
+        q_0 = tl.load(scr_item + dd)
+        k_0 = tl.load(scr_item + 128 + dd)
+        a_0 = tl.load(scr_item + 256 + dd)
+
+    # ---- 3. the row loop -------------------------------------------------------------------
+    st_page = st_ptr + tl.multiple_of(src64 * stride_st, 4) + h * (128 * 128)
+    rows = tl.arange(0, BV)
+    for c in tl.range(0, NCHUNK, num_stages=NUM_STAGES):
+        vv = c * BV + rows                                          # this chunk's value rows
+        st_off = vv[:, None] * 128 + dd[None, :]
+        if EVICT:
+            S = tl.load(st_page + st_off, mask=live, other=0.0, eviction_policy="evict_first")
+        else:
+            S = tl.load(st_page + st_off, mask=live, other=0.0)
+        for t in tl.static_range(T):
+            v_t = tl.load(scr_item + t * 512 + 384 + vv)            # the chunk's rows of y_v
+            if T == 1:
+                q_t = q_0
+                k_t = k_0
+                a_t = a_0
+                b_t = tl.sum(bvec, axis=0)
+            else:
+                q_t = tl.load(scr_item + t * 512 + dd)
+                k_t = tl.load(scr_item + t * 512 + 128 + dd)
+                a_t = tl.load(scr_item + t * 512 + 256 + dd)
+                b_t = tl.sum(tl.where(tt == t, bvec, 0.0), axis=0)
+
+            # recurrence on the chunk's rows (V-major: row = value channel, column = key)
+            S = S * a_t[None, :]
+            Sk = tl.sum(S * k_t[None, :], axis=1)
+            u = b_t * (v_t - Sk)
+            S = S + u[:, None] * k_t[None, :]
+            o = tl.sum(S * q_t[None, :], axis=1)
+
+            if RECORD:
+                rec = cs64 * (H * T) + h * T + t                 # record row (conv_slot, h, t)
+                tl.store(vrec_ptr + rec * 128 + vv, u, mask=live)
+            else:
+                if T == 1:
+                    dst_slot = src64
+                    valid = live
+                else:
+                    dst_slot = tl.sum(tl.where(tt == t, tgt64, 0), axis=0)
+                    valid = dst_slot > 0
+                dst = st_ptr + tl.multiple_of(dst_slot * stride_st, 4) + h * (128 * 128) + st_off
+                if EVICT:
+                    tl.store(dst, S, mask=valid, cache_modifier=".cs")
+                else:
+                    tl.store(dst, S, mask=valid)
+            # o (bf16 values) parks in out row t until the epilogue
+            tl.store(out_ptr + _rowoff(n0 + t, stride_out) + h * 128 + vv,
+                     _bf16_round(o, INTERP).to(tl.bfloat16), mask=live)
+
+    # ---- 4. gated RMSNorm of all T rows, conv window -----------------------------------------
+    tl.debug_barrier()                       # all o rows are in place
+    _finish_rows(out_ptr + _rowoff(n0, stride_out) + h * 128, stride_out, out_ptr, stride_out,
+                 og_ptr, stride_og, nw_ptr, n0, h, norm_eps, live, True, T, TP, INTERP, False)
+    _write_window(cs_base, x_ptr, stride_x, n0, h, off, live, DIM, T, STRIDE_C, STRIDE_L)
+
+
+# --------------------------------------------------------------------------------------------
+# host wrapper
+# --------------------------------------------------------------------------------------------
+
+class ChunkedStep:
+    """The step function of the ``chunked`` variant for one :class:`KdaConfig` (callable).
+
+    ``step(args)`` launches :func:`_kda_chunked_kernel` once on the current stream (grid
+    ``R * H``). Nothing is read back from the device; the scratch grows (never shrinks) when a
+    larger batch than ever before arrives, refused during CUDA-graph capture (warm up with
+    the largest batch first).
+
+    Raises (at call time):
+      RuntimeError: the scratch must grow while the stream is being captured.
+    """
+
+    def __init__(self, cfg: KdaConfig, device, variant):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.variant = variant
+        self.interp = interpreter_enabled()
+        self._const = dict(
+            H=cfg.num_heads, T=cfg.T, L=cfg.window, SD=cfg.conv_layout == "SD",
+            HAS_BIAS=cfg.has_conv_bias, BOUNDED=cfg.lower_bound is not None,
+            GATE_MODE=cfg.gate_mode, RECORD=cfg.record, BV=variant.bv,
+            NUM_STAGES=variant.num_stages, EVICT=variant.evict, INTERP=self.interp)
+        self._scalars = (float(cfg.scale), float(cfg.norm_eps),
+                         0.0 if cfg.lower_bound is None else float(cfg.lower_bound))
+        self._scr: Optional[torch.Tensor] = None
+
+    def nv_for(self, n_items: int) -> int:
+        """Programs per item (always 1)."""
+        return 1
+
+    def _scratch(self, n_items: int) -> torch.Tensor:
+        need = n_items * self.cfg.T * SCR_PER_TOKEN
+        if self._scr is None or self._scr.numel() < need:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"KDA triton step (chunked): the scratch must grow to {n_items} items "
+                    "during CUDA-graph capture; run one step with the largest batch before "
+                    "capturing")
+            cap = max(n_items, 64) * self.cfg.T * SCR_PER_TOKEN
+            self._scr = torch.empty(cap, dtype=torch.float32, device=self.device)
+        return self._scr
+
+    def __call__(self, args: KdaArgs) -> None:
+        cfg = self.cfg
+        R = args.state_indices.shape[0]
+        if R == 0:
+            return
+        n_items = R * cfg.num_heads
+        v = self.variant
+        opts = {}
+        if v.maxnreg and not self.interp:
+            opts["maxnreg"] = v.maxnreg
+        x = args.x
+        scr = self._scratch(n_items)
+        cb = args.conv_bias if args.conv_bias is not None else x
+        nacc = args.num_accepted_tokens
+        if nacc is None:
+            nacc = args.state_indices
+        vrec = args.v_record if args.v_record is not None else x
+        kgrec = args.kg_record if args.kg_record is not None else x
+        scale, norm_eps, lb = self._scalars
+        _kda_chunked_kernel[(n_items,)](
+            x, x.stride(0), args.conv_weight, cb, args.conv_state, args.conv_state.stride(0),
+            args.f_a, args.f_a.stride(0), args.f_b, args.beta, args.beta.stride(0), args.A_log,
+            args.dt_bias, args.state, args.state.stride(0), args.state_indices, nacc,
+            args.output_gate, args.output_gate.stride(0), args.norm_weight,
+            args.out, args.out.stride(0), vrec, kgrec, scr,
+            args.state.shape[0], scale, norm_eps, lb,
+            num_warps=v.num_warps or 4, num_stages=v.num_stages, **self._const, **opts)
+
+
+def compile_chunked_offline(cfg: KdaConfig, variant, arch: int = 90,
+                            stride_divisible: bool = True, **options):
+    """Compile :func:`_kda_chunked_kernel` for ``cfg`` and the :class:`Variant` ``variant``
+    offline (no GPU), as :func:`backends.triton.kda_decode.compile_offline` does for the
+    other kernel (same arguments and result)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptr = {
+        "x_ptr": "*bf16", "cw_ptr": "*" + _DT[cfg.conv_weight_dtype], "cb_ptr": "*fp32",
+        "cs_ptr": "*" + _DT[cfg.conv_state_dtype], "fa_ptr": "*bf16", "fb_ptr": "*bf16",
+        "beta_ptr": "*bf16", "alog_ptr": "*fp32", "dtb_ptr": "*fp32", "st_ptr": "*fp32",
+        "si_ptr": "*i32", "nacc_ptr": "*i32", "og_ptr": "*bf16",
+        "nw_ptr": "*" + _DT[cfg.norm_weight_dtype], "out_ptr": "*bf16", "vrec_ptr": "*fp32",
+        "kgrec_ptr": "*bf16", "scr_ptr": "*fp32"}
+    strides = ("stride_x", "stride_cs", "stride_fa", "stride_og", "stride_out", "stride_st")
+    consts = dict(
+        H=cfg.num_heads, T=cfg.T, L=cfg.window, SD=cfg.conv_layout == "SD",
+        HAS_BIAS=cfg.has_conv_bias, BOUNDED=cfg.lower_bound is not None, GATE_MODE=cfg.gate_mode,
+        RECORD=cfg.record, BV=variant.bv, NUM_STAGES=variant.num_stages, EVICT=variant.evict,
+        INTERP=False)
+    opts = {"num_warps": variant.num_warps or 4, "num_stages": variant.num_stages}
+    if variant.maxnreg:
+        opts["maxnreg"] = variant.maxnreg
+    opts.update(options)
+    sig, attrs = {}, {}
+    for i, name in enumerate(_kda_chunked_kernel.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ptr:
+            sig[name] = ptr[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("scale", "norm_eps", "lower_bound"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if stride_divisible and name in strides:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=_kda_chunked_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+
+
+__all__ = ["ChunkedStep", "compile_chunked_offline", "SCR_PER_TOKEN"]
