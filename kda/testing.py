@@ -255,37 +255,46 @@ TOLERANCES: Dict[str, Tolerance] = {
 }
 
 
-def written_masks(before: KdaArgs) -> Dict[str, torch.Tensor]:
-    """Per written buffer, the elements the contract lets this step write (CPU bool masks).
+def written_masks(before: KdaArgs, device=None) -> Dict[str, torch.Tensor]:
+    """Per written buffer, the elements the contract lets this step write (bool masks on
+    ``device``, default the CPU; the state / record masks are expanded views).
 
     Derived from the slot ids and accepted counts (not from values): out: everything; state:
     the pages of live items' write slots (none in record mode); conv_state: positions 0..T+1
     of live conv slots; records: the rows of live conv slots.
     """
     from kda.reference import liveness
+    dev = torch.device(device) if device is not None else torch.device("cpu")
     idx = before.state_indices.cpu().long()
     T = 1 if idx.dim() == 1 else idx.shape[1]
     nacc = before.num_accepted_tokens.cpu() if before.num_accepted_tokens is not None else None
     slots = before.state.shape[0]
     src, cslot, _, live = liveness(idx, nacc, slots)
     record = before.v_record is not None
-    masks = {"out": torch.ones(before.out.shape, dtype=torch.bool)}
+    masks = {"out": torch.ones(before.out.shape, dtype=torch.bool, device=dev)}
     st = torch.zeros(slots, dtype=torch.bool)
     if not record:
         targets = src[live] if T == 1 else idx[live].flatten()
         targets = targets[(targets > 0) & (targets < slots)]
         st[targets] = True
-    masks["state"] = st.view(-1, 1, 1, 1).expand(before.state.shape)
+    masks["state"] = st.to(dev).view(-1, 1, 1, 1).expand(before.state.shape)
     cs = torch.zeros(before.conv_state.shape, dtype=torch.bool)
     cs[cslot[live], :, : T + 2] = True
-    masks["conv_state"] = cs
+    masks["conv_state"] = cs.to(dev)
     rows = torch.zeros(slots, dtype=torch.bool)
     rows[cslot[live]] = True
     for name in ("v_record", "kg_record"):
         t = getattr(before, name)
         if t is not None:
-            masks[name] = rows.view(-1, 1, 1, 1).expand(t.shape)
+            masks[name] = rows.to(dev).view(-1, 1, 1, 1).expand(t.shape)
     return masks
+
+
+def _dim0_slices(t: torch.Tensor, elements: int = 1 << 25):
+    """Slices along dim 0 of about ``elements`` elements each (bounds the temporaries)."""
+    per = max(1, t[0].numel()) if t.shape[0] else 1
+    step = max(1, elements // per)
+    return [slice(i, min(t.shape[0], i + step)) for i in range(0, t.shape[0], step)]
 
 
 def compare_step(actual: KdaArgs, expected: KdaArgs, before: KdaArgs,
@@ -297,56 +306,77 @@ def compare_step(actual: KdaArgs, expected: KdaArgs, before: KdaArgs,
     ``before``; (2) the conv window matches the reference exactly; (3) every written element
     of out, state and records is within its :class:`Tolerance`; (4) no NaN where the
     reference has none; (5) out elements the reference set to exact zero (the rows of dead
-    items) are exact zeros.
+    items) are exact zeros. Runs on the buffers' device, a slice of slots at a time.
     """
     tol = dict(TOLERANCES)
     tol.update(tolerances or {})
     errors = []
-    a_out, e_out = actual.out.cpu(), expected.out.cpu()
+    a_out, e_out = actual.out, expected.out
     zero = e_out == 0
     if (a_out[zero] != 0).any() or torch.isnan(a_out[zero]).any():
         errors.append(f"out: {int(((a_out != 0) & zero).sum())} elements are not exact zeros where the "
                       "reference writes zeros (dead items)")
-    masks = written_masks(before)
+    masks = written_masks(before, actual.out.device)
     for name in WRITTEN:
         a, e, b = getattr(actual, name), getattr(expected, name), getattr(before, name)
         if e is None:
             continue
-        a_, e_, b_ = a.cpu(), e.cpu(), b.cpu()
-        a_bits, e_bits, b_bits = _bits(a_), _bits(e_), _bits(b_)
-        wm = masks[name]
-        stray = (e_bits != b_bits) & ~wm
-        if stray.any():   # the reference itself must respect the masks
+        t = tol.get(name)
+        stray = False
+        changed, changed_at = 0, None
+        diff, diff_at = 0, None
+        n_nan = n_bad = n_loose = n_all = 0
+        max_err = 0.0
+        for sl in _dim0_slices(a):
+            a_, e_, b_, wm = a[sl], e[sl], b[sl], masks[name][sl]
+            a_bits, e_bits, b_bits = _bits(a_), _bits(e_), _bits(b_)
+            stray = stray or bool(((e_bits != b_bits) & ~wm).any())
+            ch = (a_bits != b_bits) & ~wm
+            c = int(ch.sum())
+            if c and changed_at is None:
+                first = ch.nonzero()[0].tolist()
+                changed_at = (first[0] + sl.start, *first[1:])
+            changed += c
+            if name == "conv_state":
+                dm = a_bits != e_bits
+                d = int(dm.sum())
+                if d and diff_at is None:
+                    first = dm.nonzero()[0].tolist()
+                    diff_at = (first[0] + sl.start, *first[1:])
+                diff += d
+                continue
+            av, ev = a_.float()[wm], e_.float()[wm]
+            if av.numel() == 0:
+                continue
+            n_all += av.numel()
+            n_nan += int((torch.isnan(av) & ~torch.isnan(ev)).sum())
+            err = (av - ev).abs()
+            fin = torch.isfinite(ev)
+            n_bad += int(((err > t.atol + t.rtol * ev.abs()) & fin).sum())
+            n_loose += int(((err > t.loose_atol + t.loose_rtol * ev.abs()) & fin).sum())
+            max_err = max(max_err, float(torch.nan_to_num(err, nan=0.0).max()))
+        if stray:   # the reference itself must respect the masks
             errors.append(f"{name}: the reference wrote outside the written mask (harness bug)")
-        changed = (a_bits != b_bits) & ~wm
-        if changed.any():
-            errors.append(f"{name}: {int(changed.sum())} elements changed outside what the step may "
-                          f"write (first at {tuple(changed.nonzero()[0].tolist())})")
+        if changed:
+            errors.append(f"{name}: {changed} elements changed outside what the step may "
+                          f"write (first at {changed_at})")
         if name == "conv_state":
-            diff = a_bits != e_bits
-            if diff.any():
-                errors.append(f"conv_state: {int(diff.sum())} window elements differ from the "
-                              f"reference (must be exact; first at {tuple(diff.nonzero()[0].tolist())})")
+            if diff:
+                errors.append(f"conv_state: {diff} window elements differ from the "
+                              f"reference (must be exact; first at {diff_at})")
             continue
-        av, ev = a_.float()[wm], e_.float()[wm]
-        if av.numel() == 0:
+        if n_all == 0:
             continue
-        nan_bad = torch.isnan(av) & ~torch.isnan(ev)
-        if nan_bad.any():
-            errors.append(f"{name}: {int(nan_bad.sum())} NaN where the reference is finite")
+        if n_nan:
+            errors.append(f"{name}: {n_nan} NaN where the reference is finite")
             continue
-        t = tol[name]
-        err = (av - ev).abs()
-        fin = torch.isfinite(ev)
-        bad = (err > t.atol + t.rtol * ev.abs()) & fin
-        loose = (err > t.loose_atol + t.loose_rtol * ev.abs()) & fin
-        frac = bad.float().mean().item()
+        frac = n_bad / n_all
         if frac > t.frac:
             errors.append(f"{name}: {frac:.2%} of written elements beyond atol={t.atol} "
-                          f"rtol={t.rtol} (allowed {t.frac:.2%}); max err {err.max().item():.3g}")
-        if loose.any():
-            errors.append(f"{name}: {int(loose.sum())} elements beyond the loose bound; "
-                          f"max err {err.max().item():.3g}")
+                          f"rtol={t.rtol} (allowed {t.frac:.2%}); max err {max_err:.3g}")
+        if n_loose:
+            errors.append(f"{name}: {n_loose} elements beyond the loose bound; "
+                          f"max err {max_err:.3g}")
     return errors
 
 

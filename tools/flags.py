@@ -11,3 +11,6 @@ GATE_MODE = flags.DEFINE_integer(
     "gate_mode", 0, "gate projection accumulation order: 0 = one chain over the rank, "
     "1 = four 32-wide chains summed ((c0+c1)+c2)+c3 (docs/contract.md)")
 flags.register_validator("gate_mode", lambda v: v in (0, 1), message="--gate_mode must be 0 or 1")
+
+DEVICE = flags.DEFINE_enum("device", "auto", ["auto", "cpu", "cuda"],
+                           "where to run (auto: cuda when available, else cpu)")

@@ -17,6 +17,7 @@ Compiling needs nvcc (CUDA 12.4 or newer, for sm_90a) and ninja; running needs a
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -93,23 +94,35 @@ def load(verbose: bool = False) -> ModuleType:
         if _module is not None:
             return _module
         name, build_dir = module_name(), cache_dir()
-        lib = _built_library(build_dir, name)
-        if lib is None:
-            from torch.utils import cpp_extension
-
-            build_dir.mkdir(parents=True, exist_ok=True)
-            _module = cpp_extension.load(
-                name=name,
-                sources=[str(HERE / s) for s in SOURCES],
-                extra_cflags=CXX_FLAGS,
-                extra_cuda_cflags=CUDA_FLAGS,
-                extra_include_paths=[str(HERE)],
-                build_directory=str(build_dir),
-                verbose=verbose,
-            )
-        else:
-            _module = _import_library(lib, name)
+        build_dir.mkdir(parents=True, exist_ok=True)
+        # One builder per cache directory across processes (server workers, test shards
+        # starting together): the others wait here, then load what it built. Without it a
+        # process could see the library while another process's link was rewriting it
+        # (seen on the H200: "cannot open shared object file").
+        with open(build_dir / ".kda-build.lock", "w") as lock_file:
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+            try:
+                _module = _load_locked(name, build_dir, verbose)
+            finally:
+                fcntl.flock(lock_file, fcntl.LOCK_UN)
         return _module
+
+
+def _load_locked(name: str, build_dir: pathlib.Path, verbose: bool) -> ModuleType:
+    lib = _built_library(build_dir, name)
+    if lib is None:
+        from torch.utils import cpp_extension
+
+        return cpp_extension.load(
+            name=name,
+            sources=[str(HERE / s) for s in SOURCES],
+            extra_cflags=CXX_FLAGS,
+            extra_cuda_cflags=CUDA_FLAGS,
+            extra_include_paths=[str(HERE)],
+            build_directory=str(build_dir),
+            verbose=verbose,
+        )
+    return _import_library(lib, name)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -88,14 +88,15 @@ variant)`` or the environment variable ``KDA_TRITON_VARIANT``):
 * ``chunked`` (and ``chunked_bv16`` / ``chunked_s3`` / ``chunked_nocap``): another kernel,
   :mod:`backends.triton.kda_decode_chunked`: one 4-warp program per item walking the page in
   32-row chunks (a software-pipelined loop: the next chunk is prefetched with async copies),
-  <= 88 registers (5 CTAs per SM). Not the default until it is measured.
-* ``auto`` (the default): ``vsplit4`` / ``vsplit2`` when R*H is at most a quarter / half of
-  the SM count, else ``item``. Why: at the batch sizes that matter for bandwidth
-  (R*H >= thousands) one program per item with the page held in registers is the simplest
-  design with the most bytes in flight per SM (2 resident CTAs x 64 KiB), and the design
-  notes' wide kernel is the same decomposition; splitting only pays when the grid cannot fill
-  the GPU. These thresholds are a prediction, to be replaced by the H200 measurements of
-  ``python3 -m tools.bench.bench --backends=triton --triton_variants=...``.
+  <= 88 registers (5 CTAs per SM).
+* ``auto`` (the default, :class:`AutoStep`): ``chunked`` when R*H is at least the SM count;
+  below that ``vsplit4`` / ``vsplit2`` when R*H is at most a quarter / half of the SM count,
+  else ``item``. Why: on the H200 (2026-11-29, commit 700474b, H=32) ``item`` measured 0.49 /
+  0.50 / 0.36 of the copy-bandwidth floor at R=128 T=1 / R=512 T=1 / R=128 T=5 and every
+  V-split and 16-warp variant was slower at R >= 8; the ``chunked`` kernel is the
+  decomposition of fla-core's recurrence kernel (0.79 at R=128 T=1), see its module. The
+  small-batch choice is the earlier prediction; ``docs/results`` has the measurements
+  (``python3 -m tools.bench.bench --backends=triton --triton_variants=...``).
 
 Numerics: the same rounding points as the reference (y, rg, o, out in bf16; everything else
 fp32). On the GPU the transcendental functions are Triton's fast ones (the contract allows
@@ -707,6 +708,30 @@ def resolve_variant(variant: Optional[str] = None) -> Variant:
     return VARIANTS[name]
 
 
+class AutoStep:
+    """The ``auto`` variant: per call, the ``chunked`` kernel when the batch has at least as many
+    items (R*H) as the device has SMs, else :class:`TritonStep` with the small-batch split.
+
+    The choice uses shapes only (nothing is read from the device), so a CUDA graph captures
+    one kernel per batch size.
+    """
+
+    def __init__(self, cfg: KdaConfig, device, variant: Variant):
+        from backends.triton.kda_decode_chunked import ChunkedStep
+        self.cfg = cfg
+        self.variant = variant
+        self.small = TritonStep(cfg, device, variant)
+        self.large = ChunkedStep(cfg, device, VARIANTS["chunked"])
+
+    def kernel_for(self, n_items: int) -> str:
+        """"chunked" or "item" (the latter with :meth:`TritonStep.nv_for` row blocks)."""
+        return "chunked" if n_items >= self.small.num_sms else "item"
+
+    def __call__(self, args: KdaArgs) -> None:
+        n_items = args.state_indices.shape[0] * self.cfg.num_heads
+        (self.large if self.kernel_for(n_items) == "chunked" else self.small)(args)
+
+
 def build_step(cfg: KdaConfig, device, variant: Optional[str] = None):
     """Build the Triton step function for ``cfg`` on ``device``.
 
@@ -716,11 +741,13 @@ def build_step(cfg: KdaConfig, device, variant: Optional[str] = None):
       variant: a key of :data:`VARIANTS`; default ``$KDA_TRITON_VARIANT``, else ``auto``.
 
     Returns:
-      A :class:`TritonStep` (or, for the ``chunked`` kernel,
+      A :class:`TritonStep` (``auto``: :class:`AutoStep`; the ``chunked`` kernel:
       :class:`backends.triton.kda_decode_chunked.ChunkedStep`): ``step(args: KdaArgs) -> None``
       writes in place.
     """
     v = resolve_variant(variant)
+    if v.name == "auto":
+        return AutoStep(cfg, device, v)
     if v.kernel == "chunked":
         from backends.triton.kda_decode_chunked import ChunkedStep
         return ChunkedStep(cfg, device, v)

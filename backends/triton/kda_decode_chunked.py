@@ -75,9 +75,12 @@ with more stages) reads rows that no earlier iteration wrote, so it always sees 
 state. Two tokens naming the same write slot: the later token's store is issued later by the
 same thread, so its state lands. The window: see step 4.
 
-The scratch is owned by the step function (grown, never shrunk, refused during CUDA-graph
-capture as the V-split scratch of ``kda_decode``): one step function must not run on two
-streams at once. Its size is ``R * H * T * 2 KiB`` (written and re-read by the same program,
+The scratch is one buffer per device shared by every chunked step function (every layer of
+a model), since steps on one stream run one after the other: chunked steps must not run on
+two streams concurrently. It grows when a larger ``R * H * T`` than ever before arrives
+(refused during CUDA-graph capture: warm up with the largest batch first) and the outgrown
+buffers are kept alive, so graphs captured earlier never replay into freed memory. Its size
+is ``R * H * T * 2 KiB`` (written and re-read by the same program,
 so mostly L2 traffic; were it all written back to DRAM, 1.6% of an item's page traffic at
 T=1, less at T>1, where every token writes a page).
 
@@ -115,6 +118,10 @@ from kda.config import KdaArgs, KdaConfig
 
 #: fp32 values of scratch per item and token: q̂, k̂, α, y_v.
 SCR_PER_TOKEN = 4 * D
+
+#: device -> the chunked kernels' scratch buffers, the newest (largest) last; see the module
+#: docstring (shared by all step functions of a device; outgrown ones kept for CUDA graphs).
+_SCRATCH: "dict[torch.device, list[torch.Tensor]]" = {}
 
 
 @triton.jit
@@ -322,23 +329,29 @@ class ChunkedStep:
             NUM_STAGES=variant.num_stages, EVICT=variant.evict, INTERP=self.interp)
         self._scalars = (float(cfg.scale), float(cfg.norm_eps),
                          0.0 if cfg.lower_bound is None else float(cfg.lower_bound))
-        self._scr: Optional[torch.Tensor] = None
 
     def nv_for(self, n_items: int) -> int:
         """Programs per item (always 1)."""
         return 1
 
+    @property
+    def _scr(self) -> Optional[torch.Tensor]:
+        kept = _SCRATCH.get(self.device)
+        return kept[-1] if kept else None
+
     def _scratch(self, n_items: int) -> torch.Tensor:
         need = n_items * self.cfg.T * SCR_PER_TOKEN
-        if self._scr is None or self._scr.numel() < need:
+        scr = self._scr
+        if scr is None or scr.numel() < need:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
-                    f"KDA triton step (chunked): the scratch must grow to {n_items} items "
-                    "during CUDA-graph capture; run one step with the largest batch before "
-                    "capturing")
-            cap = max(n_items, 64) * self.cfg.T * SCR_PER_TOKEN
-            self._scr = torch.empty(cap, dtype=torch.float32, device=self.device)
-        return self._scr
+                    f"KDA triton step (chunked): the shared scratch must grow to {need * 4} "
+                    "bytes during CUDA-graph capture; run one step with the largest batch "
+                    "before capturing")
+            cap = max(need, 2 * (scr.numel() if scr is not None else 0), 64 * SCR_PER_TOKEN)
+            scr = torch.empty(cap, dtype=torch.float32, device=self.device)
+            _SCRATCH.setdefault(self.device, []).append(scr)   # old ones stay alive (graphs)
+        return scr
 
     def __call__(self, args: KdaArgs) -> None:
         cfg = self.cfg

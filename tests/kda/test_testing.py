@@ -8,12 +8,22 @@ item, a shifted window, NaN, nonzero dead rows, a skipped per-token write, the w
 
 import dataclasses
 
+import pytest
 import torch
 
-from kda import reference
+from kda import reference, testing
 from kda.config import KdaConfig
 from kda.reference import reference_step
 from kda.testing import CaseSpec, clone_args, compare_step, make_case
+
+@pytest.fixture(autouse=True, params=["whole", "one-slot-slices"])
+def _slicing(request, monkeypatch):
+    """Every check twice: buffers compared whole, and one dim-0 entry per slice (what the
+    GPU-scale cases do with large pools): the verdicts must not depend on the slicing."""
+    if request.param == "one-slot-slices":
+        orig = testing._dim0_slices
+        monkeypatch.setattr(testing, "_dim0_slices", lambda t: orig(t, elements=1))
+
 
 CFG = KdaConfig(num_heads=2, T=1, window=3)
 CFG_T = KdaConfig(num_heads=2, T=3, window=5)

@@ -87,7 +87,10 @@ def main(argv):
     from rich.table import Table
 
     console = Console()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if FLAGS.device == "auto" else FLAGS.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise app.UsageError("--device=cuda but no CUDA device is available")
     gpu = device.type == "cuda"
     if not gpu:
         console.print("[bold yellow]No CUDA device: these are CPU wall-clock timings, NOT GPU timings.[/]")

@@ -12,7 +12,8 @@
 #            matrix, every backend required), the per-backend GPU tests, tests/kda + tests/tools
 #   serve    serve runs checked step for step against the reference
 #   bigmem   the GPU-scale cases (2**31 offsets, >65,535 items)
-#   full     the full conformance matrix, per backend in $KDA_FULL_SHARDS shards (default 2)
+#   full     the full conformance matrix, per backend in $KDA_FULL_SHARDS shards (default 2),
+#            or the jobs listed in $KDA_FULL_JOBS ("backend:i/n ...", e.g. "cuda:2/3")
 #
 # Stages run in the order above; tests/serve/bigmem/full run together in the background.
 # $KDA_STAGES picks stages (default: all of them). $OUT gets summary.txt (also printed),
@@ -101,12 +102,15 @@ if want bigmem; then
   bg bigmem $PYT tests/conformance -m bigmem --kda-backends="${GPU// /,}" --kda-require-backends
 fi
 if want full; then
-  n=${KDA_FULL_SHARDS:-2}
-  for b in $GPU; do
-    for ((i = 0; i < n; i++)); do
-      bg "full-$b-$i" $PYT tests/conformance/test_decode.py --kda-backends="$b" \
-         --kda-require-backends --kda-matrix=full --kda-shard="$i/$n"
-    done
+  jobs=${KDA_FULL_JOBS:-}
+  if [ -z "$jobs" ]; then
+    n=${KDA_FULL_SHARDS:-2}
+    for b in $GPU; do for ((i = 0; i < n; i++)); do jobs="$jobs $b:$i/$n"; done; done
+  fi
+  for job in $jobs; do          # backend:i/n
+    b=${job%%:*}; sh=${job#*:}
+    bg "full-$b-${sh/\//of}" $PYT tests/conformance/test_decode.py --kda-backends="$b" \
+       --kda-require-backends --kda-matrix=full --kda-shard="$sh"
   done
 fi
 wait

@@ -51,7 +51,6 @@ flags.DEFINE_string("prompt_len", "8:48", "prompt length range lo:hi")
 flags.DEFINE_string("gen_len", "8:24", "generated tokens per request, range lo:hi")
 flags.DEFINE_float("arrival_rate", 0.7, "mean new requests per step")
 flags.DEFINE_integer("seed", 0, "random seed")
-flags.DEFINE_enum("device", "auto", ["auto", "cpu", "cuda"], "where the layer runs")
 flags.DEFINE_string("check_against", "", "also run every step with this backend on copies of the "
                     "caches and require agreement step for step (e.g. reference)")
 flags.DEFINE_float("max_rel_err", 0.05, "fail when a token's layer output is further than this "

@@ -97,11 +97,16 @@ def test_vsplit_counters_survive_repeated_steps(device):
         assert bool((ctr % 4 == 0).all()), ctr
 
 
-def test_chunked_scratch_across_batch_sizes(device):
-    """One chunked step function, batches of growing and shrinking size: the per-item scratch
-    grows once and is reused (no stale values leak between steps)."""
+def test_chunked_scratch_across_batch_sizes(device, monkeypatch):
+    """Chunked step functions, batches of growing and shrinking size: the device's shared
+    scratch grows once and is reused (no stale values leak between steps), a second step
+    function (another layer) shares it, and the outgrown buffer stays alive (CUDA graphs
+    captured before the growth keep valid pointers)."""
+    from backends.triton import kda_decode_chunked as kc
+    monkeypatch.setattr(kc, "_SCRATCH", {})
     cfg = KdaConfig(num_heads=2, T=3, window=5)
     step = kd.build_step(cfg, device, "chunked")
+    other = kd.build_step(KdaConfig(num_heads=4, T=1, window=3), device, "chunked")
     sizes = []
     for i, R in enumerate((2, 40, 3)):
         spec = CaseSpec(cfg, R=R, seed=60 + i)
@@ -113,6 +118,8 @@ def test_chunked_scratch_across_batch_sizes(device):
         assert not errors, f"step {i}: " + "\n".join(errors)
         sizes.append(step._scr.numel())
     assert sizes[0] < sizes[1] == sizes[2], sizes
+    assert other._scr is step._scr
+    assert len(kc._SCRATCH[torch.device(device)]) == 2
 
 
 def test_persistent_tail_and_auto_split(device):
@@ -124,6 +131,11 @@ def test_persistent_tail_and_auto_split(device):
     step = kd.TritonStep(cfg, device, kd.VARIANTS["auto"])
     step.num_sms = 132
     assert [step.nv_for(n) for n in (1, 33, 34, 66, 67, 4096)] == [4, 4, 2, 2, 1, 1]
+    auto = kd.build_step(cfg, device, "auto")
+    assert isinstance(auto, kd.AutoStep)
+    auto.small.num_sms = 132
+    assert [auto.kernel_for(n) for n in (1, 131, 132, 4096)] == ["item", "item", "chunked",
+                                                               "chunked"]
 
 
 def test_variant_selection(monkeypatch):

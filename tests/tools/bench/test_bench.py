@@ -33,7 +33,7 @@ def test_bench_cpu_run_writes_json(tmp_path, capsys):
     try:
         with flagsaver.flagsaver(backends=["reference"], batches=["1", "2"], tokens=["1", "2"],
                                  heads=["2"], iters=1, warmup=0, pool_gib=0.01,
-                                 out_dir=str(tmp_path), tag="t", plot=True):
+                                 out_dir=str(tmp_path), tag="t", plot=True, device="cpu"):
             assert bench.main(["bench"]) == 0
     finally:
         FLAGS.unparse_flags()
