@@ -24,6 +24,9 @@ OUT=${OUT:-/tmp/kda-gpu-out}
 L=$OUT/logs
 mkdir -p "$L"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 KDA_CACHE_DIR=${KDA_CACHE_DIR:-/tmp/kda-cache}
+# The device's copy of the tree may carry a stale .git (seen: a JSON naming an older commit):
+# the commit recorded in the results is $KDA_COMMIT, never read from git there.
+export KDA_COMMIT=${KDA_COMMIT:-unknown}
 deadline=$((SECONDS + ${KDA_BUDGET:-560}))
 STAGES=" ${KDA_STAGES:-bench ncu tests serve bigmem full} "
 GPU=${KDA_GPU_BACKENDS:-triton cutedsl cutedsl_wide cuda}
