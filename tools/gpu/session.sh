@@ -7,7 +7,7 @@
 #   bench    alone: the benchmark (the backends in $KDA_GPU_BACKENDS, the Triton launch
 #            variants in $KDA_TRITON_VARIANTS, the fla-core peers; H=32) -> $OUT/bench-h200.json
 #   ncu      alone: one Nsight Compute profile (speed of light, memory, warp stats) per backend
-#            at H=32 R=128 T=1 -> logs/ncu.log
+#            ($KDA_NCU_BACKENDS, default all) at H=32 R=128 T=1 -> logs/ncu.log
 #   tests    in parallel (one CPU thread each): the conformance suite once per backend (ci
 #            matrix, every backend required), the per-backend GPU tests, tests/kda + tests/tools
 #   serve    serve runs checked step for step against the reference
@@ -69,7 +69,7 @@ fi
 
 if want ncu; then
   t0=$SECONDS
-  for b in $GPU; do
+  for b in ${KDA_NCU_BACKENDS:-$GPU}; do
     echo "=== $b" >> "$L/ncu.log"
     timeout 60 ncu --clock-control none --launch-skip 2 --launch-count 1 \
       -k 'regex:kda|Kda|cutlass' --section SpeedOfLight --section MemoryWorkloadAnalysis \
