@@ -89,8 +89,11 @@ variant)`` or the environment variable ``KDA_TRITON_VARIANT``):
   :mod:`backends.triton.kda_decode_chunked`: one 4-warp program per item walking the page in
   32-row chunks (a software-pipelined loop: the next chunk is prefetched with async copies),
   <= 88 registers (5 CTAs per SM).
-* ``auto`` (the default, :class:`AutoStep`): ``chunked`` when R*H is at least the SM count;
-  below that ``vsplit4`` / ``vsplit2`` when R*H is at most a quarter / half of the SM count,
+* ``auto`` (the default, :class:`AutoStep`): when R*H is at least the SM count, ``chunked``
+  for T <= 2 and ``chunked_bv16`` for T >= 3 (H200, commit 98aac82, H=32: T=5 R=128 / 512
+  0.68 / 0.72 of the floor with 16-row chunks against 0.61 / 0.66 with 32, whose unrolled
+  tokens spill at T=5; T=1 0.75 / 0.80 against 0.71 / 0.76; T=2 0.71 / 0.75 against 0.69 /
+  0.75; T=3, 4 not measured); below that ``vsplit4`` / ``vsplit2`` when R*H is at most a quarter / half of the SM count,
   else ``item``. Why: on the H200 (2026-11-29, commit 700474b, H=32) ``item`` measured 0.49 /
   0.50 / 0.36 of the copy-bandwidth floor at R=128 T=1 / R=512 T=1 / R=128 T=5 and every
   V-split and 16-warp variant was slower at R >= 8; the ``chunked`` kernel is the
@@ -709,8 +712,9 @@ def resolve_variant(variant: Optional[str] = None) -> Variant:
 
 
 class AutoStep:
-    """The ``auto`` variant: per call, the ``chunked`` kernel when the batch has at least as many
-    items (R*H) as the device has SMs, else :class:`TritonStep` with the small-batch split.
+    """The ``auto`` variant: per call, the ``chunked`` kernel (16-row chunks for T >= 3) when the
+    batch has at least as many items (R*H) as the device has SMs, else :class:`TritonStep`
+    with the small-batch split.
 
     The choice uses shapes only (nothing is read from the device), so a CUDA graph captures
     one kernel per batch size.
@@ -721,7 +725,8 @@ class AutoStep:
         self.cfg = cfg
         self.variant = variant
         self.small = TritonStep(cfg, device, variant)
-        self.large = ChunkedStep(cfg, device, VARIANTS["chunked"])
+        self.large = ChunkedStep(cfg, device,
+                                 VARIANTS["chunked" if cfg.T <= 2 else "chunked_bv16"])
 
     def kernel_for(self, n_items: int) -> str:
         """"chunked" or "item" (the latter with :meth:`TritonStep.nv_for` row blocks)."""

@@ -4,18 +4,21 @@
 # that machine: plain python3 + pytest from the repo root, after the staged wheels are installed.
 #
 #   env      environment and backend availability; build (or load) the CUDA extension
-#   bench    alone: the benchmark (the backends in $KDA_GPU_BACKENDS, the Triton launch
+#   bench    alone: the benchmark (the backends in $KDA_BENCH_BACKENDS, default
+#            $KDA_GPU_BACKENDS = every GPU backend; the Triton launch
 #            variants in $KDA_TRITON_VARIANTS, the fla-core peers; H=32) -> $OUT/bench-h200.json
 #   ncu      alone: one Nsight Compute profile (speed of light, memory, warp stats) per backend
 #            ($KDA_NCU_BACKENDS, default all) at H=32 R=128 T=1 -> logs/ncu.log
 #   tests    in parallel (one CPU thread each): the conformance suite once per backend (ci
-#            matrix, every backend required), the per-backend GPU tests, tests/kda + tests/tools
+#            matrix, every backend required), the per-backend GPU tests
+#   kdatools tests/kda + tests/tools
 #   serve    serve runs checked step for step against the reference
 #   bigmem   the GPU-scale cases (2**31 offsets, >65,535 items)
 #   full     the full conformance matrix, per backend in $KDA_FULL_SHARDS shards (default 2),
 #            or the jobs listed in $KDA_FULL_JOBS ("backend:i/n ...", e.g. "cuda:2/3")
 #
-# Stages run in the order above; tests/serve/bigmem/full run together in the background.
+# Stages run in the order above; tests/kdatools/serve/bigmem/full run together in the
+# background.
 # $KDA_STAGES picks stages (default: all of them). $OUT gets summary.txt (also printed),
 # logs.tgz (every log) and bench-h200.json.
 set -uo pipefail
@@ -28,7 +31,7 @@ export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 KDA_CACHE_DIR=${KDA_CACHE_DI
 # the commit recorded in the results is $KDA_COMMIT, never read from git there.
 export KDA_COMMIT=${KDA_COMMIT:-unknown}
 deadline=$((SECONDS + ${KDA_BUDGET:-560}))
-STAGES=" ${KDA_STAGES:-bench ncu tests serve bigmem full} "
+STAGES=" ${KDA_STAGES:-bench ncu tests kdatools serve bigmem full} "
 GPU=${KDA_GPU_BACKENDS:-triton cutedsl cutedsl_wide cuda}
 want() { [[ "$STAGES" == *" $1 "* ]]; }
 has() { [[ " $GPU " == *" $1 "* ]]; }
@@ -60,7 +63,8 @@ wait
 
 if want bench; then
   t0=$SECONDS
-  timeout "$(left)" python3 -m tools.bench.bench --backends="${GPU// /,}" --out_dir="$OUT" --tag=h200 \
+  B=${KDA_BENCH_BACKENDS:-$GPU}
+  timeout "$(left)" python3 -m tools.bench.bench --backends="${B// /,}" --out_dir="$OUT" --tag=h200 \
     --noplot --triton_variants="${KDA_TRITON_VARIANTS-item,vsplit2,vsplit4,item_w16_r64}" \
     > "$L/bench.log" 2>&1
   echo "bench rc=$? $((SECONDS - t0))s" >> "$L/_rc"
@@ -89,6 +93,8 @@ if want tests; then
   has cuda && bg backends-cuda $PYT tests/backends/cuda --kda-require-backends
   { has cutedsl || has cutedsl_wide; } && bg backends-cutedsl $PYT tests/backends/cutedsl --kda-require-backends
   has triton && bg backends-triton $PYT tests/backends/triton --kda-require-backends
+fi
+if want kdatools; then
   bg kda-tools $PYT tests/kda tests/tools
 fi
 if want serve; then

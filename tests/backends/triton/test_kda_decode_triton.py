@@ -28,7 +28,7 @@ from kda.testing import CaseSpec, bits_equal, clone_args, compare_step, make_cas
 
 INTERP = kd.interpreter_enabled()
 WRITTEN = ("out", "state", "conv_state", "v_record", "kg_record")
-VARIANTS = ("item", "vsplit2", "vsplit4", "persistent", "item_w16", "chunked")
+VARIANTS = ("item", "vsplit2", "vsplit4", "persistent", "item_w16", "chunked", "chunked_bv16")
 
 
 @pytest.fixture(scope="module")
