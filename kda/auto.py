@@ -1,9 +1,9 @@
 """How ``auto`` orders the backends for a configuration: a small table from measurements.
 
 On a CUDA device the order comes from :data:`MEASURED`, derived from
-``docs/results/2026-11-29-h200/bench-h200.json`` (NVIDIA H200, H=32, softplus gate, SD conv
-layout, all requests live, 8 GiB pool, CUDA-graph replays): for each measured T, our
-backends ranked by the geometric mean over R in {1, 8, 32, 128, 512} of the median step
+``docs/results/2026-11-29-h200-204b2ff/bench-h200.json`` (NVIDIA H200, H=32, softplus gate, SD
+conv layout, all requests live, 8 GiB pool, CUDA graphs of 8 steps): for each measured T, the
+GPU backends ranked by the geometric mean over R in {1, 8, 32, 128, 512} of the median step
 time. A configuration with an unmeasured T uses the nearest measured T. Backends the table
 does not rank follow in the fixed order :data:`GPU_FALLBACK`; the registry skips whichever
 is unavailable or cannot serve the configuration. ``tests/kda/test_auto.py`` recomputes the
@@ -22,12 +22,12 @@ import torch
 from kda.config import KdaConfig
 
 #: The measurement the table comes from.
-SOURCE = "docs/results/2026-11-29-h200/bench-h200.json"
+SOURCE = "docs/results/2026-11-29-h200-204b2ff/bench-h200.json"
 #: T -> our backends, fastest first (geometric mean of the step time over R, H=32).
 MEASURED: Dict[int, Tuple[str, ...]] = {
-    1: ("cuda", "cutedsl_wide", "cutedsl", "triton", "reference"),
-    2: ("cuda", "cutedsl_wide", "cutedsl", "triton", "reference"),
-    5: ("cuda", "cutedsl_wide", "cutedsl", "triton", "reference"),
+    1: ("cutedsl_wide", "cutedsl", "cuda", "triton"),
+    2: ("cutedsl_wide", "cuda", "cutedsl", "triton"),
+    5: ("cutedsl_wide", "cuda", "cutedsl", "triton"),
 }
 #: Fixed fallback order on a CUDA device for backends the table does not rank.
 GPU_FALLBACK = ("cuda", "cutedsl", "cutedsl_wide", "triton", "reference")

@@ -30,4 +30,5 @@ def test_orders():
     for T in (1, 3, 8):
         order = auto.auto_order(KdaConfig(num_heads=4, T=T, window=T + 2), torch.device("cuda"))
         assert sorted(order) == sorted(registry.BACKEND_NAMES)
-        assert order[0] == "cuda"
+        assert order[0] == "cutedsl_wide"
+        assert order[-1] == "reference"
