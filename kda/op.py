@@ -144,15 +144,25 @@ def kda_decode(
     return out
 
 
+def _meta(t):
+    """What the object form's validation cache compares per argument."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        return (object(),)          # never equal: validates (and raises) every time
+    return (t.dtype, t.shape, t.stride(), t.device)
+
+
 class KdaDecode:
     """A decode step built once for a static configuration and called every step.
 
     Construction resolves the backend and compiles (or loads) its kernel for ``cfg``; a call
     then costs only the launch. Arguments are fully validated on the first call and again
-    whenever any argument's dtype, shape or strides differ from the last validated call
-    (``validate="first"``, the default: a host-side comparison of metadata), or on every call
-    (``validate="always"``: also re-checks devices, alignment and aliasing between buffers,
-    which the default does not re-check while the metadata stays the same).
+    whenever any argument's dtype, shape, strides or device differ from the last validated
+    call (``validate="first"``, the default: a host-side comparison of metadata), or on every
+    call (``validate="always"``: also re-checks alignment and aliasing between buffers, which
+    the default does not re-check while the metadata stays the same: a new ``out`` that
+    overlaps an input, with unchanged shapes, is not caught by the default).
 
     Example::
 
@@ -200,14 +210,18 @@ class KdaDecode:
                  state, state_indices, output_gate, norm_weight, *, num_accepted_tokens=None,
                  v_record=None, kg_record=None, out=None) -> torch.Tensor:
         """Run one step; arguments as :func:`kda_decode` (scalars come from the config)."""
+        if not isinstance(x, torch.Tensor):
+            raise KdaArgumentError("x", f"expected a torch.Tensor, got {type(x).__name__}")
         if out is None:
             out = _alloc_out(x, x.shape[0], self.cfg.dim)
         args = KdaArgs(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias,
                        state, state_indices, num_accepted_tokens, output_gate, norm_weight, out,
                        v_record, kg_record)
-        # dtype, shape and strides of every argument: a change (a new batch size, another
-        # cache layout or window, a bias appearing) validates again; ~4 us on the host.
-        key = tuple(None if t is None else (t.dtype, t.shape, t.stride()) for t in args)
+        # dtype, shape, strides and device of every argument: a change (a new batch size,
+        # another cache layout or window, a bias appearing, a tensor on another device)
+        # validates again; a non-tensor always does (and fails there with a clear message).
+        # Aliasing between arguments is checked only on those validations.
+        key = tuple(_meta(t) for t in args)
         if self._always or key != self._validated_key:
             if x.device != self.device:
                 raise KdaArgumentError("x", f"expected device {self.device} (this KdaDecode's), got {x.device}")

@@ -9,6 +9,7 @@ behaviour is defined by the contract (dead items, clamped counts) instead.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional, Sequence
 
 import torch
@@ -109,11 +110,13 @@ def config_from_args(x, conv_weight, conv_bias, conv_state, state_indices, A_log
     if scale is None:
         scale = D ** -0.5
     for name, val in (("scale", scale), ("norm_eps", norm_eps), ("lower_bound", lower_bound)):
-        if val is not None and (isinstance(val, bool) or not isinstance(val, (int, float))):
+        # numbers.Real: Python and numpy scalars alike (a 0-d tensor would be a device value)
+        if val is not None and (isinstance(val, bool) or not isinstance(val, numbers.Real)):
             raise KdaArgumentError(name, f"expected a float, got {type(val).__name__} {val!r}")
-    if isinstance(gate_mode, bool) or not isinstance(gate_mode, int):
+    if isinstance(gate_mode, bool) or not isinstance(gate_mode, numbers.Integral):
         raise KdaArgumentError("gate_mode", f"expected the int 0 or 1, got {type(gate_mode).__name__} "
                                             f"{gate_mode!r}")
+    gate_mode = int(gate_mode)
     return KdaConfig(
         num_heads=H, T=T, window=conv_state.shape[2], conv_layout=layout,
         lower_bound=None if lower_bound is None else float(lower_bound),
@@ -181,6 +184,13 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
         raise KdaArgumentError("x", f"expected 3*H*D = {3 * dim} channels with head dim D = {D}, "
                                     f"got {x.shape[1]}")
     si = args.state_indices
+    if not isinstance(si, torch.Tensor):
+        raise KdaArgumentError("state_indices", f"expected an int32 tensor, got {type(si).__name__}")
+    want_dims = "[R]" if T == 1 else f"[R, T={T}]"
+    if si.dim() != (1 if T == 1 else 2):
+        raise KdaArgumentError("state_indices", f"expected {want_dims} for T = {T} (T = 1 takes a 1-D "
+                                                f"tensor, verify T > 1 a 2-D one), got shape "
+                                                f"{list(si.shape)}")
     R = si.shape[0]
     N = R * T
     if x.shape[0] != N:
@@ -188,7 +198,7 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
                                     f"got {x.shape[0]}")
     _check_tensor("x", x, (torch.bfloat16,), (N, 3 * dim), dev)
     _check_rows("x", x)
-    _check_tensor("state_indices", si, (torch.int32,), (R,) if si.dim() == 1 else (R, T), dev)
+    _check_tensor("state_indices", si, (torch.int32,), (R,) if T == 1 else (R, T), dev)
     _check_contiguous("state_indices", si)
     if T > 1:
         if args.num_accepted_tokens is None:
@@ -220,7 +230,8 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
         raise KdaArgumentError("state", f"expected a slot stride >= {H * D * D} and a multiple of 4 "
                                         f"elements, got {st.stride(0)}")
     if st.data_ptr() % 16:
-        raise KdaArgumentError("state", "expected 16-byte aligned data")
+        raise KdaArgumentError("state", "expected 16-byte aligned data, got an address "
+                                        f"{st.data_ptr() % 16} bytes past alignment")
     cs = args.conv_state
     if cs.shape[0] != slots:
         raise KdaArgumentError("conv_state", f"mismatched slot counts: expected {slots} slots (as state), "
@@ -235,7 +246,8 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
         raise KdaArgumentError("conv_state", f"expected a slot stride >= {inner} and a multiple of 8 "
                                              f"elements, got {cs.stride(0)}")
     if cs.data_ptr() % 16:
-        raise KdaArgumentError("conv_state", "expected 16-byte aligned data")
+        raise KdaArgumentError("conv_state", "expected 16-byte aligned data, got an address "
+                                             f"{cs.data_ptr() % 16} bytes past alignment")
     _check_tensor("f_a", args.f_a, (torch.bfloat16,), (N, GATE_RANK), dev)
     _check_rows("f_a", args.f_a)
     _check_tensor("f_b", args.f_b, (torch.bfloat16,), (dim, GATE_RANK), dev)

@@ -67,6 +67,8 @@ BAD = [
     ("state-heads", CFG1, lambda a: {"state": a.state[:, :1]}, "state", "shape"),
     ("state_indices-dtype", CFG1, lambda a: {"state_indices": a.state_indices.long()}, "state_indices", "int32"),
     ("state_indices-count", CFG1, lambda a: {"state_indices": a.state_indices[:-1]}, "x", "R*T"),
+    ("state_indices-2d-for-T1", CFG1, lambda a: {"state_indices": a.state_indices.view(-1, 1)},
+     "state_indices", "expected [R] for T = 1"),
     ("num_accepted-missing", CFG2, lambda a: {"num_accepted_tokens": None}, "num_accepted_tokens", "required"),
     ("num_accepted-dtype", CFG2, lambda a: {"num_accepted_tokens": a.num_accepted_tokens.long()},
      "num_accepted_tokens", "dtype"),
@@ -219,3 +221,47 @@ def test_object_form_revalidates_when_a_layout_changes():
         step(**{**kw, "conv_state": dim_first}, num_accepted_tokens=nacc)
     assert ei.value.arg == "conv_state"
     assert bits_equal(a.state, before.state)
+
+
+def _object_kw(a):
+    kw = _kwargs(a)
+    kw.pop("v_record"), kw.pop("kg_record")
+    return kw
+
+
+def test_object_form_rejects_1d_state_indices_for_verify(backend_name, require_backend, kda_device):
+    """A step built for T > 1 given [R] slot ids (the T = 1 form) must refuse, not read
+    state_indices[r*T + t] past its end (found by a new-user trial)."""
+    require_backend(backend_name, CFG2, kda_device)
+    a = make_case(CaseSpec(CFG2, R=2, null_frac=0.0), kda_device)
+    step = kda.KdaDecode(CFG2, device=kda_device, backend=backend_name)
+    kw = _object_kw(a)
+    kw["state_indices"] = a.state_indices[:, 0].contiguous()
+    before = clone_args(a)
+    with pytest.raises(KdaArgumentError) as ei:
+        step(**kw)
+    assert ei.value.arg == "state_indices" and "[R, T=2]" in str(ei.value)
+    _assert_untouched(a, before)
+
+
+@pytest.mark.parametrize("name", ["x", "state_indices", "state", "f_b"])
+def test_object_form_names_a_non_tensor(name):
+    a = make_case(CaseSpec(CFG1, R=2))
+    step = kda.KdaDecode(CFG1, device="cpu", backend="reference")
+    kw = _object_kw(a)
+    step(**kw)                                           # validated once
+    before = clone_args(a)
+    with pytest.raises(KdaArgumentError) as ei:
+        step(**{**kw, name: [1, 2]})
+    assert ei.value.arg == name and "list" in str(ei.value)
+    _assert_untouched(a, before)
+
+
+def test_numpy_scalars_are_accepted():
+    np = pytest.importorskip("numpy")
+    a = make_case(CaseSpec(CFG1, R=2))
+    b = clone_args(a)
+    kda.kda_decode(**_kwargs(a), lower_bound=np.float32(-1.0), gate_mode=np.int64(1),
+                   backend="reference")
+    kda.kda_decode(**_kwargs(b), lower_bound=-1.0, gate_mode=1, backend="reference")
+    assert bits_equal(a.out, b.out) and bits_equal(a.state, b.state)

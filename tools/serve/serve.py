@@ -75,7 +75,9 @@ for _name, _check, _msg in (
         ("arrival_rate", lambda v: v >= 0, "must be >= 0"),
         ("lower_bound", lambda v: v is None or -5.0 <= v < 0.0, "must be in [-5, 0)"),
         ("prompt_len", _range_ok, "must be lo:hi with 1 <= lo <= hi"),
-        ("gen_len", _range_ok, "must be lo:hi with 1 <= lo <= hi")):
+        ("gen_len", _range_ok, "must be lo:hi with 1 <= lo <= hi"),
+        ("check_against", lambda v: v == "" or v in registry.CHOICES,
+         "must be empty or one of " + ", ".join(registry.CHOICES))):
     flags.register_validator(_name, _check, message=f"--{_name} {_msg}")
 
 

@@ -6,6 +6,7 @@ import glob
 import json
 import os
 
+import pytest
 from absl import flags
 from absl.testing import flagsaver
 
@@ -49,3 +50,25 @@ def test_bench_cpu_run_writes_json(tmp_path, capsys):
 def test_host_overhead_measures_every_entry_point():
     res = host_overhead.measure(heads=2, batch=4, tokens=1, calls=20)
     assert len(res) == 3 and all(v > 0 for v in res.values())
+
+
+def test_report_without_a_json_is_a_usage_error(monkeypatch, tmp_path, capsys):
+    """No path used to rewrite the README with an empty table (found by a new-user trial)."""
+    readme = tmp_path / "README.md"
+    readme.write_text(f"x\n{report.BEGIN}\nold\n{report.END}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("BUILD_WORKSPACE_DIRECTORY", raising=False)
+    assert report.main([]) == 2
+    assert report.main(["missing.json"]) == 2
+    assert "old" in readme.read_text()
+    assert "usage" in capsys.readouterr().err
+
+
+def test_bench_flags_are_checked_when_parsed():
+    for bad in (["--backends=nope"], ["--triton_variants=bogus"], ["--pool_gib=0"]):
+        FLAGS.unparse_flags()
+        try:
+            with pytest.raises(flags.IllegalFlagValueError):
+                FLAGS(["bench", *bad])
+        finally:
+            FLAGS.unparse_flags()
