@@ -144,15 +144,6 @@ def kda_decode(
     return out
 
 
-def _meta(t):
-    """What the object form's validation cache compares per argument."""
-    if t is None:
-        return None
-    if not isinstance(t, torch.Tensor):
-        return (object(),)          # never equal: validates (and raises) every time
-    return (t.dtype, t.shape, t.stride(), t.device)
-
-
 class KdaDecode:
     """A decode step built once for a static configuration and called every step.
 
@@ -221,7 +212,10 @@ class KdaDecode:
         # another cache layout or window, a bias appearing, a tensor on another device)
         # validates again; a non-tensor always does (and fails there with a clear message).
         # Aliasing between arguments is checked only on those validations.
-        key = tuple(_meta(t) for t in args)
+        key = tuple(None if t is None else
+                    (t.dtype, t.shape, t.stride(), t.device) if isinstance(t, torch.Tensor) else
+                    (object(),)          # never equal: validates (and raises) every time
+                    for t in args)
         if self._always or key != self._validated_key:
             if x.device != self.device:
                 raise KdaArgumentError("x", f"expected device {self.device} (this KdaDecode's), got {x.device}")
