@@ -134,4 +134,5 @@ class KdaArgs(NamedTuple):
 
     @property
     def num_requests(self) -> int:
+        """R, the batch's request count (``state_indices.shape[0]``; host metadata only)."""
         return self.state_indices.shape[0]

@@ -9,11 +9,18 @@ CUDA-graph capture.
 Two precisions:
 
 * ``"bf16"`` (default): the contract exactly. FP32 everywhere except the four bf16 rounding
-  points. The conv taps are fused multiply-adds, emulated exactly by one float64 product and
-  sum per tap rounded to fp32 (a float32 x float32 product is exact in float64). The gate
-  projection follows ``gate_mode``'s accumulation order: each 16-wide step is summed exactly
-  (float64) and rounded once to fp32, as a tensor-core k16 step does, and the steps are
-  chained in fp32 in the mode's order.
+  points. The conv taps are fused multiply-adds: the float64 product of two fp32 values is
+  exact, the float64 sum with the accumulator keeps its exact rounding error (TwoSum), and
+  the exact result is rounded once to fp32 (:func:`_to_f32_once`: round to odd in float64,
+  then to nearest in fp32, which equals one correct rounding since 53 >= 24 + 2 bits;
+  Boldo & Melquiond, "Emulation of FMA and correctly rounded sums: proved algorithms using
+  rounding to odd", IEEE TC 2008). The gate projection follows ``gate_mode``'s accumulation
+  order: each 16-wide step's products (bf16 x bf16, exact in float64) are summed with
+  compensation (Neumaier: exact error of every addition, the errors summed in float64) and
+  rounded once to fp32 the same way, as a tensor-core k16 step does, and the steps are
+  chained in fp32 in the mode's order. (The compensated sum is exact unless the 15 addition
+  errors themselves span more than ~37 binary orders of magnitude; a plain float64 sum then
+  fp32 rounding rounded twice and was off by one ulp on crafted inputs.)
 * ``"float64"``: the same math in float64 with no bf16 rounding anywhere, for error
   analysis (how far is a backend, and the reference itself, from the exact function).
 
@@ -57,8 +64,59 @@ class ReferenceResult:
     rg: torch.Tensor
 
 
+def _two_sum(a: torch.Tensor, b: torch.Tensor):
+    """(s, err) with s = fl(a + b) and s + err == a + b exactly (float64; Knuth's TwoSum)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def _to_f32_once(s: torch.Tensor, err: torch.Tensor) -> torch.Tensor:
+    """fp32 round-to-nearest-even of the exact value ``s + err`` (float64, ``s = fl(s + err)``).
+
+    ``s`` is first replaced by the exact value rounded to odd in float64 (the neighbour with an
+    odd last bit when ``err`` is nonzero), then rounded to fp32: one correct rounding (see the
+    module docstring for the source)."""
+    odd = (s.contiguous().view(torch.int64) & 1) == 1
+    away = torch.nextafter(s, torch.where(err > 0, torch.full_like(s, float("inf")),
+                                          torch.full_like(s, float("-inf"))))
+    return torch.where((err != 0) & ~odd, away, s).float()
+
+
+def _k16_steps(fb: torch.Tensor, fa: torch.Tensor) -> torch.Tensor:
+    """The 8 k16 steps of the gate projection, each summed with compensation and rounded once
+    to fp32. fb [1, H, 1, D, 8, 16], fa [R, 1, T, 1, 8, 16] (float64, bf16 values) ->
+    [R, H, T, D, 8] fp32. On the CPU the requests go in chunks of ~2 MB per temporary (the
+    ~50 passes over them then stay in cache); the chunking does not change any value."""
+    R = fa.shape[0]
+    per = fb.shape[1] * fa.shape[2] * fb.shape[3] * 8
+    step = R if fa.device.type != "cpu" else max(1, (1 << 18) // per)
+    outs = []
+    for r0 in range(0, R, step):
+        a_ = fa[r0:r0 + step]
+        s = fb[..., 0] * a_[..., 0]
+        comp = torch.zeros_like(s)
+        for j in range(1, 16):
+            s, e = _two_sum(s, fb[..., j] * a_[..., j])
+            comp = comp + e
+        outs.append(_to_f32_once(*_two_sum(s, comp)))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 def liveness(state_indices: torch.Tensor, num_accepted: Optional[torch.Tensor], num_slots: int):
-    """(src, conv_slot, off, live) per request (int64 / bool [R]), by the contract's rule."""
+    """Which slots a request reads, by the contract's liveness rule (section 6).
+
+    Args:
+      state_indices: int [R] (T = 1) or [R, T] (verify) slot ids; any integer dtype.
+      num_accepted: int [R] accepted counts, required with a 2-D ``state_indices`` (clamped
+        to 1..T here), ignored (may be None) with a 1-D one.
+      num_slots: the pool's slot count (ids outside 1..num_slots-1 are dead).
+
+    Returns:
+      (src, conv_slot, off, live): int64 [R] source state slot, conv window slot, window
+      offset a-1 (0 for T = 1), and bool [R] ``0 < src < num_slots and 0 < conv_slot <
+      num_slots``. Device-side only (nothing is read on the host).
+    """
     idx = state_indices.long()
     if idx.dim() == 1:
         src = idx
@@ -122,8 +180,9 @@ def reference_compute(cfg: KdaConfig, args: KdaArgs, precision: str = "bf16") ->
     for e in range(4):
         if exact:
             acc = acc + s[:, :, e:e + T] * w[None, :, e:e + 1]
-        else:  # fma(s, w, acc) in fp32: exact product and sum in float64, rounded once
-            acc = (acc.double() + s[:, :, e:e + T].double() * w[None, :, e:e + 1].double()).float()
+        else:  # fma(s, w, acc) in fp32: exact product, exact sum (value + error), one rounding
+            prod = s[:, :, e:e + T].double() * w[None, :, e:e + 1].double()
+            acc = _to_f32_once(*_two_sum(acc.double(), prod))
     y = rnd(F.silu(acc))                                                 # [R, 3dim, T]
     new_window = torch.cat([s[:, :, 1:3], x.to(ft).transpose(1, 2)], dim=2)  # [R, 3dim, T+2]
 
@@ -138,9 +197,8 @@ def reference_compute(cfg: KdaConfig, args: KdaArgs, precision: str = "bf16") ->
     if exact:
         rg = torch.einsum("hkj,rtj->rhtk", f_b, f_a)
     else:
-        # exact 16-wide partial sums, each rounded once to fp32 (a tensor-core k16 step)
-        part = torch.einsum("hkcj,rtcj->rhtkc", f_b.view(H, D, 8, 16),
-                            f_a.view(R, T, 8, 16)).float()              # [R, H, T, D, 8]
+        # 16-wide partial sums, each rounded once to fp32 (a tensor-core k16 step)
+        part = _k16_steps(f_b.view(1, H, 1, D, 8, 16), f_a.view(R, 1, T, 1, 8, 16))  # [R,H,T,D,8]
         if cfg.gate_mode == 0:
             rg = part[..., 0]
             for c in range(1, 8):
@@ -221,6 +279,13 @@ def reference_step(cfg: KdaConfig, args: KdaArgs) -> None:
 
     Args:
       cfg: static configuration. args: validated tensors (see :class:`kda.config.KdaArgs`).
+
+    Returns:
+      None (everything is written in place).
+
+    Raises:
+      Nothing of its own: validation is the caller's (:func:`kda.validate.validate_args`);
+      unvalidated arguments fail with torch's indexing / shape errors.
     """
     res = reference_compute(cfg, args, "bf16")
     T = cfg.T

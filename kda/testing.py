@@ -48,6 +48,7 @@ class CaseSpec:
 
     @property
     def id(self) -> str:
+        """A readable, unique test id: the config, R and the case's flags and seed."""
         s = f"{self.cfg.short()}-R{self.R}"
         if self.null_frac == 0:
             s += "-nonull"

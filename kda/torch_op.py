@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from kda.op import kda_decode
+from kda.validate import KdaArgumentError
 
 _MUTATED = ("conv_state", "state", "out", "v_record", "kg_record")
 
@@ -69,7 +70,15 @@ def decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias
 
     Same arguments and errors as :func:`kda.kda_decode`, except that ``out`` is required (a
     custom op may not return a tensor aliasing its inputs, so the op writes into ``out``).
+
+    Raises:
+      KdaArgumentError: ``out`` is not a tensor (checked before anything runs: without it the
+        caches would advance and the step's output be lost), or any error of
+        :func:`kda.kda_decode`.
     """
+    if not isinstance(out, torch.Tensor):
+        raise KdaArgumentError("out", "required by the custom op: expected a bfloat16 tensor "
+                                      f"[R*T, H*128] to write into, got {type(out).__name__}")
     torch.ops.kda.decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias,
                          state, state_indices, num_accepted_tokens, output_gate, norm_weight, out,
                          v_record, kg_record, 128 ** -0.5 if scale is None else float(scale),

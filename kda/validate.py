@@ -127,7 +127,19 @@ def config_from_args(x, conv_weight, conv_bias, conv_state, state_indices, A_log
 
 
 def validate_config(cfg: KdaConfig) -> None:
-    """Check the static configuration's scalars and ranges."""
+    """Check the static configuration's scalars and ranges (host only, nothing written).
+
+    Args:
+      cfg: the configuration (:class:`kda.config.KdaConfig`).
+
+    Raises:
+      KdaArgumentError: named after the call argument the field comes from (``A_log`` for
+        num_heads, ``state_indices`` for T, ``conv_state`` for the window, layout and cache
+        dtype, ``lower_bound``, ``gate_mode``, ``scale``, ``norm_eps``, ``conv_weight``,
+        ``norm_weight``): non-int counts, H < 1, T < 1, a window shorter than T + 2, an
+        unknown layout, lower_bound outside [-5, 0), gate_mode not 0/1, a non-finite or
+        non-positive scale / norm_eps, unsupported dtypes.
+    """
     for name, arg in (("num_heads", "A_log"), ("T", "state_indices"), ("window", "conv_state"),
                       ("gate_mode", "gate_mode")):
         val = getattr(cfg, name)

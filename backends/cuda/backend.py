@@ -24,6 +24,14 @@ MAX_T = 8
 
 
 class CudaBackend(Backend):
+    """The ``cuda`` backend: the CUDA C++ extension (``kda_decode.cu``) for sm_90 GPUs.
+
+    Available when torch sees an sm_90 GPU and the extension is built or nvcc can build it
+    (:mod:`backends.cuda.build`). Serves T <= :data:`MAX_T` (8, the kernel's instantiations);
+    every other axis of the contract (both layouts, gates, gate_mode, bias, records, any
+    head count and window).
+    """
+
     name = "cuda"
     description = ("CUDA C++ streamed kernel for sm_90a: persistent CTAs, cp.async-prefetched "
                    "state pages, mma.sync gate projection, PDL")

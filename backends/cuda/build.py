@@ -67,6 +67,7 @@ def cache_dir() -> pathlib.Path:
 
 
 def module_name() -> str:
+    """The extension's Python module name, keyed by the sources' fingerprint."""
     return f"kda_cuda_{_fingerprint()}"
 
 
@@ -126,6 +127,8 @@ def _load_locked(name: str, build_dir: pathlib.Path, verbose: bool) -> ModuleTyp
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """``python3 -m backends.cuda.build [--verbose]``: build (or load) the extension ahead of
+    time and print where it lives; exit status 0 on success."""
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -39,3 +39,17 @@ def test_custom_op_matches_direct_call_and_compiles():
         assert bits_equal(getattr(a, name), getattr(b, name)), name
         assert bits_equal(getattr(a, name), getattr(c, name)), name
     assert torch.isfinite(total)
+
+
+def test_custom_op_refuses_a_missing_out_before_writing():
+    """out=None used to run the step (caches advanced) and lose its output (found by a review)."""
+    import pytest
+    from kda.validate import KdaArgumentError
+    cfg = KdaConfig(num_heads=2, T=1, window=3)
+    a = make_case(CaseSpec(cfg, R=3, seed=5))
+    before = clone_args(a)
+    with pytest.raises(KdaArgumentError) as ei:
+        kda.torch_op.decode(*_args(a), out=None, backend="reference")
+    assert ei.value.arg == "out"
+    for name in ("state", "conv_state", "out"):
+        assert bits_equal(getattr(a, name), getattr(before, name)), name

@@ -19,8 +19,10 @@ to ``$KDA_CACHE_DIR`` (default ``~/.cache/kda``) and used.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import statistics
+import sys
 import time
 from typing import Dict, List
 
@@ -30,6 +32,7 @@ from absl import app, flags, logging
 import kda  # noqa: F401  (defines --kda_backend)
 from kda import registry
 from kda.config import KdaConfig
+from kda.validate import KdaArgumentError
 from kda.testing import TOLERANCES
 from tools.serve import checkpoint as ckpt
 from tools.serve.layer import KdaLayer
@@ -72,7 +75,9 @@ for _name, _check, _msg in (
         ("num_heads", lambda v: v >= 1, "must be >= 1"),
         ("tp_rank", lambda v: v >= 0, "must be >= 0"),
         ("layer", lambda v: v >= 0, "must be >= 0"),
-        ("arrival_rate", lambda v: v >= 0, "must be >= 0"),
+        ("arrival_rate", lambda v: math.isfinite(v) and v >= 0, "must be finite and >= 0"),
+        ("norm_eps", lambda v: math.isfinite(v) and v > 0, "must be finite and > 0"),
+        ("max_rel_err", lambda v: math.isfinite(v) and v > 0, "must be finite and > 0"),
         ("lower_bound", lambda v: v is None or -5.0 <= v < 0.0, "must be in [-5, 0)"),
         ("prompt_len", _range_ok, "must be lo:hi with 1 <= lo <= hi"),
         ("gen_len", _range_ok, "must be lo:hi with 1 <= lo <= hi"),
@@ -136,6 +141,12 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def _usage(msg: str):
+    """A bad flag combination: one line on stderr, exit status 2 (no help dump)."""
+    print(f"serve: error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv):
     del argv
     from rich.console import Console
@@ -146,27 +157,38 @@ def main(argv):
     if FLAGS.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     elif FLAGS.device == "cuda" and not torch.cuda.is_available():
-        raise app.UsageError("--device=cuda: torch sees no CUDA device here")
+        _usage("--device=cuda: torch sees no CUDA device here")
     else:
         device = torch.device(FLAGS.device)
     T, H = FLAGS.spec_tokens, FLAGS.num_heads
     path = FLAGS.checkpoint or default_checkpoint()
     try:
         params, meta = ckpt.load_layer(path, FLAGS.layer)
-    except (KeyError, ValueError, OSError) as e:
-        raise app.UsageError(f"--checkpoint {path} --layer {FLAGS.layer}: {e}") from e
+    except KeyError as e:
+        _usage(f"--layer {FLAGS.layer}: {e.args[0]}")
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own types for bad files
+        _usage(f"--checkpoint {path} --layer {FLAGS.layer}: {type(e).__name__}: {e}")
     label = "SYNTHETIC" if "SYNTHETIC" in meta.get("content", "") else "checkpoint"
     cfg = KdaConfig(num_heads=H, T=T, window=T + 2, conv_layout=FLAGS.conv_layout,
                     lower_bound=FLAGS.lower_bound, gate_mode=FLAGS.gate_mode,
                     norm_eps=FLAGS.norm_eps)
     total = params["A_log"].numel()
     if (FLAGS.tp_rank + 1) * H > total:
-        raise app.UsageError(f"--num_heads={H} --tp_rank={FLAGS.tp_rank}: heads "
-                             f"[{FLAGS.tp_rank * H}, {(FLAGS.tp_rank + 1) * H}) are outside the "
-                             f"checkpoint's {total} heads")
-    layer = KdaLayer(params, cfg, head0=FLAGS.tp_rank * H, device=device)
-    check_op = kda.KdaDecode(cfg, device=device, backend=FLAGS.check_against) \
-        if FLAGS.check_against else None
+        _usage(f"--num_heads={H} --tp_rank={FLAGS.tp_rank}: heads "
+               f"[{FLAGS.tp_rank * H}, {(FLAGS.tp_rank + 1) * H}) are outside the "
+               f"checkpoint's {total} heads")
+    pool_bytes = (FLAGS.max_batch * T + 1) * H * 128 * 128 * 4
+    free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
+            else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    if pool_bytes > 0.8 * free:
+        _usage(f"--max_batch={FLAGS.max_batch} --spec_tokens={T} --num_heads={H}: the state pool "
+               f"needs {pool_bytes / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free on {device}")
+    try:
+        layer = KdaLayer(params, cfg, head0=FLAGS.tp_rank * H, device=device)
+        check_op = kda.KdaDecode(cfg, device=device, backend=FLAGS.check_against) \
+            if FLAGS.check_against else None
+    except (registry.KdaBackendError, KdaArgumentError) as e:
+        _usage(str(e))
     requested, source = registry.requested_name()
     console.print(f"[bold]KDA layer[/] {label} parameters from {path}: hidden={layer.hidden}, "
                   f"heads [{FLAGS.tp_rank * H}, {(FLAGS.tp_rank + 1) * H}) of "
@@ -196,7 +218,9 @@ def main(argv):
         pending.append(Request(rid, int(arrival), int(torch.randint(plo, phi + 1, (1,), generator=g)),
                                int(torch.randint(glo, ghi + 1, (1,), generator=g)),
                                torch.Generator().manual_seed(FLAGS.seed * 7919 + rid)))
-        arrival += float(torch.empty(1).exponential_(1.0 / FLAGS.arrival_rate, generator=g)) \
+        # Poisson arrivals at arrival_rate requests per step: exponential gaps of mean 1/rate
+        # (torch's exponential_(lambd) has mean 1/lambd)
+        arrival += float(torch.empty(1).exponential_(FLAGS.arrival_rate, generator=g)) \
             if FLAGS.arrival_rate > 0 else 0
     total_tokens = sum(r.gen_len for r in pending)
 
