@@ -13,7 +13,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from kda.config import KdaArgs, KdaConfig
+from kda.config import CONV_LAYOUTS, KdaArgs, KdaConfig
 
 #: A built step: reads the validated args and writes out / state / conv_state / records.
 StepFn = Callable[[KdaArgs], None]
@@ -68,6 +68,30 @@ class Backend(abc.ABC):
         The returned function must not synchronize with the host, read device-side values on
         the host, or allocate per call beyond what the caching allocator serves (CUDA graphs).
         """
+
+
+def kernel_config_reasons(cfg: KdaConfig, max_T: int) -> List[str]:
+    """Reasons a compiled kernel instantiated for T in 1..``max_T`` cannot serve ``cfg``: T out
+    of range, a window shorter than T + 2, no heads, gate_mode not 0/1, an unknown conv layout,
+    a conv-state / conv-weight / norm-weight dtype other than bf16 or fp32. Shared by the
+    CUDA and CuTe DSL backends (their gate MMA has 8 token columns)."""
+    reasons = []
+    if not 1 <= cfg.T <= max_T:
+        reasons.append(f"T={cfg.T}: the kernel supports T in 1..{max_T} (the gate MMA has 8 "
+                       "token columns)")
+    if cfg.window < cfg.T + 2:
+        reasons.append(f"window {cfg.window} < T + 2")
+    if cfg.num_heads < 1:
+        reasons.append("num_heads must be >= 1")
+    if cfg.gate_mode not in (0, 1):
+        reasons.append(f"gate_mode {cfg.gate_mode} is not 0 or 1")
+    if cfg.conv_layout not in CONV_LAYOUTS:
+        reasons.append(f"conv layout {cfg.conv_layout!r} is not one of {CONV_LAYOUTS}")
+    for what, dt in (("conv_state", cfg.conv_state_dtype), ("conv_weight", cfg.conv_weight_dtype),
+                     ("norm_weight", cfg.norm_weight_dtype)):
+        if dt not in (torch.bfloat16, torch.float32):
+            reasons.append(f"{what} dtype {dt} is not bf16 / fp32")
+    return reasons
 
 
 def gpu_reason(accept: Callable[[Tuple[int, int]], bool], need: str) -> Optional[str]:

@@ -16,8 +16,8 @@ from typing import List, Optional
 
 import torch
 
-from kda.backend import Backend, gpu_reason, StepFn
-from kda.config import CONV_LAYOUTS, KdaArgs, KdaConfig
+from kda.backend import Backend, StepFn, gpu_reason, kernel_config_reasons
+from kda.config import KdaArgs, KdaConfig
 
 #: Tokens per request the kernel is instantiated for.
 MAX_T = 8
@@ -54,22 +54,7 @@ class CudaBackend(Backend):
             cap = torch.cuda.get_device_capability(device)
             if cap != (9, 0):
                 reasons.append(f"kernel is built for sm_90a, device is sm_{cap[0]}{cap[1]}")
-        if not 1 <= cfg.T <= MAX_T:
-            reasons.append(f"T={cfg.T}: the kernel supports T in 1..{MAX_T} (gate MMA has 8 columns)")
-        if cfg.window < cfg.T + 2:
-            reasons.append(f"window {cfg.window} < T + 2")
-        if cfg.num_heads < 1:
-            reasons.append("num_heads must be >= 1")
-        if cfg.gate_mode not in (0, 1):
-            reasons.append(f"gate_mode {cfg.gate_mode} is not 0 or 1")
-        if cfg.conv_layout not in CONV_LAYOUTS:
-            reasons.append(f"conv layout {cfg.conv_layout!r} is not one of {CONV_LAYOUTS}")
-        if cfg.conv_state_dtype not in (torch.bfloat16, torch.float32):
-            reasons.append(f"conv_state dtype {cfg.conv_state_dtype} is not bf16 / fp32")
-        if cfg.conv_weight_dtype not in (torch.bfloat16, torch.float32):
-            reasons.append(f"conv_weight dtype {cfg.conv_weight_dtype} is not bf16 / fp32")
-        if cfg.norm_weight_dtype not in (torch.bfloat16, torch.float32):
-            reasons.append(f"norm_weight dtype {cfg.norm_weight_dtype} is not bf16 / fp32")
+        reasons += kernel_config_reasons(cfg, MAX_T)
         return reasons
 
     def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:

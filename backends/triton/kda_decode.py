@@ -676,26 +676,32 @@ class TritonStep:
             nprog = min(n_work, v.ctas_per_sm * self.num_sms)
         else:
             nprog = n_work
-        x = args.x
-        scr, ctr = self._split_buffers(n_items) if nv > 1 else (x, x)
-        cb = args.conv_bias if args.conv_bias is not None else x
-        nacc = args.num_accepted_tokens
-        if nacc is None:
-            nacc = args.state_indices
-        vrec = args.v_record if args.v_record is not None else x
-        kgrec = args.kg_record if args.kg_record is not None else x
+        scr, ctr = self._split_buffers(n_items) if nv > 1 else (args.x, args.x)
         scale, norm_eps, lb = self._scalars
         iters = triton.cdiv(n_work, nprog)
         extra = {"ITERS_INTERP": iters} if (self.interp and v.persistent) else {}
         _kda_decode_kernel[(nprog,)](
-            x, x.stride(0), args.conv_weight, cb, args.conv_state, args.conv_state.stride(0),
-            args.f_a, args.f_a.stride(0), args.f_b, args.beta, args.beta.stride(0), args.A_log,
-            args.dt_bias, args.state, args.state.stride(0), args.state_indices, nacc,
-            args.output_gate, args.output_gate.stride(0), args.norm_weight,
-            args.out, args.out.stride(0), vrec, kgrec, scr, ctr,
+            *kernel_operands(args), scr, ctr,
             n_work, args.state.shape[0], nprog, iters, scale, norm_eps, lb,
             NV=nv, BV=D // nv, PROWS=num_warps, num_warps=num_warps, num_stages=1,
             **self._const, **extra, **opts)
+
+
+def kernel_operands(args: KdaArgs) -> tuple:
+    """The leading arguments of both Triton kernels (this file's and the chunked one), in
+    their order: the call's tensors and row strides, up to the records. An absent optional
+    tensor is replaced by one that is never dereferenced (``x``; the slot ids for the
+    accepted counts at T = 1)."""
+    x = args.x
+    cb = args.conv_bias if args.conv_bias is not None else x
+    nacc = args.num_accepted_tokens if args.num_accepted_tokens is not None else args.state_indices
+    vrec = args.v_record if args.v_record is not None else x
+    kgrec = args.kg_record if args.kg_record is not None else x
+    return (x, x.stride(0), args.conv_weight, cb, args.conv_state, args.conv_state.stride(0),
+            args.f_a, args.f_a.stride(0), args.f_b, args.beta, args.beta.stride(0), args.A_log,
+            args.dt_bias, args.state, args.state.stride(0), args.state_indices, nacc,
+            args.output_gate, args.output_gate.stride(0), args.norm_weight,
+            args.out, args.out.stride(0), vrec, kgrec)
 
 
 def resolve_variant(variant: Optional[str] = None) -> Variant:
@@ -781,23 +787,12 @@ def compile_offline(cfg: KdaConfig, variant: str = "item", nv: Optional[int] = N
       triton's CompiledKernel: ``.asm["ttgir" | "ptx" | "cubin"]``, ``.metadata.shared``
       (see :func:`resource_usage` for registers and spills).
     """
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     v = resolve_variant(variant)
     if v.kernel == "chunked":
         from backends.triton.kda_decode_chunked import compile_chunked_offline
         return compile_chunked_offline(cfg, v, arch=arch, stride_divisible=stride_divisible,
                                        **options)
     nv = nv or v.nv or 1
-    ptr = {
-        "x_ptr": "*bf16", "cw_ptr": "*" + _DT[cfg.conv_weight_dtype], "cb_ptr": "*fp32",
-        "cs_ptr": "*" + _DT[cfg.conv_state_dtype], "fa_ptr": "*bf16", "fb_ptr": "*bf16",
-        "beta_ptr": "*bf16", "alog_ptr": "*fp32", "dtb_ptr": "*fp32", "st_ptr": "*fp32",
-        "si_ptr": "*i32", "nacc_ptr": "*i32", "og_ptr": "*bf16",
-        "nw_ptr": "*" + _DT[cfg.norm_weight_dtype], "out_ptr": "*bf16", "vrec_ptr": "*fp32",
-        "kgrec_ptr": "*bf16", "scr_ptr": "*fp32", "ctr_ptr": "*i32"}
-    strides = ("stride_x", "stride_cs", "stride_fa", "stride_og", "stride_out", "stride_st")
     consts = dict(
         H=cfg.num_heads, T=cfg.T, L=cfg.window, SD=cfg.conv_layout == "SD",
         HAS_BIAS=cfg.has_conv_bias, BOUNDED=cfg.lower_bound is not None, GATE_MODE=cfg.gate_mode,
@@ -809,9 +804,28 @@ def compile_offline(cfg: KdaConfig, variant: str = "item", nv: Optional[int] = N
         opts["maxnreg"] = cap
     opts.update(options)
     consts["PROWS"] = opts["num_warps"]
-    names = _kda_decode_kernel.arg_names
+    return compile_kernel_offline(_kda_decode_kernel, cfg, consts, opts, arch, stride_divisible)
+
+
+def compile_kernel_offline(kernel, cfg: KdaConfig, consts: dict, opts: dict, arch: int,
+                           stride_divisible: bool):
+    """Compile one of the two Triton kernels offline (no GPU) with the signature the JIT would
+    give a call with 16-byte aligned tensors: pointers typed from ``cfg``'s dtypes and
+    16-divisible, ``scale`` / ``norm_eps`` / ``lower_bound`` fp32, the row strides
+    16-divisible when ``stride_divisible``, other integers i32, ``consts`` as constexprs."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptr = {
+        "x_ptr": "*bf16", "cw_ptr": "*" + _DT[cfg.conv_weight_dtype], "cb_ptr": "*fp32",
+        "cs_ptr": "*" + _DT[cfg.conv_state_dtype], "fa_ptr": "*bf16", "fb_ptr": "*bf16",
+        "beta_ptr": "*bf16", "alog_ptr": "*fp32", "dtb_ptr": "*fp32", "st_ptr": "*fp32",
+        "si_ptr": "*i32", "nacc_ptr": "*i32", "og_ptr": "*bf16",
+        "nw_ptr": "*" + _DT[cfg.norm_weight_dtype], "out_ptr": "*bf16", "vrec_ptr": "*fp32",
+        "kgrec_ptr": "*bf16", "scr_ptr": "*fp32", "ctr_ptr": "*i32"}
+    strides = ("stride_x", "stride_cs", "stride_fa", "stride_og", "stride_out", "stride_st")
     sig, attrs = {}, {}
-    for i, name in enumerate(names):
+    for i, name in enumerate(kernel.arg_names):
         if name in consts:
             sig[name] = "constexpr"
         elif name in ptr:
@@ -823,7 +837,7 @@ def compile_offline(cfg: KdaConfig, variant: str = "item", nv: Optional[int] = N
             sig[name] = "i32"
             if stride_divisible and name in strides:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=_kda_decode_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
 

@@ -112,8 +112,8 @@ import triton
 import triton.language as tl
 
 from backends.triton.kda_decode import (
-    D, _DT, _bf16_round, _decay, _finish_rows, _fma, _gate_projection, _load_f32, _rowoff,
-    _sigmoid, _write_window, interpreter_enabled)
+    D, _bf16_round, _decay, _finish_rows, _fma, _gate_projection, _load_f32, _rowoff,
+    _sigmoid, _write_window, compile_kernel_offline, interpreter_enabled, kernel_operands)
 from kda.config import KdaArgs, KdaConfig
 
 #: fp32 values of scratch per item and token: q̂, k̂, α, y_v.
@@ -363,22 +363,10 @@ class ChunkedStep:
         opts = {}
         if v.maxnreg and not self.interp:
             opts["maxnreg"] = v.maxnreg
-        x = args.x
         scr = self._scratch(n_items)
-        cb = args.conv_bias if args.conv_bias is not None else x
-        nacc = args.num_accepted_tokens
-        if nacc is None:
-            nacc = args.state_indices
-        vrec = args.v_record if args.v_record is not None else x
-        kgrec = args.kg_record if args.kg_record is not None else x
         scale, norm_eps, lb = self._scalars
         _kda_chunked_kernel[(n_items,)](
-            x, x.stride(0), args.conv_weight, cb, args.conv_state, args.conv_state.stride(0),
-            args.f_a, args.f_a.stride(0), args.f_b, args.beta, args.beta.stride(0), args.A_log,
-            args.dt_bias, args.state, args.state.stride(0), args.state_indices, nacc,
-            args.output_gate, args.output_gate.stride(0), args.norm_weight,
-            args.out, args.out.stride(0), vrec, kgrec, scr,
-            args.state.shape[0], scale, norm_eps, lb,
+            *kernel_operands(args), scr, args.state.shape[0], scale, norm_eps, lb,
             num_warps=v.num_warps or 4, num_stages=v.num_stages, **self._const, **opts)
 
 
@@ -387,17 +375,6 @@ def compile_chunked_offline(cfg: KdaConfig, variant, arch: int = 90,
     """Compile :func:`_kda_chunked_kernel` for ``cfg`` and the :class:`Variant` ``variant``
     offline (no GPU), as :func:`backends.triton.kda_decode.compile_offline` does for the
     other kernel (same arguments and result)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    ptr = {
-        "x_ptr": "*bf16", "cw_ptr": "*" + _DT[cfg.conv_weight_dtype], "cb_ptr": "*fp32",
-        "cs_ptr": "*" + _DT[cfg.conv_state_dtype], "fa_ptr": "*bf16", "fb_ptr": "*bf16",
-        "beta_ptr": "*bf16", "alog_ptr": "*fp32", "dtb_ptr": "*fp32", "st_ptr": "*fp32",
-        "si_ptr": "*i32", "nacc_ptr": "*i32", "og_ptr": "*bf16",
-        "nw_ptr": "*" + _DT[cfg.norm_weight_dtype], "out_ptr": "*bf16", "vrec_ptr": "*fp32",
-        "kgrec_ptr": "*bf16", "scr_ptr": "*fp32"}
-    strides = ("stride_x", "stride_cs", "stride_fa", "stride_og", "stride_out", "stride_st")
     consts = dict(
         H=cfg.num_heads, T=cfg.T, L=cfg.window, SD=cfg.conv_layout == "SD",
         HAS_BIAS=cfg.has_conv_bias, BOUNDED=cfg.lower_bound is not None, GATE_MODE=cfg.gate_mode,
@@ -407,21 +384,7 @@ def compile_chunked_offline(cfg: KdaConfig, variant, arch: int = 90,
     if variant.maxnreg:
         opts["maxnreg"] = variant.maxnreg
     opts.update(options)
-    sig, attrs = {}, {}
-    for i, name in enumerate(_kda_chunked_kernel.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in ptr:
-            sig[name] = ptr[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("scale", "norm_eps", "lower_bound"):
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-            if stride_divisible and name in strides:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=_kda_chunked_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+    return compile_kernel_offline(_kda_chunked_kernel, cfg, consts, opts, arch, stride_divisible)
 
 
 __all__ = ["ChunkedStep", "compile_chunked_offline", "SCR_PER_TOKEN"]

@@ -63,7 +63,7 @@ for _name in ("heads", "batches", "tokens"):
     flags.register_validator(_name, lambda v: v is None or _all_positive(v),
                              message=f"--{_name} takes integers >= 1")
 flags.register_validator(
-    "backends", lambda v: v == ["all"] or all(n in _backend_names() for n in v),
+    "backends", lambda v: v == ["all"] or all(n in registry.BACKEND_NAMES for n in v),
     message="--backends takes 'all' or names from: " + ", ".join(registry.BACKEND_NAMES))
 flags.register_validator(
     "triton_variants", lambda v: all(n in _triton_variant_names() for n in v),
@@ -72,10 +72,6 @@ flags.register_validator("pool_gib", lambda v: v is None or v > 0, message="--po
 for _name in ("sets", "iters", "warmup"):
     flags.register_validator(_name, lambda v, _n=_name: v is None or v >= (0 if _n == "warmup" else 1),
                              message=f"--{_name} must be >= 1 (warmup >= 0)")
-
-
-def _backend_names():
-    return registry.BACKEND_NAMES
 
 
 def _triton_variant_names():

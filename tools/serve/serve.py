@@ -177,7 +177,8 @@ def main(argv):
         _usage(f"--num_heads={H} --tp_rank={FLAGS.tp_rank}: heads "
                f"[{FLAGS.tp_rank * H}, {(FLAGS.tp_rank + 1) * H}) are outside the "
                f"checkpoint's {total} heads")
-    pool_bytes = (FLAGS.max_batch * T + 1) * H * 128 * 128 * 4
+    slots = FLAGS.max_batch * T + 1          # the state pool: every active request's T slots
+    pool_bytes = slots * H * 128 * 128 * 4
     free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
             else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
     if pool_bytes > 0.8 * free:
@@ -198,7 +199,6 @@ def main(argv):
                                     if check_op else ""))
 
     # ---- caches -------------------------------------------------------------------------
-    slots = FLAGS.max_batch * T + 1
     dim = cfg.dim
     state = torch.zeros(slots, H, 128, 128, dtype=torch.float32, device=device)
     if cfg.conv_layout == "SD":
