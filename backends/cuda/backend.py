@@ -5,6 +5,8 @@ cached on disk; ``python3 -m backends.cuda.build`` compiles it ahead of time.
 
 Environment:
   KDA_CUDA_PDL=0   launch without programmatic dependent launch (default: on).
+  KDA_CUDA_PREFETCH=d   L2-prefetch item n+d's state page during item n (0 = off; default
+                   PREFETCH_DISTANCE; see the design note of kda_decode.cu).
   KDA_CACHE_DIR    where the compiled extension is kept (see build.py).
 """
 
@@ -21,6 +23,23 @@ from kda.config import KdaArgs, KdaConfig
 
 #: Tokens per request the kernel is instantiated for.
 MAX_T = 8
+
+#: Default L2-prefetch distance in items (``KDA_CUDA_PREFETCH`` overrides; 0 = off).
+PREFETCH_DISTANCE = 2
+
+
+def _env_int(name: str, default: int) -> int:
+    """A non-negative integer from the environment variable ``name`` (``default`` if unset).
+
+    Raises:
+      ValueError: the variable is set to something else.
+    """
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit():
+        raise ValueError(f"{name}: expected a non-negative integer, got {raw!r}")
+    return int(raw)
 
 
 class CudaBackend(Backend):
@@ -65,13 +84,14 @@ class CudaBackend(Backend):
         scale, eps, lb, gm = float(cfg.scale), float(cfg.norm_eps), cfg.lower_bound, cfg.gate_mode
         lb = None if lb is None else float(lb)
         pdl = os.environ.get("KDA_CUDA_PDL", "1") != "0"
+        pfd = _env_int("KDA_CUDA_PREFETCH", PREFETCH_DISTANCE)
         launch = ext.step
 
         def step(a: KdaArgs) -> None:
             launch(a.x, a.conv_weight, a.conv_bias, a.conv_state, a.f_a, a.f_b, a.beta, a.A_log,
                    a.dt_bias, a.state, a.state_indices, a.num_accepted_tokens, a.output_gate,
                    a.norm_weight, a.out, a.v_record, a.kg_record, H, T, scale, eps, lb, gm,
-                   record, pdl)
+                   record, pdl, pfd)
 
         return step
 

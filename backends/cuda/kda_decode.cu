@@ -127,6 +127,7 @@ struct __align__(16) Smem {
   int slots[2][12];                     // state_indices row [0, T) and num_accepted [8], by parity of item
   Item info[2];                         // items n and n+1 (by parity), derived once from slots
   int params_head;                      // head whose cw / cbias / dtb are staged (-1: none)
+  int pf_src;                           // L2 prefetch: slot id (or accepted count) being read
 };
 
 __device__ __forceinline__ float bf2f(uint16_t raw) {
@@ -194,6 +195,31 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// L2 prefetch (see the design note): thread kPfThread reads item `item`'s slot ids itself,
+// in two halves so that no load is waited for right after it is issued. pf_first: T=1 the
+// source slot, T>1 the accepted count; pf_second (T>1): the source slot from that count.
+constexpr int kPfThread = 224;  // warp 7, lane 0
+__device__ __forceinline__ int pf_first(const KdaParams& p, int T, int item) {
+  const int r = item % p.num_requests;
+  return T == 1 ? __ldcg(p.state_indices + static_cast<int64_t>(r) * p.idx_row)
+                : __ldcg(p.num_accepted + r);
+}
+__device__ __forceinline__ int pf_second(const KdaParams& p, int T, int item, int first) {
+  if (T == 1) return first;
+  const int r = item % p.num_requests;
+  const int a = min(max(first, 1), T);
+  return __ldcg(p.state_indices + static_cast<int64_t>(r) * p.idx_row + (a - 1));
+}
+// Bulk L2 prefetch of the item's 64 KiB page (4 x 16 KiB), skipped for ids outside (0, slots).
+__device__ __forceinline__ void pf_page(const KdaParams& p, int item, int src) {
+  if (static_cast<unsigned>(src) - 1u >= static_cast<unsigned>(p.num_slots) - 1u) return;
+  const float* page = p.state + static_cast<int64_t>(src) * p.state_slot +
+                      static_cast<int64_t>(item / p.num_requests) * (kD * kD);
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], 16384;\n" ::"l"(page + i * 4096) : "memory");
 }
 
 // cp.async of item `item`'s slot row (and accepted count) into sm.slots[item & 1].
@@ -430,6 +456,11 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       issue_params<T>(p, sm, first.h, tid);
       cp_async_commit();
     }
+    // L2 prefetch of the pages of items beg+1 .. beg+d-1 (the loop prefetches n+d from n).
+    if (tid == kPfThread) {
+      for (int i = 1; i < p.prefetch_distance && beg + i < end; ++i)
+        pf_page(p, beg + i, pf_second(p, T, beg + i, pf_first(p, T, beg + i)));
+    }
     grid_dependency_wait();  // x, output gate, f_a, beta come from the predecessor
     if (first.src > 0) {
       issue_operands<T>(p, sm, first, tid);
@@ -451,6 +482,15 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       issue_slots<T>(p, sm, n + 1, c.r + 1 == R ? 0 : c.r + 1, tid);
     }
     cp_async_commit();
+    // L2 prefetch of item n+d's page: its slot ids are read now (first half; the wait for it
+    // overlaps the f_b fragment loads) and before B2 (second half, T>1; overlaps the wait for
+    // the page), kept in shared memory (a register live across the item spilled at T=8); the
+    // prefetch is issued after B3, next to item n+1's cp.async.
+    // (pf_item and pf are recomputed through opaque() at each use: held across the item they
+    // pushed T=8 over the register cap.)
+#define PF_ITEM (opaque(n) + p.prefetch_distance)
+#define PF (p.prefetch_distance > 0 && tid == kPfThread && PF_ITEM < sm.item_end)
+    if (PF) sm.pf_src = pf_first(p, T, PF_ITEM);  // its own word: no barrier needed
     // Item info lives in shared memory (written once per item by thread 0), not in registers.
 #define CUR (sm.info[n & 1])
     const bool live = CUR.src > 0;
@@ -610,6 +650,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
     // Warps 4-7 own gate feature tid-128 after B2; its dt_bias is read now, before item n+1's
     // parameters may overwrite sm.dtb.
     const float dtb_f = (live && tid >= kD) ? sm.dtb[tid - kD] : 0.f;
+    if (T > 1 && PF) sm.pf_src = pf_second(p, T, PF_ITEM, sm.pf_src);
     cp_async_wait<0>();  // item n's state page (S) and item n+1's slot row (L)
     __syncthreads();     // B2: conv outputs, partial sums, raw gate visible; slots of n+1 visible
 
@@ -677,6 +718,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       issue_state<T>(p, sm, nxt, tid);
       cp_async_commit();
     }
+    if (PF) pf_page(p, PF_ITEM, sm.pf_src);
 
     if (live) {
       // ---- recurrence ----
@@ -784,6 +826,8 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
     }
 #undef CUR
 #undef H_CUR
+#undef PF_ITEM
+#undef PF
 #undef ROW0
   }
 
@@ -849,6 +893,7 @@ extern "C" cudaError_t kda_decode_launch(const KdaParams* params, cudaStream_t s
   if (p->num_heads < 1 || p->num_requests < 0 || p->window < p->T + 2) return cudaErrorInvalidValue;
   if (static_cast<int64_t>(p->num_requests) * p->num_heads > INT32_MAX) return cudaErrorInvalidValue;
   if (p->T > 1 && p->num_accepted == nullptr) return cudaErrorInvalidValue;
+  if (p->prefetch_distance < 0) return cudaErrorInvalidValue;
   if (p->record && (p->v_record == nullptr || p->kg_record == nullptr)) return cudaErrorInvalidValue;
   switch (p->T) {
     case 1: return launch_t<1>(*p, stream);

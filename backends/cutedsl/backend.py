@@ -17,6 +17,7 @@ Environment:
                       after each CTA's last write; "early": triggered after the prologue's
                       loads (faster for unrelated successors, unsafe for a successor that
                       reads this step's results before its own wait); "0": no PDL.
+  KDA_CUTEDSL_PREFETCH  streamed kernel: L2-prefetch distance in items (default 2; 0 off).
   KDA_CACHE_DIR       compile cache root (kernels go to ``$KDA_CACHE_DIR/cutedsl``;
                       default ``~/.cache/kda/cutedsl``).
   CUTE_DSL_ARCH       target architecture when compiling without a GPU (e.g. sm_90a).
@@ -73,6 +74,25 @@ def pdl_mode() -> tuple:
     if v in ("0", "off", "false", "no"):
         return False, False
     return True, v == "early"
+
+
+#: Default L2-prefetch distance of the streamed kernel, in items (``KDA_CUTEDSL_PREFETCH``).
+PREFETCH_DISTANCE = 2
+
+
+def prefetch_distance() -> int:
+    """The streamed kernel's L2-prefetch distance from ``KDA_CUTEDSL_PREFETCH`` (0 = off;
+    default :data:`PREFETCH_DISTANCE`; see :class:`backends.cutedsl.static.KernelStatic`).
+
+    Raises:
+      ValueError: the variable is not a non-negative integer.
+    """
+    raw = os.environ.get("KDA_CUTEDSL_PREFETCH", "").strip()
+    if not raw:
+        return PREFETCH_DISTANCE
+    if not raw.isdigit():
+        raise ValueError(f"KDA_CUTEDSL_PREFETCH: expected a non-negative integer, got {raw!r}")
+    return int(raw)
 
 
 def _f32_bits(x: float) -> int:
@@ -218,7 +238,8 @@ class _CuteDslBackend(Backend):
         from backends.cutedsl.static import KernelStatic
 
         pdl, early = pdl_mode()
-        ks = KernelStatic.from_config(cfg, pdl=pdl, pdl_early=early)
+        ks = KernelStatic.from_config(cfg, pdl=pdl, pdl_early=early,
+                                      prefetch=prefetch_distance() if self.kind == "stream" else 0)
         compiled = cache.get_kernel(self.kind, ks)
         return _Launcher(self.kind, cfg, device, compiled)
 

@@ -107,6 +107,35 @@ class ItemMath:
             v = v | P.gld_nc_b32_or0(p.na + r, valid & Int32(tid == T))
         return v
 
+    def prefetch_slot_first(self, p, item, pred):
+        """L2 prefetch, first half: where ``pred``, load item ``item``'s source slot (T = 1)
+        or its request's accepted count (T > 1) and keep it in PF (the loading thread's own
+        word: it alone reads it back)."""
+        r = item // self.H
+        if self.T == 1:
+            v = P.gld_nc_b32_or0(p.si + r, pred)
+        else:
+            v = P.gld_nc_b32_or0(p.na + r, pred)
+        P.sst_b32(p.sb + self.plan.PF, v, pred)
+
+    def prefetch_slot_second(self, p, item, pred):
+        """L2 prefetch, second half (T > 1): PF = state_indices[r, clamp(PF, 1, T) - 1]."""
+        if self.T > 1:
+            r = item // self.H
+            a = P.clamp_i32(P.sld_b32_or0(p.sb + self.plan.PF, pred), 1, self.T)
+            P.sst_b32(p.sb + self.plan.PF, P.gld_nc_b32_or0(p.si + (r * self.T + a - 1), pred),
+                      pred)
+
+    def prefetch_page(self, p, item, pred):
+        """L2 prefetch of item ``item``'s state page (slot from PF; skipped for ids outside
+        (0, slots)): four 16 KiB bulk prefetches."""
+        src = P.sld_b32_or0(p.sb + self.plan.PF, pred)
+        ok = P.live_flag(src, src, p.slots, pred)
+        h = self.item_head(item)
+        base = p.state + (Int64(src) * p.state_ss + Int64(h * (D * D)))
+        for i in range(4):
+            P.prefetch_l2_16k(base + i * 4096, ok)
+
     def store_slot_lane(self, p, v, q):
         """Counterpart of :meth:`load_slot_lane`: SL[q][tid] = v for tid <= T."""
         P.sst_b32(p.sb + self.plan.SL + q * 64 + p.tid * 4, v, Int32(p.tid <= self.T))

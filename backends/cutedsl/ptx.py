@@ -151,6 +151,13 @@ def cp_async16_multi(sbase, gbase, offsets, pred):
     asm(_pred(body, 2), [], [sbase, gbase, pred], memory=True)
 
 
+def prefetch_l2_16k(gptr, pred):
+    """Bulk L2 prefetch of the 16 KiB at ``gptr`` (``cp.async.bulk.prefetch.L2``), where
+    ``pred``; a hint only (no completion to wait for, no effect on results)."""
+    asm(_pred("@p cp.async.bulk.prefetch.L2.global [$0], 16384;", 1), [], [gptr, pred],
+        memory=True)
+
+
 def cp_async_commit():
     """Close the current cp.async group."""
     asm("cp.async.commit_group;", [], [], memory=True)

@@ -36,6 +36,8 @@ class KernelStatic:
         unrelated successors, but a successor that reads this step's outputs before its own
         ``griddepcontrol.wait`` (e.g. the same step launched again on the same state) may
         read stale data. Off by default.
+      prefetch: streamed kernel only (0 for the wide one): during item n, L2-prefetch item
+        n+prefetch's state page (``cp.async.bulk.prefetch.L2``); 0 = off.
     """
 
     H: int
@@ -51,10 +53,11 @@ class KernelStatic:
     nw_bf16: bool
     pdl: bool = True
     pdl_early: bool = False
+    prefetch: int = 0
 
     @classmethod
-    def from_config(cls, cfg: KdaConfig, pdl: bool = True,
-                    pdl_early: bool = False) -> "KernelStatic":
+    def from_config(cls, cfg: KdaConfig, pdl: bool = True, pdl_early: bool = False,
+                    prefetch: int = 0) -> "KernelStatic":
         """The static part of ``cfg`` (scale, norm_eps and lower_bound's value excluded)."""
         return cls(H=cfg.num_heads, T=cfg.T, L=cfg.window, layout=cfg.conv_layout,
                    bounded=cfg.lower_bound is not None, gate_mode=cfg.gate_mode,
@@ -62,7 +65,7 @@ class KernelStatic:
                    cs_bf16=cfg.conv_state_dtype == torch.bfloat16,
                    cw_bf16=cfg.conv_weight_dtype == torch.bfloat16,
                    nw_bf16=cfg.norm_weight_dtype == torch.bfloat16, pdl=pdl,
-                   pdl_early=pdl and pdl_early)
+                   pdl_early=pdl and pdl_early, prefetch=prefetch)
 
     def tag(self) -> str:
         """A file-name friendly identifier, e.g. ``H32_T1_L3_SD_sp_g0``."""
@@ -76,6 +79,8 @@ class KernelStatic:
         parts.append("cw16" if self.cw_bf16 else "cw32")
         parts.append("nw16" if self.nw_bf16 else "nw32")
         parts.append(("pdle" if self.pdl_early else "pdl") if self.pdl else "nopdl")
+        if self.prefetch:
+            parts.append(f"pf{self.prefetch}")
         return "_".join(parts)
 
 
@@ -91,6 +96,7 @@ class SmemPlan:
       CQ, CK, CV, CA, CO  q-hat, k-hat, v, alpha, o: [T][128] fp32 each
       CB  beta [8] fp32; SL raw slot ids [2 parity][16] int32 (T slots + accepted count)
       CRQ, CRK, CRO  per-warp partial sums [9][4] fp32 (q^2, k^2, ob^2)
+      PF  the L2 prefetch's slot word (streamed kernel)
     """
 
     def __init__(self, T: int):
@@ -118,6 +124,7 @@ class SmemPlan:
         self.CRQ = take(144)
         self.CRK = take(144)
         self.CRO = take(144)
+        self.PF = take(16)
         self.total = (off + 127) // 128 * 128
 
 

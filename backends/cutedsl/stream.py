@@ -36,6 +36,9 @@ from backends.cutedsl import ptx as P
 from backends.cutedsl.common import NTHREADS, ItemMath, make_params
 from backends.cutedsl.static import KernelStatic, SmemPlan, carveout_percent
 
+#: The thread that issues the L2 prefetches (warp 7, lane 0).
+PF_THREAD = 224
+
 
 class KdaStream:
     """The streamed kernel for one :class:`KernelStatic`; ``launch`` is what gets compiled."""
@@ -90,10 +93,26 @@ class KdaStream:
             P.griddep_launch()
         P.bar_sync()                          # SL[0] (thread 0) is visible to every thread
 
+        PFD = self.ks.prefetch
+        if cutlass.const_expr(PFD > 1):
+            # L2 prefetch of the pages of items start+1 .. start+PFD-1 (the loop prefetches
+            # n+PFD during item n)
+            for i in cutlass.range_constexpr(1, PFD):
+                pf = Int32(tid == PF_THREAD) & Int32(start + i < end)
+                self.math.prefetch_slot_first(p, start + i, pf)
+                self.math.prefetch_slot_second(p, start + i, pf)
+                self.math.prefetch_page(p, start + i, pf)
+
         q = Int32(0)
         for n in cutlass.range(start, end, 1, unroll=1):
             nvalid = Int32(n + 1 < end)
             nslot = self.math.load_slot_lane(p, n + 1, nvalid)
+            if cutlass.const_expr(PFD > 0):
+                # L2 prefetch of item n+PFD's page, in three parts: its slot word now, (T>1)
+                # the source slot from the accepted count before the page wait, the prefetch
+                # itself next to item n+1's cp.async (see prefetch_page)
+                self.math.prefetch_slot_first(
+                    p, n + PFD, Int32(tid == PF_THREAD) & Int32(n + PFD < end))
             vals, nacc = self.math.staged_slot_values(p, q)
             self.math.make_desc(p, n, Int32(1), vals, nacc, desc)
             live = desc[5]
@@ -121,6 +140,9 @@ class KdaStream:
             self.math.load_window(p, ndesc, wreg)   # SD layout: cp.async too
             self.math.load_beta(p, ndesc, wreg)
             P.cp_async_commit()               # group E(n+1): rows and window history
+            if cutlass.const_expr(PFD > 0):
+                self.math.prefetch_slot_second(
+                    p, n + PFD, Int32(tid == PF_THREAD) & Int32(n + PFD < end))
             # item n's page (S(n)) must have landed; E(n+1) may stay in flight. Each thread
             # reads back only the chunks it copied itself: no barrier needed before reading.
             P.cp_async_wait_group(1)
@@ -131,11 +153,15 @@ class KdaStream:
                 # every thread has read its state chunks: prefetch item n+1's state page
                 self.math.issue_state(p, ndesc)
                 P.cp_async_commit()           # group S(n+1)
+                if cutlass.const_expr(PFD > 0):
+                    self.math.prefetch_page(p, n + PFD, Int32(tid == PF_THREAD) & Int32(n + PFD < end))
                 self.math.phase_b(p, desc, q, S, ogr)
             else:
                 P.bar_sync()
                 self.math.issue_state(p, ndesc)
                 P.cp_async_commit()           # group S(n+1)
+                if cutlass.const_expr(PFD > 0):
+                    self.math.prefetch_page(p, n + PFD, Int32(tid == PF_THREAD) & Int32(n + PFD < end))
                 self.math.write_zeros(p, desc)
             q = q ^ 1
 

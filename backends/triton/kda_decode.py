@@ -555,6 +555,8 @@ class Variant:
         :mod:`backends.triton.kda_decode_chunked`: one 4-warp program per item walking the
         page in chunks of ``bv`` value rows, ``num_stages`` pipelining stages of that loop).
       bv: value rows per chunk of the ``chunked`` kernel.
+      prefetch: ``chunked`` kernel: L2-prefetch the item's whole state page at the start of
+        the program (``prefetch.global.L2`` per 128-byte line; not under the interpreter).
       description: one line for benchmark tables.
     """
 
@@ -569,6 +571,7 @@ class Variant:
     split_maxnreg: Optional[int] = None
     kernel: str = "item"
     bv: int = 32
+    prefetch: bool = False
     description: str = ""
 
 
@@ -598,6 +601,16 @@ VARIANTS: Dict[str, Variant] = {v.name: v for v in (
             description="chunked with a 3-stage pipeline"),
     Variant("chunked_nocap", kernel="chunked", bv=32, num_stages=2, num_warps=4,
             description="chunked without the register cap"),
+    Variant("chunked_pf", kernel="chunked", bv=32, num_stages=2, num_warps=4, maxnreg=88,
+            prefetch=True, description="chunked with an L2 prefetch of the page"),
+    Variant("chunked_s3_pf", kernel="chunked", bv=32, num_stages=3, num_warps=4, maxnreg=88,
+            prefetch=True, description="chunked_s3 with an L2 prefetch of the page"),
+    Variant("chunked_bv16_pf", kernel="chunked", bv=16, num_stages=2, num_warps=4, maxnreg=88,
+            prefetch=True, description="chunked_bv16 with an L2 prefetch of the page"),
+    Variant("chunked_s4", kernel="chunked", bv=32, num_stages=4, num_warps=4, maxnreg=88,
+            description="chunked with a 4-stage pipeline"),
+    Variant("chunked_bv16_s3", kernel="chunked", bv=16, num_stages=3, num_warps=4, maxnreg=88,
+            description="chunked_bv16 with a 3-stage pipeline"),
 )}
 DEFAULT_VARIANT = "auto"
 

@@ -7,6 +7,12 @@
 #   bench    alone: the benchmark (the backends in $KDA_BENCH_BACKENDS, default
 #            $KDA_GPU_BACKENDS = every GPU backend; the Triton launch
 #            variants in $KDA_TRITON_VARIANTS, the fla-core peers; H=32) -> $OUT/bench-h200.json
+#   sweep    alone: the benchmark once per environment in $KDA_SWEEP (space-separated
+#            "label:VAR=value,VAR=value[:backend,backend]" entries, e.g.
+#            "pf0:KDA_CUDA_PREFETCH=0:cuda") for those backends (default $KDA_SWEEP_BACKENDS,
+#            else cuda,cutedsl; the Triton variants $KDA_SWEEP_TRITON_VARIANTS where triton is
+#            one) at R in $KDA_SWEEP_BATCHES (default 32,128,512) and T in $KDA_SWEEP_TOKENS
+#            (default 1,5), no peers -> sweep/bench-<label>.json and a fraction-of-floor table
 #   ncu      alone: one Nsight Compute profile (speed of light, memory, warp stats) per backend
 #            ($KDA_NCU_BACKENDS, default all) at H=32 R=128 T=1 -> logs/ncu.log
 #   tests    in parallel (one CPU thread each): the conformance suite once per backend (ci
@@ -31,7 +37,7 @@ export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 KDA_CACHE_DIR=${KDA_CACHE_DI
 # the commit recorded in the results is $KDA_COMMIT, never read from git there.
 export KDA_COMMIT=${KDA_COMMIT:-unknown}
 deadline=$((SECONDS + ${KDA_BUDGET:-560}))
-STAGES=" ${KDA_STAGES:-bench ncu tests kdatools serve bigmem full} "
+STAGES=" ${KDA_STAGES:-bench ncu tests kdatools serve bigmem full} "  # sweep: on request
 GPU=${KDA_GPU_BACKENDS:-triton cutedsl cutedsl_wide cuda}
 want() { [[ "$STAGES" == *" $1 "* ]]; }
 has() { [[ " $GPU " == *" $1 "* ]]; }
@@ -69,6 +75,36 @@ if want bench; then
     > "$L/bench.log" 2>&1
   echo "bench rc=$? $((SECONDS - t0))s" >> "$L/_rc"
   tail -n 30 "$L/bench.log" >> "$OUT/summary.txt"
+fi
+
+if want sweep; then
+  t0=$SECONDS
+  mkdir -p "$OUT/sweep"
+  for entry in ${KDA_SWEEP:-}; do          # label:VAR=value,VAR=value[:backends]
+    IFS=: read -r label assigns backends <<< "$entry"
+    backends=${backends:-${KDA_SWEEP_BACKENDS:-cuda,cutedsl}}
+    tv=; [[ ",$backends," == *,triton,* ]] && tv=${KDA_SWEEP_TRITON_VARIANTS:-}
+    env ${assigns//,/ } timeout "$(left)" python3 -m tools.bench.bench \
+      --backends="$backends" --peers=none --noplot \
+      --batches="${KDA_SWEEP_BATCHES:-32,128,512}" --tokens="${KDA_SWEEP_TOKENS:-1,5}" \
+      --triton_variants="$tv" --out_dir="$OUT/sweep" --tag="$label" \
+      > "$L/sweep-$label.log" 2>&1
+    echo "sweep-$label rc=$? $((SECONDS - t0))s" >> "$L/_rc"
+  done
+  python3 - "$OUT/sweep" >> "$OUT/summary.txt" 2>&1 <<'PY'
+import glob, json, os, sys
+rows = {}
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "bench-*.json"))):
+    label = os.path.basename(f)[6:-5]
+    for c in json.load(open(f))["cells"]:
+        if c.get("frac") is not None:
+            rows.setdefault((label, c["backend"]), {})[(c["R"], c["T"])] = c["frac"]
+cells = sorted({k for v in rows.values() for k in v}, key=lambda rt: (rt[1], rt[0]))
+print("== sweep: fraction of the copy-bandwidth floor")
+print(f"{'label':14s} {'backend':24s} " + " ".join(f"R{r}T{t}".rjust(8) for r, t in cells))
+for (label, b), v in sorted(rows.items()):
+    print(f"{label:14s} {b:24s} " + " ".join(f"{v.get(k, float('nan')):8.3f}" for k in cells))
+PY
 fi
 
 if want ncu; then

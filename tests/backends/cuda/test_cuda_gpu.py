@@ -116,6 +116,23 @@ def test_back_to_back_steps(spec, pdl, monkeypatch):
     assert not errors, "\n".join(errors)
 
 
+@pytest.mark.parametrize("distance", ["0", "3"])
+@pytest.mark.parametrize("spec", [CaseSpec(make_config(32, 1), R=40, null_frac=0.3),
+                                  CaseSpec(make_config(8, 5, "DS", gm=1), R=40, null_frac=0.3)],
+                         ids=lambda s: s.id)
+def test_prefetch_distance_changes_nothing(spec, distance, monkeypatch):
+    """The L2 prefetch (KDA_CUDA_PREFETCH; default 2) is a hint only: other distances give
+    bit-identical results to the default, null slots included."""
+    a_def = make_case(spec, DEV)
+    a_alt = clone_args(a_def)
+    _step(spec.cfg)(a_def)
+    monkeypatch.setenv("KDA_CUDA_PREFETCH", distance)
+    _step(spec.cfg)(a_alt)
+    torch.cuda.synchronize()
+    for name in ("out", "state", "conv_state"):
+        assert bits_equal(getattr(a_def, name), getattr(a_alt, name)), name
+
+
 def test_repeatable():
     """Two runs on the same inputs give bit-identical results (no races)."""
     spec = CaseSpec(make_config(32, 5, "DS", gm=1, bias=True), R=33)

@@ -441,6 +441,13 @@ def _commit():
     _cta().commit()
 
 
+@_reg("prefetch_l2_16k")
+def _prefetch_l2_16k(gptr, pred):
+    # A hint without effect; its first and last words must lie in device memory (where pred).
+    _gload(gptr, 4, pred, "cp.async.bulk.prefetch.L2 (first word)")
+    _gload(Ptr(gptr.addr + 16380, 1), 4, pred, "cp.async.bulk.prefetch.L2 (last word)")
+
+
 @_reg("cp_async_wait_group")
 def _wait_group(n):
     if not _active().all():
@@ -834,11 +841,12 @@ def load_kernels():
 _ESIZE = {torch.bfloat16: 2, torch.float32: 4, torch.int32: 4}
 
 
-def run(kind: str, cfg, args, ncta: int = None, pdl: bool = True) -> dict:
+def run(kind: str, cfg, args, ncta: int = None, pdl: bool = True, prefetch: int = None) -> dict:
     """Run kernel ``kind`` ("wide" / "stream") on the CPU tensors ``args`` in place.
 
     Args:
       ncta: CTAs of the streamed kernel (default min(items, 5), so CTAs walk several items).
+      prefetch: the streamed kernel's L2-prefetch distance (default: the backend's default).
 
     Returns:
       {"ctas": n, "barriers": total barriers executed}.
@@ -847,7 +855,10 @@ def run(kind: str, cfg, args, ncta: int = None, pdl: bool = True) -> dict:
     from backends.cutedsl.static import KernelStatic, SmemPlan
 
     mods = load_kernels()
-    ks = KernelStatic.from_config(cfg, pdl=pdl)
+    from backends.cutedsl.backend import PREFETCH_DISTANCE
+    if prefetch is None:
+        prefetch = PREFETCH_DISTANCE if kind == "stream" else 0
+    ks = KernelStatic.from_config(cfg, pdl=pdl, prefetch=prefetch)
     obj = mods[kind].KdaWide(ks) if kind == "wide" else mods[kind].KdaStream(ks)
     gmem = GlobalMemory()
     tensors = dict(x=args.x, cw=args.conv_weight, cb=args.conv_bias, cs=args.conv_state,

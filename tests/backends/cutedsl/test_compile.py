@@ -34,6 +34,7 @@ cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installe
 import torch  # noqa: E402
 
 from backends.cutedsl import cache  # noqa: E402
+from backends.cutedsl.backend import PREFETCH_DISTANCE  # noqa: E402
 from backends.cutedsl.static import KernelStatic, SmemPlan  # noqa: E402
 from kda.config import KdaConfig  # noqa: E402
 
@@ -104,7 +105,8 @@ def _resource_usage(cubin: bytes):
 @pytest.mark.parametrize("kind,i", list(_cases()))
 def test_compiles(kind, i):
     cfg = CONFIGS[i]
-    ks = KernelStatic.from_config(cfg, pdl=i not in NO_PDL, pdl_early=i in EARLY)
+    ks = KernelStatic.from_config(cfg, pdl=i not in NO_PDL, pdl_early=i in EARLY,
+                                  prefetch=PREFETCH_DISTANCE if kind == "stream" else 0)
     compiled, secs = cache.compile_kernel(kind, ks)
     assert compiled is not None
     print(f"{kind} {ks.tag()}: compiled in {secs:.2f} s")
@@ -119,6 +121,7 @@ def test_compiles(kind, i):
         assert "st.global.v4.f32" not in ptx, "record mode must not write the state"
     else:
         assert "st.global.v4.f32" in ptx, "state stores must be 16-byte vectors"
+    assert ("cp.async.bulk.prefetch.L2.global" in ptx) == (ks.prefetch > 0)
     assert ("griddepcontrol.wait" in ptx) == ks.pdl
     assert ("griddepcontrol.launch_dependents" in ptx) == ks.pdl
     if ks.pdl:   # the trigger follows the wait (early) or a GPU-scope fence at the end (late)

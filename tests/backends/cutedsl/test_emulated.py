@@ -51,14 +51,15 @@ def test_emulated_matches_reference(kind, spec):
 
 
 @pytest.mark.parametrize("spec", SPECS[:4], ids=[s.id for s in SPECS[:4]])
-@pytest.mark.parametrize("ncta", [1, 2, 7])
-def test_emulated_stream_schedules_bit_identical_to_wide(spec, ncta):
-    """Any CTA count (1 CTA walking every item, uneven splits) gives the wide kernel's bits."""
+@pytest.mark.parametrize("ncta,prefetch", [(1, None), (2, None), (7, None), (1, 0), (2, 3)])
+def test_emulated_stream_schedules_bit_identical_to_wide(spec, ncta, prefetch):
+    """Any CTA count (1 CTA walking every item, uneven splits) and L2-prefetch distance (off,
+    the default, 3) gives the wide kernel's bits; the prefetches' addresses are checked."""
     cfg = spec.cfg
     a1 = make_case(spec, "cpu")
     a2 = clone_args(a1)
     emulator.run("wide", cfg, a1)
-    emulator.run("stream", cfg, a2, ncta=ncta)
+    emulator.run("stream", cfg, a2, ncta=ncta, prefetch=prefetch)
     for buf in ("out", "state", "conv_state", "v_record", "kg_record"):
         assert bits_equal(getattr(a1, buf), getattr(a2, buf)), buf
 
