@@ -17,7 +17,7 @@ Environment:
                       after each CTA's last write; "early": triggered after the prologue's
                       loads (faster for unrelated successors, unsafe for a successor that
                       reads this step's results before its own wait); "0": no PDL.
-  KDA_CUTEDSL_PREFETCH  streamed kernel: L2-prefetch distance in items (default 2; 0 off).
+  KDA_CUTEDSL_PREFETCH  streamed kernel: L2-prefetch distance in items (default 0 = off).
   KDA_CACHE_DIR       compile cache root (kernels go to ``$KDA_CACHE_DIR/cutedsl``;
                       default ``~/.cache/kda/cutedsl``).
   CUTE_DSL_ARCH       target architecture when compiling without a GPU (e.g. sm_90a).
@@ -77,7 +77,9 @@ def pdl_mode() -> tuple:
 
 
 #: Default L2-prefetch distance of the streamed kernel, in items (``KDA_CUTEDSL_PREFETCH``).
-PREFETCH_DISTANCE = 2
+#: Off: on the H200 (c3bcd08) distance 2 / 3 took R=128 T=1 from 0.768 to 0.625 / 0.584 of
+#: the floor.
+PREFETCH_DISTANCE = 0
 
 
 def prefetch_distance() -> int:

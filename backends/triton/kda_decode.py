@@ -89,11 +89,10 @@ variant)`` or the environment variable ``KDA_TRITON_VARIANT``):
   :mod:`backends.triton.kda_decode_chunked`: one 4-warp program per item walking the page in
   32-row chunks (a software-pipelined loop: the next chunk is prefetched with async copies),
   <= 88 registers (5 CTAs per SM).
-* ``auto`` (the default, :class:`AutoStep`): when R*H is at least the SM count, ``chunked``
-  for T <= 2 and ``chunked_bv16`` for T >= 3 (H200, commit 98aac82, H=32: T=5 R=128 / 512
-  0.68 / 0.72 of the floor with 16-row chunks against 0.61 / 0.66 with 32, whose unrolled
-  tokens spill at T=5; T=1 0.75 / 0.80 against 0.71 / 0.76; T=2 0.71 / 0.75 against 0.69 /
-  0.75; T=3, 4 not measured); below that ``vsplit4`` / ``vsplit2`` when R*H is at most a quarter / half of the SM count,
+* ``auto`` (the default, :class:`AutoStep`): when R*H is at least the SM count, a build of
+  the ``chunked`` kernel chosen by T and batch size (:data:`AUTO_CHUNKED`: ``chunked_s3``
+  for T=1 from 16 items per SM, ``chunked`` for T <= 2, ``chunked_bv16`` for T >= 3; the
+  measurements are next to the table; T=3, 4 not measured); below that ``vsplit4`` / ``vsplit2`` when R*H is at most a quarter / half of the SM count,
   else ``item``. Why: on the H200 (2026-11-29, commit 700474b, H=32) ``item`` measured 0.49 /
   0.50 / 0.36 of the copy-bandwidth floor at R=128 T=1 / R=512 T=1 / R=128 T=5 and every
   V-split and 16-warp variant was slower at R >= 8; the ``chunked`` kernel is the
@@ -555,8 +554,6 @@ class Variant:
         :mod:`backends.triton.kda_decode_chunked`: one 4-warp program per item walking the
         page in chunks of ``bv`` value rows, ``num_stages`` pipelining stages of that loop).
       bv: value rows per chunk of the ``chunked`` kernel.
-      prefetch: ``chunked`` kernel: L2-prefetch the item's whole state page at the start of
-        the program (``prefetch.global.L2`` per 128-byte line; not under the interpreter).
       description: one line for benchmark tables.
     """
 
@@ -571,7 +568,6 @@ class Variant:
     split_maxnreg: Optional[int] = None
     kernel: str = "item"
     bv: int = 32
-    prefetch: bool = False
     description: str = ""
 
 
@@ -601,18 +597,24 @@ VARIANTS: Dict[str, Variant] = {v.name: v for v in (
             description="chunked with a 3-stage pipeline"),
     Variant("chunked_nocap", kernel="chunked", bv=32, num_stages=2, num_warps=4,
             description="chunked without the register cap"),
-    Variant("chunked_pf", kernel="chunked", bv=32, num_stages=2, num_warps=4, maxnreg=88,
-            prefetch=True, description="chunked with an L2 prefetch of the page"),
-    Variant("chunked_s3_pf", kernel="chunked", bv=32, num_stages=3, num_warps=4, maxnreg=88,
-            prefetch=True, description="chunked_s3 with an L2 prefetch of the page"),
-    Variant("chunked_bv16_pf", kernel="chunked", bv=16, num_stages=2, num_warps=4, maxnreg=88,
-            prefetch=True, description="chunked_bv16 with an L2 prefetch of the page"),
     Variant("chunked_s4", kernel="chunked", bv=32, num_stages=4, num_warps=4, maxnreg=88,
             description="chunked with a 4-stage pipeline"),
     Variant("chunked_bv16_s3", kernel="chunked", bv=16, num_stages=3, num_warps=4, maxnreg=88,
             description="chunked_bv16 with a 3-stage pipeline"),
 )}
 DEFAULT_VARIANT = "auto"
+
+#: ``auto``'s chunked builds, first match wins: (largest T, least items per SM, variant).
+#: H200, H=32, fraction of the floor (commit c3bcd08, docs/results/2026-11-29-h200-c3bcd08):
+#: T=1 3 stages 0.776 / 0.837 at R=128 / 512 against 0.758 / 0.809 with 2, but 0.619 against
+#: 0.640 at R=32 (1024 items, 7.8 per SM); T=5 16-row chunks 0.685 / 0.733 (32-row: 0.622 /
+#: 0.663, their unrolled tokens spill; 16-row with 3 stages 0.662 / 0.708); T=2 and 3-4 as
+#: measured at 98aac82 (T=2: 32-row chunks 0.71 / 0.75, 16-row 0.69 / 0.75).
+AUTO_CHUNKED = (
+    (1, 16, "chunked_s3"),
+    (2, 1, "chunked"),
+    (8, 1, "chunked_bv16"),
+)
 
 
 def _auto_nv(n_items: int, num_sms: int) -> int:
@@ -731,9 +733,9 @@ def resolve_variant(variant: Optional[str] = None) -> Variant:
 
 
 class AutoStep:
-    """The ``auto`` variant: per call, the ``chunked`` kernel (16-row chunks for T >= 3) when the
-    batch has at least as many items (R*H) as the device has SMs, else :class:`TritonStep`
-    with the small-batch split.
+    """The ``auto`` variant: per call, a build of the ``chunked`` kernel when the batch has at
+    least as many items (R*H) as the device has SMs (:data:`AUTO_CHUNKED`: by T and batch
+    size), else :class:`TritonStep` with the small-batch split.
 
     The choice uses shapes only (nothing is read from the device), so a CUDA graph captures
     one kernel per batch size.
@@ -744,16 +746,30 @@ class AutoStep:
         self.cfg = cfg
         self.variant = variant
         self.small = TritonStep(cfg, device, variant)
-        self.large = ChunkedStep(cfg, device,
-                                 VARIANTS["chunked" if cfg.T <= 2 else "chunked_bv16"])
+        self._device = device
+        self._chunked: Dict[str, "ChunkedStep"] = {}
+        self._make_chunked = ChunkedStep
 
     def kernel_for(self, n_items: int) -> str:
-        """"chunked" or "item" (the latter with :meth:`TritonStep.nv_for` row blocks)."""
-        return "chunked" if n_items >= self.small.num_sms else "item"
+        """The variant run for ``n_items`` items: "item" (with :meth:`TritonStep.nv_for` row
+        blocks) below the SM count, else the ``chunked`` build :data:`AUTO_CHUNKED` names."""
+        sms = self.small.num_sms
+        if n_items < sms:
+            return "item"
+        for T_max, min_per_sm, name in AUTO_CHUNKED:
+            if self.cfg.T <= T_max and n_items >= min_per_sm * sms:
+                return name
+        raise AssertionError("AUTO_CHUNKED covers every T")  # pragma: no cover
 
     def __call__(self, args: KdaArgs) -> None:
-        n_items = args.state_indices.shape[0] * self.cfg.num_heads
-        (self.large if self.kernel_for(n_items) == "chunked" else self.small)(args)
+        name = self.kernel_for(args.state_indices.shape[0] * self.cfg.num_heads)
+        if name == "item":
+            return self.small(args)
+        step = self._chunked.get(name)
+        if step is None:
+            step = self._chunked[name] = self._make_chunked(self.cfg, self._device,
+                                                            VARIANTS[name])
+        step(args)
 
 
 def build_step(cfg: KdaConfig, device, variant: Optional[str] = None):

@@ -156,7 +156,7 @@ def _kda_chunked_kernel(
         H: tl.constexpr, T: tl.constexpr, L: tl.constexpr, SD: tl.constexpr,
         HAS_BIAS: tl.constexpr, BOUNDED: tl.constexpr, GATE_MODE: tl.constexpr,
         RECORD: tl.constexpr, BV: tl.constexpr, NUM_STAGES: tl.constexpr,
-        EVICT: tl.constexpr, PREFETCH: tl.constexpr, INTERP: tl.constexpr):
+        EVICT: tl.constexpr, INTERP: tl.constexpr):
     """The fused KDA decode step, one program per item, value rows in chunks of ``BV`` (see
     the module docstring). Grid: ``R * H`` programs. Pointers: the :class:`KdaArgs` tensors
     (unused optional ones point at any tensor and are never dereferenced) and the scratch;
@@ -191,15 +191,6 @@ def _kda_chunked_kernel(
     src64 = tl.where(live, src, 0).to(tl.int64)
     cs64 = tl.where(live, cslot, 0).to(tl.int64)
     n0 = r64 * T                                                    # first token row
-    if PREFETCH and not INTERP:
-        # L2 prefetch of the whole source page now, so that its DRAM reads overlap step 2
-        # (the row loop's first chunks are only issued after it): one prefetch.global.L2 per
-        # 128-byte line, 4 per thread.
-        if live:
-            lines = (st_ptr + src64 * stride_st + h * (128 * 128)
-                     + tl.arange(0, 512).to(tl.int64) * 32)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                      [lines], dtype=tl.int32, is_pure=False, pack=1)
 
     dd = tl.arange(0, 128)                                          # q/k channel, key column
     tt = tl.arange(0, TP)
@@ -335,8 +326,7 @@ class ChunkedStep:
             H=cfg.num_heads, T=cfg.T, L=cfg.window, SD=cfg.conv_layout == "SD",
             HAS_BIAS=cfg.has_conv_bias, BOUNDED=cfg.lower_bound is not None,
             GATE_MODE=cfg.gate_mode, RECORD=cfg.record, BV=variant.bv,
-            NUM_STAGES=variant.num_stages, EVICT=variant.evict, PREFETCH=variant.prefetch,
-            INTERP=self.interp)
+            NUM_STAGES=variant.num_stages, EVICT=variant.evict, INTERP=self.interp)
         self._scalars = (float(cfg.scale), float(cfg.norm_eps),
                          0.0 if cfg.lower_bound is None else float(cfg.lower_bound))
 
@@ -389,7 +379,7 @@ def compile_chunked_offline(cfg: KdaConfig, variant, arch: int = 90,
         H=cfg.num_heads, T=cfg.T, L=cfg.window, SD=cfg.conv_layout == "SD",
         HAS_BIAS=cfg.has_conv_bias, BOUNDED=cfg.lower_bound is not None, GATE_MODE=cfg.gate_mode,
         RECORD=cfg.record, BV=variant.bv, NUM_STAGES=variant.num_stages, EVICT=variant.evict,
-        PREFETCH=variant.prefetch, INTERP=False)
+        INTERP=False)
     opts = {"num_warps": variant.num_warps or 4, "num_stages": variant.num_stages}
     if variant.maxnreg:
         opts["maxnreg"] = variant.maxnreg

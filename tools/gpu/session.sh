@@ -26,13 +26,13 @@
 # Stages run in the order above; tests/kdatools/serve/bigmem/full run together in the
 # background.
 # $KDA_STAGES picks stages (default: all of them). $OUT gets summary.txt (also printed),
-# logs.tgz (every log) and bench-h200.json.
+# logs.tgz (every log, the sweep's JSONs) and bench-h200.json.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/kda-gpu-out}
 L=$OUT/logs
 mkdir -p "$L"
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 KDA_CACHE_DIR=${KDA_CACHE_DIR:-/tmp/kda-cache}
+export COLUMNS=${COLUMNS:-250} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 KDA_CACHE_DIR=${KDA_CACHE_DIR:-/tmp/kda-cache}
 # The device's copy of the tree may carry a stale .git (seen: a JSON naming an older commit):
 # the commit recorded in the results is $KDA_COMMIT, never read from git there.
 export KDA_COMMIT=${KDA_COMMIT:-unknown}
@@ -49,7 +49,9 @@ bg() {  # bg <name> <command...>: run in the background under the deadline, reco
 }
 finish() {
   { echo "== stages"; sort "$L/_rc" 2>/dev/null; } >> "$OUT/summary.txt"
-  tar czf "$OUT/logs.tgz" -C "$OUT" logs
+  # one archive (logs, sweep JSONs): the device tool returns only a few files per run
+  tar czf "$OUT/logs.tgz" -C "$OUT" logs $( [ -d "$OUT/sweep" ] && echo sweep )
+  rm -rf "$L" "$OUT/sweep"
   cat "$OUT/summary.txt"
 }
 trap finish EXIT
@@ -114,6 +116,7 @@ if want ncu; then
     timeout 60 ncu --clock-control none --launch-skip 2 --launch-count 1 \
       -k 'regex:kda|Kda|cutlass' --section SpeedOfLight --section MemoryWorkloadAnalysis \
       --section WarpStateStats --section Occupancy --section LaunchStats \
+      --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
       python3 -m tools.bench.bench --backends="$b" --peers= --batches=128 --tokens=1 --iters=8 \
       --warmup=0 --mode=eager --noplot >> "$L/ncu.log" 2>&1
   done

@@ -116,17 +116,18 @@ def test_back_to_back_steps(spec, pdl, monkeypatch):
     assert not errors, "\n".join(errors)
 
 
-@pytest.mark.parametrize("distance", ["0", "3"])
+@pytest.mark.parametrize("env", [("KDA_CUDA_PREFETCH", "2"), ("KDA_CUDA_PREFETCH", "3"),
+                                 ("KDA_CUDA_STORE", "cs"), ("KDA_CUDA_STORE", "wb")])
 @pytest.mark.parametrize("spec", [CaseSpec(make_config(32, 1), R=40, null_frac=0.3),
                                   CaseSpec(make_config(8, 5, "DS", gm=1), R=40, null_frac=0.3)],
                          ids=lambda s: s.id)
-def test_prefetch_distance_changes_nothing(spec, distance, monkeypatch):
-    """The L2 prefetch (KDA_CUDA_PREFETCH; default 2) is a hint only: other distances give
-    bit-identical results to the default, null slots included."""
+def test_cache_hints_change_nothing(spec, env, monkeypatch):
+    """The L2 prefetch (KDA_CUDA_PREFETCH) and the store kind (KDA_CUDA_STORE) are cache
+    hints only: results are bit-identical to the defaults', null slots included."""
     a_def = make_case(spec, DEV)
     a_alt = clone_args(a_def)
     _step(spec.cfg)(a_def)
-    monkeypatch.setenv("KDA_CUDA_PREFETCH", distance)
+    monkeypatch.setenv(*env)
     _step(spec.cfg)(a_alt)
     torch.cuda.synchronize()
     for name in ("out", "state", "conv_state"):

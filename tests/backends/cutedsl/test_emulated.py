@@ -51,10 +51,10 @@ def test_emulated_matches_reference(kind, spec):
 
 
 @pytest.mark.parametrize("spec", SPECS[:4], ids=[s.id for s in SPECS[:4]])
-@pytest.mark.parametrize("ncta,prefetch", [(1, None), (2, None), (7, None), (1, 0), (2, 3)])
+@pytest.mark.parametrize("ncta,prefetch", [(1, None), (2, None), (7, None), (1, 2), (2, 3)])
 def test_emulated_stream_schedules_bit_identical_to_wide(spec, ncta, prefetch):
-    """Any CTA count (1 CTA walking every item, uneven splits) and L2-prefetch distance (off,
-    the default, 3) gives the wide kernel's bits; the prefetches' addresses are checked."""
+    """Any CTA count (1 CTA walking every item, uneven splits) and L2-prefetch distance (the
+    default off, 2, 3) gives the wide kernel's bits; the prefetches' addresses are checked."""
     cfg = spec.cfg
     a1 = make_case(spec, "cpu")
     a2 = clone_args(a1)

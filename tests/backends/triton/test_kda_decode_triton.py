@@ -29,9 +29,9 @@ from kda.testing import CaseSpec, bits_equal, clone_args, compare_step, make_cas
 INTERP = kd.interpreter_enabled()
 WRITTEN = ("out", "state", "conv_state", "v_record", "kg_record")
 VARIANTS = ("item", "vsplit2", "vsplit4", "persistent", "item_w16", "chunked", "chunked_bv16")
-# on the GPU also the pipeline depths and the L2 prefetch (the interpreter ignores both)
+# on the GPU also the other pipeline depths (the interpreter does not pipeline)
 if not INTERP:
-    VARIANTS += ("chunked_s3", "chunked_pf", "chunked_s3_pf", "chunked_bv16_pf")
+    VARIANTS += ("chunked_s3", "chunked_s4", "chunked_bv16_s3")
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +137,12 @@ def test_persistent_tail_and_auto_split(device):
     auto = kd.build_step(cfg, device, "auto")
     assert isinstance(auto, kd.AutoStep)
     auto.small.num_sms = 132
-    assert [auto.kernel_for(n) for n in (1, 131, 132, 4096)] == ["item", "item", "chunked",
-                                                               "chunked"]
+    assert [auto.kernel_for(n) for n in (1, 131, 132, 2111, 2112, 4096)] == \
+        ["item", "item", "chunked", "chunked", "chunked_s3", "chunked_s3"]
+    for T, name in ((2, "chunked"), (3, "chunked_bv16"), (8, "chunked_bv16")):
+        auto_t = kd.build_step(KdaConfig(num_heads=1, T=T, window=T + 2), device, "auto")
+        auto_t.small.num_sms = 132
+        assert [auto_t.kernel_for(n) for n in (131, 132, 4096)] == ["item", name, name], T
 
 
 def test_variant_selection(monkeypatch):
@@ -180,7 +184,6 @@ cases = {
     "chunked_t5": (KdaConfig(num_heads=32, T=5, window=7, lower_bound=-5.0), "chunked"),
     "chunked_t2rec": (KdaConfig(num_heads=8, T=2, window=4, record=True,
                                 conv_state_dtype=torch.float32), "chunked"),
-    "chunked_pf_t2": (KdaConfig(num_heads=32, T=2, window=4), "chunked_pf"),
 }
 out = {}
 for name, (cfg, variant) in cases.items():
@@ -197,7 +200,6 @@ for name, (cfg, variant) in cases.items():
         state_st_v4=len(re.findall(r"st\.global\.cs\.v4\.b32", ptx)),
         mma=len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)),
         atom=len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)),
-        prefetch=len(re.findall(r"prefetch\.global\.L2 ", ptx)),
         state_async=len(re.findall(r"ttg\.async_copy_global_to_local .* evictionPolicy = "
                                    r"evict_first .*tensor<32x128x!tt\.ptr<f32>", g)),
         cp_async16=len(re.findall(r"cp\.async\.cg\.shared\.global .*, 0x10", ptx)))
@@ -228,9 +230,6 @@ def test_offline_sm90a_compilation():
     assert res["t5"]["state_st_v4"] == 16                   # token loop: one page write each
     assert res["t2rec"]["state_st_v4"] == 0                 # record mode: no state write
     assert res["vsplit4"]["atom"] >= 1                      # last-arriver counter
-    # the L2 prefetch of the page: 512 lines, 4 per thread (and only where asked for)
-    assert res["chunked_pf_t2"]["prefetch"] == 4, res["chunked_pf_t2"]
-    assert res["chunked_t1"]["prefetch"] == 0
     # chunked: <= 88 registers (5 CTAs of 4 warps per SM), no spill at T=1, the 32x128 state
     # chunk prefetched by the software pipeliner (async copies of 16 bytes into shared memory)
     for name in ("chunked_t1", "chunked_t1ds", "chunked_t5", "chunked_t2rec"):
