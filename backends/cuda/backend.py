@@ -7,8 +7,6 @@ Environment:
   KDA_CUDA_PDL=0   launch without programmatic dependent launch (default: on).
   KDA_CUDA_PREFETCH=d   L2-prefetch item n+d's state page during item n (0 = off; default
                    PREFETCH_DISTANCE; see the design note of kda_decode.cu).
-  KDA_CUDA_STORE=cs   state stores st.global.cs (streaming, evict-first) instead of
-                   write-back (default DEFAULT_STORE).
   KDA_CACHE_DIR    where the compiled extension is kept (see build.py).
 """
 
@@ -25,9 +23,6 @@ from kda.config import KdaArgs, KdaConfig
 
 #: Tokens per request the kernel is instantiated for.
 MAX_T = 8
-
-#: Default state store: "wb" (write-back) or "cs" (streaming, ``KDA_CUDA_STORE``).
-DEFAULT_STORE = "wb"
 
 #: Default L2-prefetch distance in items (``KDA_CUDA_PREFETCH`` overrides; 0 = off). Off:
 #: on the H200 (c3bcd08) distance 2 / 3 took R=128 T=1 from 0.788 to 0.655 / 0.603 of the
@@ -92,16 +87,13 @@ class CudaBackend(Backend):
         lb = None if lb is None else float(lb)
         pdl = os.environ.get("KDA_CUDA_PDL", "1") != "0"
         pfd = _env_int("KDA_CUDA_PREFETCH", PREFETCH_DISTANCE)
-        store = os.environ.get("KDA_CUDA_STORE", DEFAULT_STORE).strip()
-        if store not in ("wb", "cs"):
-            raise ValueError(f"KDA_CUDA_STORE: expected 'wb' or 'cs', got {store!r}")
         launch = ext.step
 
         def step(a: KdaArgs) -> None:
             launch(a.x, a.conv_weight, a.conv_bias, a.conv_state, a.f_a, a.f_b, a.beta, a.A_log,
                    a.dt_bias, a.state, a.state_indices, a.num_accepted_tokens, a.output_gate,
                    a.norm_weight, a.out, a.v_record, a.kg_record, H, T, scale, eps, lb, gm,
-                   record, pdl, pfd, store == "cs")
+                   record, pdl, pfd)
 
         return step
 

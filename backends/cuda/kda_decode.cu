@@ -72,14 +72,14 @@
 // still differ by fp32 reassociation of u; see tests/backends/cuda/test_cuda_gpu.py.) SiLU and
 // the sigmoids of beta and of the output gate, which a bf16 rounding or the fp32 tolerance
 // follows, use __expf / __fdividef.
-// Cache hints, both off by default (runtime parameters, KDA_CUDA_PREFETCH / KDA_CUDA_STORE):
-// prefetch_distance d >= 2 has thread 224 read item n+d's slot ids during item n and issue a
+// L2 prefetch, off by default (runtime parameter, KDA_CUDA_PREFETCH): prefetch_distance d >= 2 has thread 224 read item n+d's slot ids during item n and issue a
 // cp.async.bulk.prefetch.L2 of its page next to item n+1's cp.async (two pages in flight per
 // CTA without a second staging buffer). Measured on the H200 (c3bcd08, H=32): R=128 T=1
 // 0.788 -> 0.655 (d=2) / 0.603 (d=3) of the floor, every cell slower. Likely cause (not
 // measured): at ~4 TB/s the 50 MB L2 turns over in about 12 us, about one item's time per
-// CTA, so prefetched pages are evicted before their cp.async reads them and are read twice. streaming_stores writes the state
-// with st.global.cs (evict-first) instead of write-back stores.
+// CTA, so prefetched pages are evicted before their cp.async reads them and are read twice.
+// Streaming state stores (st.global.cs) instead of write-back ones measured the same within
+// run-to-run noise (6ff17fa: R=128 T=1 0.775 vs 0.781, T=5 0.797 vs 0.790), so not kept.
 // State loads use plain cp.async.cg: the L2::cache_hint form miscompiled with nvcc 13.0 for
 // T=1 (uniform descriptor registers read but never written; illegal-instruction fault on the
 // H200). All slot offsets are 64-bit.
@@ -228,16 +228,6 @@ __device__ __forceinline__ void pf_page(const KdaParams& p, int item, int src) {
 #pragma unroll
   for (int i = 0; i < 4; ++i)
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], 16384;\n" ::"l"(page + i * 4096) : "memory");
-}
-
-// 16-byte state store: write-back (default) or streaming (st.global.cs: evict-first in L2).
-__device__ __forceinline__ void st_state(float* dst, float4 v, int streaming) {
-  if (streaming) {
-    asm volatile("st.global.cs.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(v.x), "f"(v.y),
-                 "f"(v.z), "f"(v.w) : "memory");
-  } else {
-    *reinterpret_cast<float4*>(dst) = v;
-  }
 }
 
 // cp.async of item `item`'s slot row (and accepted count) into sm.slots[item & 1].
@@ -814,7 +804,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
           for (int m = 0; m < 4; ++m)
 #pragma unroll
             for (int c = 0; c < 4; ++c)
-              st_state(base + m * 32 * kD + 32 * c, S[m][c], p.streaming_stores);
+              *reinterpret_cast<float4*>(base + m * 32 * kD + 32 * c) = S[m][c];
         }
       }
       __syncthreads();  // B4: o complete

@@ -58,7 +58,6 @@ typedef struct KdaParams {
   int norm_weight_bf16;
   int use_pdl;        // launch with programmatic stream serialization
   int prefetch_distance;  // 0 = off; d >= 2: L2 prefetch of item n+d's state page during item n
-  int streaming_stores;   // 1: state stores st.global.cs (evict-first), 0: write-back
 } KdaParams;
 
 // Launches one decode step on `stream`. Returns the launch's error code (cudaSuccess when
