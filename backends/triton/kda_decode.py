@@ -601,6 +601,14 @@ VARIANTS: Dict[str, Variant] = {v.name: v for v in (
             description="chunked with a 4-stage pipeline"),
     Variant("chunked_bv16_s3", kernel="chunked", bv=16, num_stages=3, num_warps=4, maxnreg=88,
             description="chunked_bv16 with a 3-stage pipeline"),
+    Variant("chunked_w2", kernel="chunked", bv=16, num_stages=2, num_warps=2, maxnreg=128,
+            description="2-warp programs, 16-row chunks, <=128 regs (8 programs per SM)"),
+    Variant("chunked_w2_s3", kernel="chunked", bv=16, num_stages=3, num_warps=2, maxnreg=128,
+            description="chunked_w2 with a 3-stage pipeline"),
+    Variant("chunked_w2_r104", kernel="chunked", bv=16, num_stages=2, num_warps=2, maxnreg=104,
+            description="chunked_w2 at <=104 regs (9 programs per SM)"),
+    Variant("chunked_w8_bv64", kernel="chunked", bv=64, num_stages=2, num_warps=8, maxnreg=88,
+            description="8-warp programs, 64-row chunks"),
 )}
 DEFAULT_VARIANT = "auto"
 
