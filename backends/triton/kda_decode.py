@@ -90,9 +90,9 @@ variant)`` or the environment variable ``KDA_TRITON_VARIANT``):
   32-row chunks (a software-pipelined loop: the next chunk is prefetched with async copies),
   <= 88 registers (5 CTAs per SM).
 * ``auto`` (the default, :class:`AutoStep`): when R*H is at least the SM count, a build of
-  the ``chunked`` kernel chosen by T and batch size (:data:`AUTO_CHUNKED`: ``chunked_s3``
-  for T=1 from 16 items per SM, ``chunked`` for T <= 2, ``chunked_bv16`` for T >= 3; the
-  measurements are next to the table; T=3, 4 not measured); below that ``vsplit4`` / ``vsplit2`` when R*H is at most a quarter / half of the SM count,
+  the ``chunked`` kernel chosen by T and batch size (:data:`AUTO_CHUNKED`: 2-warp programs
+  on 16-row chunks, 3 stages at T=1, 2 at T>=2, except 4-warp programs for T >= 3 from 64
+  items per SM; the measurements are next to the table); below that ``vsplit4`` / ``vsplit2`` when R*H is at most a quarter / half of the SM count,
   else ``item``. Why: on the H200 (2026-11-29, commit 700474b, H=32) ``item`` measured 0.49 /
   0.50 / 0.36 of the copy-bandwidth floor at R=128 T=1 / R=512 T=1 / R=128 T=5 and every
   V-split and 16-warp variant was slower at R >= 8; the ``chunked`` kernel is the
@@ -613,15 +613,17 @@ VARIANTS: Dict[str, Variant] = {v.name: v for v in (
 DEFAULT_VARIANT = "auto"
 
 #: ``auto``'s chunked builds, first match wins: (largest T, least items per SM, variant).
-#: H200, H=32, fraction of the floor (commit c3bcd08, docs/results/2026-11-29-h200-c3bcd08):
-#: T=1 3 stages 0.776 / 0.837 at R=128 / 512 against 0.758 / 0.809 with 2, but 0.619 against
-#: 0.640 at R=32 (1024 items, 7.8 per SM); T=5 16-row chunks 0.685 / 0.733 (32-row: 0.622 /
-#: 0.663, their unrolled tokens spill; 16-row with 3 stages 0.662 / 0.708); T=2 and 3-4 as
-#: measured at 98aac82 (T=2: 32-row chunks 0.71 / 0.75, 16-row 0.69 / 0.75).
+#: H200, H=32, fraction of the floor at R = 32 / 128 / 512 (commit 9e0c701, one run,
+#: docs/results/2026-11-29-h200-9e0c701): T=1 2-warp 16-row 3-stage 0.659 / 0.772 / 0.831
+#: (4-warp 32-row: 2 stages 0.636 / 0.753 / 0.804, 3 stages 0.614 / 0.770 / 0.832); T=2
+#: 2-warp 2-stage 0.666 / 0.748 / 0.797 (4-warp 32-row 0.614 / 0.709 / 0.759); T=5 2-warp
+#: 0.648 / 0.698 / 0.713, 4-warp 16-row 0.608 / 0.684 / 0.729 (so the latter from 64 items
+#: per SM: R=512 at H=32); 8-warp 64-row 0.59-0.63 everywhere. T=3, 4: not measured, as T=5.
 AUTO_CHUNKED = (
-    (1, 16, "chunked_s3"),
-    (2, 1, "chunked"),
-    (8, 1, "chunked_bv16"),
+    (1, 1, "chunked_w2_s3"),
+    (2, 1, "chunked_w2"),
+    (8, 64, "chunked_bv16"),
+    (8, 1, "chunked_w2"),
 )
 
 

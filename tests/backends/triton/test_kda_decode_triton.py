@@ -31,7 +31,8 @@ WRITTEN = ("out", "state", "conv_state", "v_record", "kg_record")
 VARIANTS = ("item", "vsplit2", "vsplit4", "persistent", "item_w16", "chunked", "chunked_bv16")
 # on the GPU also the other pipeline depths (the interpreter does not pipeline)
 if not INTERP:
-    VARIANTS += ("chunked_s3", "chunked_s4", "chunked_bv16_s3")
+    VARIANTS += ("chunked_s3", "chunked_s4", "chunked_bv16_s3", "chunked_w2", "chunked_w2_s3",
+                 "chunked_w8_bv64")
 
 
 @pytest.fixture(scope="module")
@@ -137,12 +138,13 @@ def test_persistent_tail_and_auto_split(device):
     auto = kd.build_step(cfg, device, "auto")
     assert isinstance(auto, kd.AutoStep)
     auto.small.num_sms = 132
-    assert [auto.kernel_for(n) for n in (1, 131, 132, 2111, 2112, 4096)] == \
-        ["item", "item", "chunked", "chunked", "chunked_s3", "chunked_s3"]
-    for T, name in ((2, "chunked"), (3, "chunked_bv16"), (8, "chunked_bv16")):
+    assert [auto.kernel_for(n) for n in (1, 131, 132, 4096)] == \
+        ["item", "item", "chunked_w2_s3", "chunked_w2_s3"]
+    for T, names in ((2, ("chunked_w2",) * 3), (3, ("chunked_w2", "chunked_w2", "chunked_bv16")),
+                     (8, ("chunked_w2", "chunked_w2", "chunked_bv16"))):
         auto_t = kd.build_step(KdaConfig(num_heads=1, T=T, window=T + 2), device, "auto")
         auto_t.small.num_sms = 132
-        assert [auto_t.kernel_for(n) for n in (131, 132, 4096)] == ["item", name, name], T
+        assert [auto_t.kernel_for(n) for n in (131, 132, 8447, 8448)] == ["item", *names], T
 
 
 def test_variant_selection(monkeypatch):
