@@ -619,11 +619,15 @@ DEFAULT_VARIANT = "auto"
 #: 2-warp 2-stage 0.666 / 0.748 / 0.797 (4-warp 32-row 0.614 / 0.709 / 0.759); T=5 2-warp
 #: 0.648 / 0.698 / 0.713, 4-warp 16-row 0.608 / 0.684 / 0.729 (so the latter from 64 items
 #: per SM: R=512 at H=32); 8-warp 64-row 0.59-0.63 everywhere. T=3, 4: not measured, as T=5.
+#: At R=8 (256 items, 2 per SM) the 2-warp build was slower at T=2 / 5 (d6d6c22: 26.5 / 54.9 us
+#: against 25.0 / 46.5 us for the 4-warp builds at b32855c), so T >= 2 uses it from 4 per SM.
 AUTO_CHUNKED = (
     (1, 1, "chunked_w2_s3"),
-    (2, 1, "chunked_w2"),
+    (2, 4, "chunked_w2"),
+    (2, 1, "chunked"),
     (8, 64, "chunked_bv16"),
-    (8, 1, "chunked_w2"),
+    (8, 4, "chunked_w2"),
+    (8, 1, "chunked_bv16"),
 )
 
 

@@ -140,11 +140,12 @@ def test_persistent_tail_and_auto_split(device):
     auto.small.num_sms = 132
     assert [auto.kernel_for(n) for n in (1, 131, 132, 4096)] == \
         ["item", "item", "chunked_w2_s3", "chunked_w2_s3"]
-    for T, names in ((2, ("chunked_w2",) * 3), (3, ("chunked_w2", "chunked_w2", "chunked_bv16")),
-                     (8, ("chunked_w2", "chunked_w2", "chunked_bv16"))):
+    for T, names in ((2, ("chunked", "chunked_w2", "chunked_w2", "chunked_w2")),
+                     (3, ("chunked_bv16", "chunked_w2", "chunked_w2", "chunked_bv16")),
+                     (8, ("chunked_bv16", "chunked_w2", "chunked_w2", "chunked_bv16"))):
         auto_t = kd.build_step(KdaConfig(num_heads=1, T=T, window=T + 2), device, "auto")
         auto_t.small.num_sms = 132
-        assert [auto_t.kernel_for(n) for n in (131, 132, 8447, 8448)] == ["item", *names], T
+        assert [auto_t.kernel_for(n) for n in (131, 132, 528, 8447, 8448)] == ["item", *names], T
 
 
 def test_variant_selection(monkeypatch):
