@@ -21,9 +21,11 @@ Work decomposition
 ------------------
 The delta-rule update is independent per value row: row v of S evolves with k, q, the decay
 vector, beta and v[v] only; just the gated RMSNorm at the end needs all 128 values of o. So
-one program (4 warps) per item ``(r, h) = divmod(pid, H)`` walks the page in chunks of ``BV``
-value rows, holding only one [BV, 128] fp32 chunk (BV=32: 32 floats per thread) instead of
-the page:
+one program (``num_warps`` warps) per item ``(r, h) = divmod(pid, H)`` walks the page in
+chunks of ``BV`` value rows, holding only one [BV, 128] fp32 chunk (BV=32 with 4 warps, or
+BV=16 with 2 warps: 32 floats per thread) instead of the page. ``auto`` mostly runs 2-warp
+programs on 16-row chunks (more independent programs per SM; measured faster, see
+``AUTO_CHUNKED`` in ``kda_decode.py``); the register figures below are for the 4-warp build:
 
 1. slots and liveness (as ``kda_decode``): T=1 ``src = conv_slot = state_indices[r]``; T>1
    ``a = clamp(nacc[r], 1, T)``, ``src = state_indices[r, a-1]``, ``conv_slot =
