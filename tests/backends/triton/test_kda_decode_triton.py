@@ -210,10 +210,12 @@ print("RESULT" + json.dumps(out))
 """
 
 
-def test_offline_sm90a_compilation():
+def test_offline_sm90a_compilation(tmp_path):
     """Compile for sm_90a without a GPU and check the resources the design relies on."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
+    # Triton's default cache ($HOME/.triton) is read-only inside Bazel's linux-sandbox
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     proc = subprocess.run([sys.executable, "-c", _OFFLINE], env=env, capture_output=True,
                           text=True, timeout=600)
