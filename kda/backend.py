@@ -9,6 +9,8 @@ nothing and reports why through :meth:`Backend.availability`.
 from __future__ import annotations
 
 import abc
+import os
+import re
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -106,3 +108,26 @@ def gpu_reason(accept: Callable[[Tuple[int, int]], bool], need: str) -> Optional
     if not any(accept(torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())):
         return f"needs {need}"
     return None
+
+
+#: L2-prefetch distances the CUDA and CuTe DSL streamed kernels accept (0 = off; 1 would
+#: prefetch the page their cp.async is already loading).
+PREFETCH_DISTANCES = (0, 2, 3, 4, 5, 6, 7, 8)
+
+
+def prefetch_distance_from_env(name: str, default: int) -> int:
+    """The L2-prefetch distance (items ahead) from the environment variable ``name``.
+
+    Returns ``default`` when the variable is unset or empty.
+
+    Raises:
+      ValueError: the value is not one of :data:`PREFETCH_DISTANCES` (the message names the
+        variable, the accepted values and the value given).
+    """
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not re.fullmatch(r"[0-9]{1,3}", raw) or int(raw) not in PREFETCH_DISTANCES:
+        raise ValueError(f"{name}: expected one of {', '.join(map(str, PREFETCH_DISTANCES))} "
+                         f"(items ahead; 0 = off), got {raw!r}")
+    return int(raw)

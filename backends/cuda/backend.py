@@ -5,8 +5,8 @@ cached on disk; ``python3 -m backends.cuda.build`` compiles it ahead of time.
 
 Environment:
   KDA_CUDA_PDL=0   launch without programmatic dependent launch (default: on).
-  KDA_CUDA_PREFETCH=d   L2-prefetch item n+d's state page during item n (0 = off; default
-                   PREFETCH_DISTANCE; see the design note of kda_decode.cu).
+  KDA_CUDA_PREFETCH=d   L2-prefetch item n+d's state page during item n (d in 2..8; 0 = off,
+                   the default PREFETCH_DISTANCE; see the design note of kda_decode.cu).
   KDA_CACHE_DIR    where the compiled extension is kept (see build.py).
 """
 
@@ -18,7 +18,8 @@ from typing import List, Optional
 
 import torch
 
-from kda.backend import Backend, StepFn, gpu_reason, kernel_config_reasons
+from kda.backend import (Backend, StepFn, gpu_reason, kernel_config_reasons,
+                         prefetch_distance_from_env)
 from kda.config import KdaArgs, KdaConfig
 
 #: Tokens per request the kernel is instantiated for.
@@ -28,20 +29,6 @@ MAX_T = 8
 #: on the H200 (c3bcd08) distance 2 / 3 took R=128 T=1 from 0.788 to 0.655 / 0.603 of the
 #: floor (the prefetched pages are evicted from L2 by the other SMs' traffic before use).
 PREFETCH_DISTANCE = 0
-
-
-def _env_int(name: str, default: int) -> int:
-    """A non-negative integer from the environment variable ``name`` (``default`` if unset).
-
-    Raises:
-      ValueError: the variable is set to something else.
-    """
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    if not raw.isdigit():
-        raise ValueError(f"{name}: expected a non-negative integer, got {raw!r}")
-    return int(raw)
 
 
 class CudaBackend(Backend):
@@ -86,7 +73,7 @@ class CudaBackend(Backend):
         scale, eps, lb, gm = float(cfg.scale), float(cfg.norm_eps), cfg.lower_bound, cfg.gate_mode
         lb = None if lb is None else float(lb)
         pdl = os.environ.get("KDA_CUDA_PDL", "1") != "0"
-        pfd = _env_int("KDA_CUDA_PREFETCH", PREFETCH_DISTANCE)
+        pfd = prefetch_distance_from_env("KDA_CUDA_PREFETCH", PREFETCH_DISTANCE)
         launch = ext.step
 
         def step(a: KdaArgs) -> None:

@@ -109,6 +109,8 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
   p.conv_weight_bf16 = conv_weight.scalar_type() == at::kBFloat16 ? 1 : 0;
   p.norm_weight_bf16 = norm_weight.scalar_type() == at::kBFloat16 ? 1 : 0;
   p.use_pdl = use_pdl ? 1 : 0;
+  TORCH_CHECK(prefetch_distance >= 0 && prefetch_distance <= 64,
+              "kda cuda: prefetch_distance must be in [0, 64], got ", prefetch_distance);
   p.prefetch_distance = static_cast<int>(prefetch_distance);
 
   const c10::cuda::CUDAGuard guard(x.device());

@@ -901,7 +901,7 @@ extern "C" cudaError_t kda_decode_launch(const KdaParams* params, cudaStream_t s
   if (p->num_heads < 1 || p->num_requests < 0 || p->window < p->T + 2) return cudaErrorInvalidValue;
   if (static_cast<int64_t>(p->num_requests) * p->num_heads > INT32_MAX) return cudaErrorInvalidValue;
   if (p->T > 1 && p->num_accepted == nullptr) return cudaErrorInvalidValue;
-  if (p->prefetch_distance < 0) return cudaErrorInvalidValue;
+  if (p->prefetch_distance < 0 || p->prefetch_distance > 64) return cudaErrorInvalidValue;
   if (p->record && (p->v_record == nullptr || p->kg_record == nullptr)) return cudaErrorInvalidValue;
   switch (p->T) {
     case 1: return launch_t<1>(*p, stream);

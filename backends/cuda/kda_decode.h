@@ -57,7 +57,7 @@ typedef struct KdaParams {
   int conv_weight_bf16;
   int norm_weight_bf16;
   int use_pdl;        // launch with programmatic stream serialization
-  int prefetch_distance;  // 0 = off; d >= 2: L2 prefetch of item n+d's state page during item n
+  int prefetch_distance;  // 0 = off; 2..64: L2 prefetch of item n+d's state page during item n
 } KdaParams;
 
 // Launches one decode step on `stream`. Returns the launch's error code (cudaSuccess when

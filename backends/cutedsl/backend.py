@@ -17,7 +17,7 @@ Environment:
                       after each CTA's last write; "early": triggered after the prologue's
                       loads (faster for unrelated successors, unsafe for a successor that
                       reads this step's results before its own wait); "0": no PDL.
-  KDA_CUTEDSL_PREFETCH  streamed kernel: L2-prefetch distance in items (default 0 = off).
+  KDA_CUTEDSL_PREFETCH  streamed kernel: L2-prefetch distance in items (2..8; 0 = off, default).
   KDA_CACHE_DIR       compile cache root (kernels go to ``$KDA_CACHE_DIR/cutedsl``;
                       default ``~/.cache/kda/cutedsl``).
   CUTE_DSL_ARCH       target architecture when compiling without a GPU (e.g. sm_90a).
@@ -87,14 +87,10 @@ def prefetch_distance() -> int:
     default :data:`PREFETCH_DISTANCE`; see :class:`backends.cutedsl.static.KernelStatic`).
 
     Raises:
-      ValueError: the variable is not a non-negative integer.
+      ValueError: the value is not one of :data:`kda.backend.PREFETCH_DISTANCES`.
     """
-    raw = os.environ.get("KDA_CUTEDSL_PREFETCH", "").strip()
-    if not raw:
-        return PREFETCH_DISTANCE
-    if not raw.isdigit():
-        raise ValueError(f"KDA_CUTEDSL_PREFETCH: expected a non-negative integer, got {raw!r}")
-    return int(raw)
+    from kda.backend import prefetch_distance_from_env
+    return prefetch_distance_from_env("KDA_CUTEDSL_PREFETCH", PREFETCH_DISTANCE)
 
 
 def _f32_bits(x: float) -> int:

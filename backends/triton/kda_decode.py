@@ -91,8 +91,9 @@ variant)`` or the environment variable ``KDA_TRITON_VARIANT``):
   <= 88 registers (5 CTAs per SM).
 * ``auto`` (the default, :class:`AutoStep`): when R*H is at least the SM count, a build of
   the ``chunked`` kernel chosen by T and batch size (:data:`AUTO_CHUNKED`: 2-warp programs
-  on 16-row chunks, 3 stages at T=1, 2 at T>=2, except 4-warp programs for T >= 3 from 64
-  items per SM; the measurements are next to the table); below that ``vsplit4`` / ``vsplit2`` when R*H is at most a quarter / half of the SM count,
+  on 16-row chunks, 3 stages at T=1; at T >= 2 2 stages from 4 items per SM, the 4-warp
+  builds below that (32-row at T=2, 16-row at T >= 3), and 4-warp 16-row programs for
+  T >= 3 from 64 items per SM; the measurements are next to the table); below that ``vsplit4`` / ``vsplit2`` when R*H is at most a quarter / half of the SM count,
   else ``item``. Why: on the H200 (2026-11-29, commit 700474b, H=32) ``item`` measured 0.49 /
   0.50 / 0.36 of the copy-bandwidth floor at R=128 T=1 / R=512 T=1 / R=128 T=5 and every
   V-split and 16-warp variant was slower at R >= 8; the ``chunked`` kernel is the
@@ -612,22 +613,23 @@ VARIANTS: Dict[str, Variant] = {v.name: v for v in (
 )}
 DEFAULT_VARIANT = "auto"
 
-#: ``auto``'s chunked builds, first match wins: (largest T, least items per SM, variant).
+#: ``auto``'s chunked builds, first match wins: (largest T or None = any, least items per SM,
+#: variant).
 #: H200, H=32, fraction of the floor at R = 32 / 128 / 512 (commit 9e0c701, one run,
 #: docs/results/2026-11-29-h200-9e0c701): T=1 2-warp 16-row 3-stage 0.659 / 0.772 / 0.831
 #: (4-warp 32-row: 2 stages 0.636 / 0.753 / 0.804, 3 stages 0.614 / 0.770 / 0.832); T=2
 #: 2-warp 2-stage 0.666 / 0.748 / 0.797 (4-warp 32-row 0.614 / 0.709 / 0.759); T=5 2-warp
 #: 0.648 / 0.698 / 0.713, 4-warp 16-row 0.608 / 0.684 / 0.729 (so the latter from 64 items
-#: per SM: R=512 at H=32); 8-warp 64-row 0.59-0.63 everywhere. T=3, 4: not measured, as T=5.
+#: per SM: R=512 at H=32); 8-warp 64-row 0.58-0.63 everywhere. T=3, 4: not measured, as T=5.
 #: At R=8 (256 items, 2 per SM) the 2-warp build was slower at T=2 / 5 (d6d6c22: 26.5 / 54.9 us
 #: against 25.0 / 46.5 us for the 4-warp builds at b32855c), so T >= 2 uses it from 4 per SM.
 AUTO_CHUNKED = (
     (1, 1, "chunked_w2_s3"),
     (2, 4, "chunked_w2"),
     (2, 1, "chunked"),
-    (8, 64, "chunked_bv16"),
-    (8, 4, "chunked_w2"),
-    (8, 1, "chunked_bv16"),
+    (None, 64, "chunked_bv16"),
+    (None, 4, "chunked_w2"),
+    (None, 1, "chunked_bv16"),
 )
 
 
@@ -771,9 +773,9 @@ class AutoStep:
         if n_items < sms:
             return "item"
         for T_max, min_per_sm, name in AUTO_CHUNKED:
-            if self.cfg.T <= T_max and n_items >= min_per_sm * sms:
+            if (T_max is None or self.cfg.T <= T_max) and n_items >= min_per_sm * sms:
                 return name
-        raise AssertionError("AUTO_CHUNKED covers every T")  # pragma: no cover
+        return "chunked_bv16"  # not reached: AUTO_CHUNKED ends with (None, 1, ...)
 
     def __call__(self, args: KdaArgs) -> None:
         name = self.kernel_for(args.state_indices.shape[0] * self.cfg.num_heads)

@@ -106,3 +106,20 @@ def test_kda_decode_object_matches_functional_form():
                           a.beta, a.A_log, a.dt_bias, a.state.clone(), a.state_indices,
                           a.output_gate, a.norm_weight)
     assert torch.equal(out1, out2)
+
+
+@pytest.mark.parametrize("value,expected", [("", 0), ("0", 0), ("2", 2), ("8", 8)])
+def test_prefetch_distance_from_env(value, expected, monkeypatch):
+    from kda.backend import prefetch_distance_from_env
+    monkeypatch.setenv("KDA_X_PREFETCH", value)
+    assert prefetch_distance_from_env("KDA_X_PREFETCH", 0) == expected
+
+
+@pytest.mark.parametrize("value", ["1", "9", "-1", "2.0", "x", "\u00b2", "4294967298"])
+def test_prefetch_distance_from_env_refuses(value, monkeypatch):
+    """Both streamed kernels' KDA_*_PREFETCH knobs: a clear error naming the variable, never a
+    silently narrowed or huge distance (item-index overflow, long unrolled compiles)."""
+    from kda.backend import prefetch_distance_from_env
+    monkeypatch.setenv("KDA_X_PREFETCH", value)
+    with pytest.raises(ValueError, match=r"KDA_X_PREFETCH: expected one of 0, 2, .* got"):
+        prefetch_distance_from_env("KDA_X_PREFETCH", 0)

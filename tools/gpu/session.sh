@@ -12,7 +12,8 @@
 #            "pf0:KDA_CUDA_PREFETCH=0:cuda") for those backends (default $KDA_SWEEP_BACKENDS,
 #            else cuda,cutedsl; the Triton variants $KDA_SWEEP_TRITON_VARIANTS where triton is
 #            one) at R in $KDA_SWEEP_BATCHES (default 32,128,512) and T in $KDA_SWEEP_TOKENS
-#            (default 1,5), no peers -> sweep/bench-<label>.json and a fraction-of-floor table
+#            (default 1,5), no peers -> sweep/bench-<label>.json and a fraction-of-floor table.
+#            Labels must be unique; values may not contain ',' or ':' (use separate entries).
 #   ncu      alone: one Nsight Compute profile (speed of light, memory, warp stats) per backend
 #            ($KDA_NCU_BACKENDS, default all) at H=32 R=128 T=1 -> logs/ncu.log
 #   tests    in parallel (one CPU thread each): the conformance suite once per backend (ci
@@ -31,6 +32,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/kda-gpu-out}
 L=$OUT/logs
+rm -f "$L/_rc"; rm -rf "$OUT/sweep"    # no stale stage results or sweep JSONs of an earlier run
 mkdir -p "$L"
 export COLUMNS=${COLUMNS:-250} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 KDA_CACHE_DIR=${KDA_CACHE_DIR:-/tmp/kda-cache}
 # The device's copy of the tree may carry a stale .git (seen: a JSON naming an older commit):
@@ -49,9 +51,10 @@ bg() {  # bg <name> <command...>: run in the background under the deadline, reco
 }
 finish() {
   { echo "== stages"; sort "$L/_rc" 2>/dev/null; } >> "$OUT/summary.txt"
-  # one archive (logs, sweep JSONs): the device tool returns only a few files per run
-  tar czf "$OUT/logs.tgz" -C "$OUT" logs $( [ -d "$OUT/sweep" ] && echo sweep )
-  rm -rf "$L" "$OUT/sweep"
+  # one archive (logs, sweep JSONs): the device tool returns only a few files per run; the
+  # loose copies are removed only once the archive is written
+  tar czf "$OUT/logs.tgz" -C "$OUT" logs $( [ -d "$OUT/sweep" ] && echo sweep ) \
+    && rm -rf "$L" "$OUT/sweep"
   cat "$OUT/summary.txt"
 }
 trap finish EXIT
@@ -80,10 +83,20 @@ if want bench; then
 fi
 
 if want sweep; then
-  t0=$SECONDS
   mkdir -p "$OUT/sweep"
+  [ -n "${KDA_SWEEP:-}" ] || echo "sweep: \$KDA_SWEEP is empty, nothing to measure" >> "$OUT/summary.txt"
   for entry in ${KDA_SWEEP:-}; do          # label:VAR=value,VAR=value[:backends]
-    IFS=: read -r label assigns backends <<< "$entry"
+    t0=$SECONDS
+    IFS=: read -r label assigns backends extra <<< "$entry"
+    bad=
+    [ -n "$label" ] && [ -z "$extra" ] || bad="want label:VAR=value,...[:backends]"
+    [ -e "$OUT/sweep/bench-$label.json" ] && bad="label $label used twice"
+    for a in ${assigns//,/ }; do [[ "$a" == [A-Za-z_]*=* ]] || bad="not VAR=value: $a"; done
+    if [ -n "$bad" ]; then
+      echo "sweep entry '$entry' skipped: $bad" | tee -a "$OUT/summary.txt"
+      echo "sweep-${label:-?} rc=2 0s :: $bad" >> "$L/_rc"
+      continue
+    fi
     backends=${backends:-${KDA_SWEEP_BACKENDS:-cuda,cutedsl}}
     tv=; [[ ",$backends," == *,triton,* ]] && tv=${KDA_SWEEP_TRITON_VARIANTS:-}
     env ${assigns//,/ } timeout "$(left)" python3 -m tools.bench.bench \

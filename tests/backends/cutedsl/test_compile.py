@@ -137,6 +137,22 @@ def test_compiles(kind, i):
         assert usage["STACK"] <= 512, "register spills grew out of bounds"
 
 
+@pytest.mark.parametrize("i", [0, 2])
+def test_stream_compiles_with_l2_prefetch(i):
+    """The streamed kernel's optional L2 prefetch (KDA_CUTEDSL_PREFETCH, off by default)
+    compiles for sm_90a: 4 bulk prefetches per prefetched page, in the prologue and the loop."""
+    ks = KernelStatic.from_config(CONFIGS[i], prefetch=3)
+    compiled, _ = cache.compile_kernel("stream", ks)
+    ptx = compiled.__ptx__
+    if not isinstance(ptx, str) or ".entry" not in ptx:
+        pytest.skip("PTX not kept (CuTe DSL was imported before CUTE_DSL_KEEP was set)")
+    # prologue: items start+1, start+2 (4 each); loop: one page in each of the two branches
+    assert ptx.count("cp.async.bulk.prefetch.L2.global") == 16, ptx.count("cp.async.bulk.prefetch")
+    usage = _resource_usage(compiled.__cubin__)
+    if usage is not None:
+        assert usage["REG"] <= 128 and usage["STACK"] <= 512, usage
+
+
 def test_smem_fits_two_ctas_per_sm():
     for T in range(1, 9):
         plan = SmemPlan(T)

@@ -187,6 +187,10 @@ cases = {
     "chunked_t5": (KdaConfig(num_heads=32, T=5, window=7, lower_bound=-5.0), "chunked"),
     "chunked_t2rec": (KdaConfig(num_heads=8, T=2, window=4, record=True,
                                 conv_state_dtype=torch.float32), "chunked"),
+    "w2s3_t1": (KdaConfig(num_heads=32), "chunked_w2_s3"),
+    "w2s3_t1ds": (KdaConfig(num_heads=32, conv_layout="DS", gate_mode=1, has_conv_bias=True),
+                  "chunked_w2_s3"),
+    "w2_t5": (KdaConfig(num_heads=32, T=5, window=7, lower_bound=-5.0), "chunked_w2"),
 }
 out = {}
 for name, (cfg, variant) in cases.items():
@@ -244,6 +248,12 @@ def test_offline_sm90a_compilation(tmp_path):
         assert r["cp_async16"] >= 8, (name, r)
     for name in ("chunked_t1", "chunked_t1ds"):
         assert res[name]["stack"] == 0, (name, res[name])
+    # auto's 2-warp builds: <= 128 registers (8 programs of 2 warps per SM), bounded stack,
+    # the 16x128 chunk prefetched by async copies
+    for name in ("w2s3_t1", "w2s3_t1ds", "w2_t5"):
+        r = res[name]
+        assert r["regs"] <= 128 and r["stack"] <= 256, (name, r)
+        assert r["cp_async16"] >= 8, (name, r)
     assert res["chunked_t5"]["stack"] <= 256, res["chunked_t5"]
     assert res["chunked_t1"]["state_st_v4"] == 8            # 32x128 chunk: 8 x 16 B per thread
     assert res["chunked_t5"]["state_st_v4"] == 40           # one chunk write per token
