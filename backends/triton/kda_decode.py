@@ -555,6 +555,8 @@ class Variant:
         :mod:`backends.triton.kda_decode_chunked`: one 4-warp program per item walking the
         page in chunks of ``bv`` value rows, ``num_stages`` pipelining stages of that loop).
       bv: value rows per chunk of the ``chunked`` kernel.
+      hold: ``chunked`` kernel, T > 1: keep q̂, k̂, α of the first 4 tokens in registers
+        across the row loop instead of re-reading them per chunk and token.
       description: one line for benchmark tables.
     """
 
@@ -569,6 +571,7 @@ class Variant:
     split_maxnreg: Optional[int] = None
     kernel: str = "item"
     bv: int = 32
+    hold: bool = False
     description: str = ""
 
 
@@ -610,6 +613,9 @@ VARIANTS: Dict[str, Variant] = {v.name: v for v in (
             description="chunked_w2 at <=104 regs (9 programs per SM)"),
     Variant("chunked_w8_bv64", kernel="chunked", bv=64, num_stages=2, num_warps=8, maxnreg=88,
             description="8-warp programs, 64-row chunks"),
+    Variant("chunked_w2_hold", kernel="chunked", bv=16, num_stages=2, num_warps=2, maxnreg=128,
+            hold=True, description="chunked_w2 holding q̂, k̂, α of tokens 0-3 in registers "
+                                   "(not measured yet)"),
 )}
 DEFAULT_VARIANT = "auto"
 

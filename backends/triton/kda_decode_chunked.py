@@ -44,7 +44,10 @@ programs on 16-row chunks (more independent programs per SM; measured faster, se
    convert the chunk into the MMA layout). T=1: q̂, k̂, α are read back once, before the
    loop, and stay in registers (4 floats each per thread in the chunk's column layout).
    T>1: they are re-read per chunk and token (cache hits, 512 bytes each, the same addresses
-   for all 4 warps); holding 3T vectors in registers would cost 12T registers per thread.
+   for all warps); holding 3T vectors in registers would cost 12T registers per thread. The
+   ``HOLD`` build (variant ``chunked_w2_hold``) holds those of tokens 0-3 (48 registers;
+   offline sm_90a compile at T=5: 128 registers, 104 bytes of stack against 48 without);
+   not yet timed on the GPU.
    The chunk's rows of ``y_v,t`` are re-read per chunk and token (BV values). Doing the v
    conv here rather than per chunk keeps the window reads and the conv's fma chains out of
    the loop (with the v conv in the loop, uncapped, T=5 needed 255 registers and spilled;
@@ -148,6 +151,13 @@ def _conv_silu(c_ptr, xc_ptr, stride_x, n0, off, w_ptr, b_ptr, t, mask,
     return _bf16_round(acc / (1.0 + tl.exp(-acc)), INTERP)
 
 
+@triton.jit
+def _qka(scr_item, t, dd):
+    """q̂_t, k̂_t, α_t ([128] fp32 each) from the item's scratch."""
+    return (tl.load(scr_item + t * 512 + dd), tl.load(scr_item + t * 512 + 128 + dd),
+            tl.load(scr_item + t * 512 + 256 + dd))
+
+
 @triton.jit(do_not_specialize=["num_slots"])
 def _kda_chunked_kernel(
         x_ptr, stride_x, cw_ptr, cb_ptr, cs_ptr, stride_cs,
@@ -158,7 +168,7 @@ def _kda_chunked_kernel(
         H: tl.constexpr, T: tl.constexpr, L: tl.constexpr, SD: tl.constexpr,
         HAS_BIAS: tl.constexpr, BOUNDED: tl.constexpr, GATE_MODE: tl.constexpr,
         RECORD: tl.constexpr, BV: tl.constexpr, NUM_STAGES: tl.constexpr,
-        EVICT: tl.constexpr, INTERP: tl.constexpr):
+        EVICT: tl.constexpr, HOLD: tl.constexpr, INTERP: tl.constexpr):
     """The fused KDA decode step, one program per item, value rows in chunks of ``BV`` (see
     the module docstring). Grid: ``R * H`` programs. Pointers: the :class:`KdaArgs` tensors
     (unused optional ones point at any tensor and are never dereferenced) and the scratch;
@@ -242,10 +252,18 @@ def _kda_chunked_kernel(
         tgt_ok = live & (tgt > 0) & (tgt < num_slots)
         tgt64 = tl.where(tgt_ok, tgt, 0).to(tl.int64)               # [TP]; 0 = no write
     tl.debug_barrier()                       # scratch rows visible to every thread
-    if T == 1:
-        q_0 = tl.load(scr_item + dd)
-        k_0 = tl.load(scr_item + 128 + dd)
-        a_0 = tl.load(scr_item + 256 + dd)
+    # T=1 (and T <= 4 with HOLD): q̂_t, k̂_t, α_t read back once here and kept in registers
+    # for the whole row loop (otherwise re-read per chunk and token: the loop's stores may
+    # alias the scratch as far as the compiler knows, so it cannot hoist those loads)
+    if T == 1 or HOLD:
+        q_0, k_0, a_0 = _qka(scr_item, 0, dd)
+    if HOLD:
+        if T > 1:
+            q_1, k_1, a_1 = _qka(scr_item, 1, dd)
+        if T > 2:
+            q_2, k_2, a_2 = _qka(scr_item, 2, dd)
+        if T > 3:
+            q_3, k_3, a_3 = _qka(scr_item, 3, dd)
 
     # ---- 3. the row loop -------------------------------------------------------------------
     st_page = st_ptr + tl.multiple_of(src64 * stride_st, 4) + h * (128 * 128)
@@ -265,9 +283,16 @@ def _kda_chunked_kernel(
                 a_t = a_0
                 b_t = tl.sum(bvec, axis=0)
             else:
-                q_t = tl.load(scr_item + t * 512 + dd)
-                k_t = tl.load(scr_item + t * 512 + 128 + dd)
-                a_t = tl.load(scr_item + t * 512 + 256 + dd)
+                if HOLD and t == 0:
+                    q_t, k_t, a_t = q_0, k_0, a_0
+                elif HOLD and t == 1:
+                    q_t, k_t, a_t = q_1, k_1, a_1
+                elif HOLD and t == 2:
+                    q_t, k_t, a_t = q_2, k_2, a_2
+                elif HOLD and t == 3:
+                    q_t, k_t, a_t = q_3, k_3, a_3
+                else:
+                    q_t, k_t, a_t = _qka(scr_item, t, dd)
                 b_t = tl.sum(tl.where(tt == t, bvec, 0.0), axis=0)
 
             # recurrence on the chunk's rows (V-major: row = value channel, column = key)
@@ -328,7 +353,8 @@ class ChunkedStep:
             H=cfg.num_heads, T=cfg.T, L=cfg.window, SD=cfg.conv_layout == "SD",
             HAS_BIAS=cfg.has_conv_bias, BOUNDED=cfg.lower_bound is not None,
             GATE_MODE=cfg.gate_mode, RECORD=cfg.record, BV=variant.bv,
-            NUM_STAGES=variant.num_stages, EVICT=variant.evict, INTERP=self.interp)
+            NUM_STAGES=variant.num_stages, EVICT=variant.evict, HOLD=variant.hold,
+            INTERP=self.interp)
         self._scalars = (float(cfg.scale), float(cfg.norm_eps),
                          0.0 if cfg.lower_bound is None else float(cfg.lower_bound))
 
@@ -381,7 +407,7 @@ def compile_chunked_offline(cfg: KdaConfig, variant, arch: int = 90,
         H=cfg.num_heads, T=cfg.T, L=cfg.window, SD=cfg.conv_layout == "SD",
         HAS_BIAS=cfg.has_conv_bias, BOUNDED=cfg.lower_bound is not None, GATE_MODE=cfg.gate_mode,
         RECORD=cfg.record, BV=variant.bv, NUM_STAGES=variant.num_stages, EVICT=variant.evict,
-        INTERP=False)
+        HOLD=variant.hold, INTERP=False)
     opts = {"num_warps": variant.num_warps or 4, "num_stages": variant.num_stages}
     if variant.maxnreg:
         opts["maxnreg"] = variant.maxnreg
