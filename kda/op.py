@@ -125,6 +125,29 @@ def kda_decode(
     Formulas: the contract, section 2 (after fla-core's ``naive_recurrent_kda`` and
     ``naive_kda_gate`` / ``naive_kda_lowerbound_gate``, with the rounding points of section 3).
     """
+    step, args = validated_step(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log,
+                                dt_bias, state, state_indices, output_gate, norm_weight,
+                                num_accepted_tokens=num_accepted_tokens, scale=scale,
+                                norm_eps=norm_eps, lower_bound=lower_bound, gate_mode=gate_mode,
+                                v_record=v_record, kg_record=kg_record, out=out, backend=backend)
+    if state_indices.shape[0]:
+        step(args)
+    return args.out
+
+
+def validated_step(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias,
+                   state, state_indices, output_gate, norm_weight, *, num_accepted_tokens,
+                   scale, norm_eps, lower_bound, gate_mode, v_record, kg_record, out,
+                   backend) -> Tuple[StepFn, KdaArgs]:
+    """Everything :func:`kda_decode` does before launching: derive the configuration,
+    validate every argument, allocate ``out`` if None, resolve the backend's step function.
+
+    Returns:
+      (step, args): ``step(args)`` runs the step (skip it when R == 0).
+
+    Raises:
+      As :func:`kda_decode`; nothing has been written.
+    """
     if (v_record is None) != (kg_record is None):
         missing = "kg_record" if kg_record is None else "v_record"
         raise KdaArgumentError(missing, "record mode needs both v_record and kg_record, got only one")
@@ -138,10 +161,16 @@ def kda_decode(
                    state_indices, num_accepted_tokens, output_gate, norm_weight, out, v_record,
                    kg_record)
     validate_args(cfg, args)
-    if state_indices.shape[0] == 0:
-        return out
-    _resolved_step(cfg, x.device, backend)(args)
-    return out
+    return _resolved_step(cfg, x.device, backend), args
+
+
+def metadata_key(args: KdaArgs) -> tuple:
+    """dtype, shape, strides and device of every argument (None for absent optional ones;
+    a non-tensor gives a value equal to nothing, so it is never taken as validated)."""
+    return tuple(None if t is None else
+                 (t.dtype, t.shape, t.stride(), t.device) if isinstance(t, torch.Tensor) else
+                 (object(),)
+                 for t in args)
 
 
 class KdaDecode:
@@ -212,10 +241,7 @@ class KdaDecode:
         # another cache layout or window, a bias appearing, a tensor on another device)
         # validates again; a non-tensor always does (and fails there with a clear message).
         # Aliasing between arguments is checked only on those validations.
-        key = tuple(None if t is None else
-                    (t.dtype, t.shape, t.stride(), t.device) if isinstance(t, torch.Tensor) else
-                    (object(),)          # never equal: validates (and raises) every time
-                    for t in args)
+        key = metadata_key(args)
         if self._always or key != self._validated_key:
             if x.device != self.device:
                 raise KdaArgumentError("x", f"expected device {self.device} (this KdaDecode's), got {x.device}")

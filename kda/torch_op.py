@@ -2,9 +2,12 @@
 
 ``torch.ops.kda.decode`` declares the buffers it mutates (``conv_state``, ``state``, ``out``,
 ``v_record``, ``kg_record``) and has a fake implementation, so a model that calls it compiles
-into one graph; the op itself runs the selected backend eagerly. The dispatcher adds a
-per-call cost that the direct eager path (:class:`kda.KdaDecode` / :func:`kda.kda_decode`)
-does not pay; ``tools/bench`` measures both.
+into one graph; the op itself runs the selected backend eagerly. Like
+``KdaDecode(validate="first")`` it validates every argument fully the first time it sees
+their dtypes, shapes, strides and devices (and scalars, backend choice), and afterwards
+compares that metadata only (aliasing between buffers is not re-checked while it is
+unchanged). The dispatcher adds a per-call cost that the direct eager path
+(:class:`kda.KdaDecode`) does not pay; ``tools/bench/host_overhead.py`` measures both.
 
     import kda.torch_op  # registers torch.ops.kda.decode
     out = kda.torch_op.decode(x, conv_weight, ..., norm_weight, out=out)
@@ -12,53 +15,64 @@ does not pay; ``tools/bench`` measures both.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
-from kda.op import kda_decode
+from kda import registry
+from kda.backend import StepFn
+from kda.config import KdaArgs
+from kda.op import metadata_key, validated_step
 from kda.validate import KdaArgumentError
 
 _MUTATED = ("conv_state", "state", "out", "v_record", "kg_record")
 
+# The op is defined with torch.library's low-level API and an alias-annotated schema
+# (mutated buffers marked "!") rather than torch.library.custom_op: the latter's eager
+# dispatch binds the Python signature on every call (about 120 us for these 22 arguments on
+# the project's CPU machine); torch.compile reads the mutations from the schema either way.
+_LIB = torch.library.Library("kda", "DEF")
+_LIB.define(
+    "decode(Tensor x, Tensor conv_weight, Tensor? conv_bias, Tensor(a!) conv_state, Tensor f_a, "
+    "Tensor f_b, Tensor beta, Tensor A_log, Tensor dt_bias, Tensor(b!) state, "
+    "Tensor state_indices, Tensor? num_accepted_tokens, Tensor output_gate, Tensor norm_weight, "
+    "Tensor(c!) out, Tensor(d!)? v_record, Tensor(e!)? kg_record, float scale, float norm_eps, "
+    "float? lower_bound, int gate_mode, str backend) -> ()")
 
-@torch.library.custom_op("kda::decode", mutates_args=_MUTATED)
-def _decode(
-    x: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: Optional[torch.Tensor],
-    conv_state: torch.Tensor,
-    f_a: torch.Tensor,
-    f_b: torch.Tensor,
-    beta: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    state: torch.Tensor,
-    state_indices: torch.Tensor,
-    num_accepted_tokens: Optional[torch.Tensor],
-    output_gate: torch.Tensor,
-    norm_weight: torch.Tensor,
-    out: torch.Tensor,
-    v_record: Optional[torch.Tensor],
-    kg_record: Optional[torch.Tensor],
-    scale: float,
-    norm_eps: float,
-    lower_bound: Optional[float],
-    gate_mode: int,
-    backend: str,
-) -> None:
-    kda_decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias, state,
-               state_indices, output_gate, norm_weight, num_accepted_tokens=num_accepted_tokens,
-               scale=scale, norm_eps=norm_eps, lower_bound=lower_bound, gate_mode=gate_mode,
-               v_record=v_record, kg_record=kg_record, out=out,
-               backend=None if backend == "" else backend)
+#: (argument metadata, scalars, requested backend) -> validated step function: the op
+#: validates fully the first time it sees an argument metadata (as KdaDecode(validate="first")).
+_STEPS: Dict[tuple, StepFn] = {}
 
 
-@_decode.register_fake
+def _decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias, state,
+            state_indices, num_accepted_tokens, output_gate, norm_weight, out, v_record,
+            kg_record, scale, norm_eps, lower_bound, gate_mode, backend) -> None:
+    args = KdaArgs(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias, state,
+                   state_indices, num_accepted_tokens, output_gate, norm_weight, out, v_record,
+                   kg_record)
+    explicit = None if backend == "" else backend
+    key = (metadata_key(args), scale, norm_eps, lower_bound, gate_mode,
+           registry.requested_name(explicit))
+    step = _STEPS.get(key)
+    if step is None:
+        step, args = validated_step(
+            x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias, state,
+            state_indices, output_gate, norm_weight, num_accepted_tokens=num_accepted_tokens,
+            scale=scale, norm_eps=norm_eps, lower_bound=lower_bound, gate_mode=gate_mode,
+            v_record=v_record, kg_record=kg_record, out=out, backend=explicit)
+        _STEPS[key] = step
+    if state_indices.shape[0]:
+        step(args)
+
+
 def _decode_fake(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias, state,
                  state_indices, num_accepted_tokens, output_gate, norm_weight, out, v_record,
                  kg_record, scale, norm_eps, lower_bound, gate_mode, backend) -> None:
     return None
+
+
+_LIB.impl("decode", _decode, "CompositeExplicitAutograd")
+torch.library.register_fake("kda::decode", _decode_fake, lib=_LIB)
 
 
 def decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias, state,

@@ -53,3 +53,29 @@ def test_custom_op_refuses_a_missing_out_before_writing():
     assert ei.value.arg == "out"
     for name in ("state", "conv_state", "out"):
         assert bits_equal(getattr(a, name), getattr(before, name)), name
+
+
+def test_custom_op_validates_again_when_metadata_changes():
+    """The op validates the first time it sees an argument metadata: steps with the same
+    metadata run from the cache (and match the direct call step for step); a call whose
+    metadata differs is validated again and refused before anything is written."""
+    import pytest
+    from kda.validate import KdaArgumentError
+    cfg = KdaConfig(num_heads=2, T=1, window=3)
+    a = make_case(CaseSpec(cfg, R=3, seed=6))
+    b = clone_args(a)
+    for _ in range(3):
+        kda.kda_decode(*_args(a), out=a.out, backend="reference")
+        kda.torch_op.decode(*_args(b), out=b.out, backend="reference")
+    for name in ("out", "state", "conv_state"):
+        assert bits_equal(getattr(a, name), getattr(b, name)), name
+    bad = clone_args(b)
+    bad_state = bad.state.to(torch.float64)          # new metadata: a wrong dtype
+    before = clone_args(bad)
+    args = list(_args(bad))
+    args[9] = bad_state
+    with pytest.raises(KdaArgumentError) as ei:
+        kda.torch_op.decode(*args, out=bad.out, backend="reference")
+    assert ei.value.arg == "state"
+    for name in ("out", "conv_state"):
+        assert bits_equal(getattr(bad, name), getattr(before, name)), name

@@ -4,7 +4,8 @@ A stand-in backend whose step does nothing isolates what the Python side costs p
 
 * ``KdaDecode``: the object form (validated on the first call only), the direct eager path;
 * ``kda_decode``: the functional form (derives the config and validates every call);
-* ``torch.ops.kda.decode``: the ``torch.library`` custom op (dispatcher + the functional form).
+* ``torch.ops.kda.decode``: the ``torch.library`` op (dispatcher + a metadata comparison;
+  full validation only when the arguments' metadata is new, as for ``KdaDecode``).
 
     python3 -m tools.bench.host_overhead [--heads=32 --batch=128 --tokens=1 --calls=2000]
 
