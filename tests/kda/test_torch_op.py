@@ -79,3 +79,19 @@ def test_custom_op_validates_again_when_metadata_changes():
     assert ei.value.arg == "state"
     for name in ("out", "conv_state"):
         assert bits_equal(getattr(bad, name), getattr(before, name)), name
+
+
+def test_compiled_graph_calls_the_op_in_place():
+    """Inductor must call the op on the caller's buffers: a functionalized copy of the state
+    pool (gigabytes in a server) per step would be a silent disaster."""
+    from torch._inductor.utils import run_and_get_code
+    cfg = KdaConfig(num_heads=2, T=2, window=4, lower_bound=-5.0)
+    c = make_case(CaseSpec(cfg, R=3, seed=7))
+    compiled = torch.compile(_layer, fullgraph=True)
+    _, codes = run_and_get_code(compiled, c.x, c.conv_weight, c.conv_state, c.f_a, c.f_b, c.beta,
+                                c.A_log, c.dt_bias, c.state, c.state_indices, c.output_gate,
+                                c.norm_weight, c.num_accepted_tokens, c.out)
+    code = "\n".join(codes)
+    assert "kda.decode.default(" in code
+    for line in code.splitlines():
+        assert not any(w in line for w in ("clone", "copy_(")), line
