@@ -138,8 +138,11 @@ def _conv_silu(c_ptr, xc_ptr, stride_x, n0, off, w_ptr, b_ptr, t, mask,
     ``b_ptr`` (bias): taps over the sequence [w0, w1, w2, x_0, ..]; element p = t + e is window
     position off + p (p < 3) or token row p - 3. ``t``, ``mask`` and the pointers broadcast
     together; ``mask`` has the result's shape, or one that broadcasts to it with ``t``."""
+    # (per-channel pointers and a per-token mask are broadcast together explicitly: Triton
+    # 3.4's load does not broadcast the pointer to the mask's shape)
     if HAS_BIAS:
-        acc = _load_f32(b_ptr, mask)
+        bp, bm = tl.broadcast(b_ptr, mask)
+        acc = _load_f32(bp, bm)
     else:
         acc = tl.zeros(mask.shape, dtype=tl.float32)
     for e in tl.static_range(4):
@@ -147,7 +150,8 @@ def _conv_silu(c_ptr, xc_ptr, stride_x, n0, off, w_ptr, b_ptr, t, mask,
         s_w = _load_f32(c_ptr + (off + p) * STRIDE_L, mask & (p < 3))
         s_x = _load_f32(xc_ptr + (n0 + p - 3) * stride_x, mask & (p >= 3))
         s_e = tl.where(p < 3, s_w, s_x)
-        acc = _fma(s_e, _load_f32(w_ptr + e * DIM, mask), acc, INTERP)
+        wp, wm = tl.broadcast(w_ptr + e * DIM, mask)
+        acc = _fma(s_e, _load_f32(wp, wm), acc, INTERP)
     return _bf16_round(acc / (1.0 + tl.exp(-acc)), INTERP)
 
 
