@@ -194,6 +194,28 @@ def _decay(g, A, lower_bound, BOUNDED: tl.constexpr):
 
 
 @triton.jit
+def _delta_rule(S, alpha, k, q, b, v):
+    """One token of the recurrence on a block of value rows (V-major: row = value channel,
+    column = key), in the reference's order: ``S *= alpha``; ``u = b (v - S k)``;
+    ``S += u kᵀ``; ``o = S q``. ``S`` [rows, 128], ``alpha``, ``k``, ``q`` [128] (key
+    dimension), ``b`` a scalar, ``v`` [rows]. Returns (S, u, o)."""
+    S = S * alpha[None, :]
+    Sk = tl.sum(S * k[None, :], axis=1)
+    u = b * (v - Sk)
+    S = S + u[:, None] * k[None, :]
+    return S, u, tl.sum(S * q[None, :], axis=1)
+
+
+@triton.jit
+def _store_state(dst, S, mask, EVICT: tl.constexpr):
+    """Store a state block: streaming (``.cs``, evict-first) with ``EVICT``, else write-back."""
+    if EVICT:
+        tl.store(dst, S, mask=mask, cache_modifier=".cs")
+    else:
+        tl.store(dst, S, mask=mask)
+
+
+@triton.jit
 def _gate_projection(fa_ptr, stride_fa, row0, fb_ptr, h, live, rt_zero,
                      T: tl.constexpr, GATE_MODE: tl.constexpr, INTERP: tl.constexpr):
     """rg[t, k] = bf16(sum_j f_a[row0 + t, j] * f_b[h*128 + k, j]) as a [16, 128] fp32 tile.
@@ -427,12 +449,7 @@ def _kda_work(w, w_ok,
         alpha = _decay(g, A, lower_bound, BOUNDED)
         b_t = _sigmoid(tl.load(beta_ptr + n * stride_beta + h, mask=live, other=0.0).to(tl.float32))
 
-        # recurrence on this block's rows (V-major: row = value channel, column = key)
-        S = S * alpha[None, :]
-        Sk = tl.sum(S * kh[None, :], axis=1)
-        u = b_t * (yv - Sk)
-        S = S + u[:, None] * kh[None, :]
-        o = tl.sum(S * qh[None, :], axis=1)
+        S, u, o = _delta_rule(S, alpha, kh, qh, b_t, yv)   # this block's rows
 
         if RECORD:
             rec = cs64 * (H * T) + h * T + t                     # record row (conv_slot, h, t)
@@ -449,10 +466,7 @@ def _kda_work(w, w_ok,
                 valid = live & (tgt > 0) & (tgt < num_slots)
                 tgt64 = tl.where(valid, tgt, 0).to(tl.int64)
             dst = st_ptr + tl.multiple_of(tgt64 * stride_st, 4) + h * (128 * 128) + st_off
-            if EVICT:
-                tl.store(dst, S, mask=valid, cache_modifier=".cs")
-            else:
-                tl.store(dst, S, mask=valid)
+            _store_state(dst, S, valid, EVICT)
 
         ob = _bf16_round(o, INTERP)
         tl.debug_barrier()                   # every thread has read row t's gate (above)

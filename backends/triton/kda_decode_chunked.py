@@ -117,8 +117,9 @@ import triton
 import triton.language as tl
 
 from backends.triton.kda_decode import (
-    D, _bf16_round, _decay, _finish_rows, _fma, _gate_projection, _load_f32, _rowoff,
-    _sigmoid, _write_window, compile_kernel_offline, interpreter_enabled, kernel_operands)
+    D, _bf16_round, _decay, _delta_rule, _finish_rows, _fma, _gate_projection, _load_f32,
+    _rowoff, _sigmoid, _store_state, _write_window, compile_kernel_offline, interpreter_enabled,
+    kernel_operands)
 from kda.config import KdaArgs, KdaConfig
 
 #: fp32 values of scratch per item and token: q̂, k̂, α, y_v.
@@ -281,30 +282,22 @@ def _kda_chunked_kernel(
             S = tl.load(st_page + st_off, mask=live, other=0.0)
         for t in tl.static_range(T):
             v_t = tl.load(scr_item + t * 512 + 384 + vv)            # the chunk's rows of y_v
+            if T == 1 or (HOLD and t == 0):          # read back before the loop
+                q_t, k_t, a_t = q_0, k_0, a_0
+            elif HOLD and t == 1:
+                q_t, k_t, a_t = q_1, k_1, a_1
+            elif HOLD and t == 2:
+                q_t, k_t, a_t = q_2, k_2, a_2
+            elif HOLD and t == 3:
+                q_t, k_t, a_t = q_3, k_3, a_3
+            else:
+                q_t, k_t, a_t = _qka(scr_item, t, dd)
             if T == 1:
-                q_t = q_0
-                k_t = k_0
-                a_t = a_0
                 b_t = tl.sum(bvec, axis=0)
             else:
-                if HOLD and t == 0:
-                    q_t, k_t, a_t = q_0, k_0, a_0
-                elif HOLD and t == 1:
-                    q_t, k_t, a_t = q_1, k_1, a_1
-                elif HOLD and t == 2:
-                    q_t, k_t, a_t = q_2, k_2, a_2
-                elif HOLD and t == 3:
-                    q_t, k_t, a_t = q_3, k_3, a_3
-                else:
-                    q_t, k_t, a_t = _qka(scr_item, t, dd)
                 b_t = tl.sum(tl.where(tt == t, bvec, 0.0), axis=0)
 
-            # recurrence on the chunk's rows (V-major: row = value channel, column = key)
-            S = S * a_t[None, :]
-            Sk = tl.sum(S * k_t[None, :], axis=1)
-            u = b_t * (v_t - Sk)
-            S = S + u[:, None] * k_t[None, :]
-            o = tl.sum(S * q_t[None, :], axis=1)
+            S, u, o = _delta_rule(S, a_t, k_t, q_t, b_t, v_t)   # the chunk's rows
 
             if RECORD:
                 rec = cs64 * (H * T) + h * T + t                 # record row (conv_slot, h, t)
@@ -317,10 +310,7 @@ def _kda_chunked_kernel(
                     dst_slot = tl.sum(tl.where(tt == t, tgt64, 0), axis=0)
                     valid = dst_slot > 0
                 dst = st_ptr + tl.multiple_of(dst_slot * stride_st, 4) + h * (128 * 128) + st_off
-                if EVICT:
-                    tl.store(dst, S, mask=valid, cache_modifier=".cs")
-                else:
-                    tl.store(dst, S, mask=valid)
+                _store_state(dst, S, valid, EVICT)
             # o (bf16 values) parks in out row t until the epilogue
             tl.store(out_ptr + _rowoff(n0 + t, stride_out) + h * 128 + vv,
                      _bf16_round(o, INTERP).to(tl.bfloat16), mask=live)
