@@ -25,8 +25,6 @@ from kda.config import KdaArgs
 from kda.op import metadata_key, validated_step
 from kda.validate import KdaArgumentError
 
-_MUTATED = ("conv_state", "state", "out", "v_record", "kg_record")
-
 # The op is defined with torch.library's low-level API and an alias-annotated schema
 # (mutated buffers marked "!") rather than torch.library.custom_op: the latter's eager
 # dispatch binds the Python signature on every call (about 120 us for these 22 arguments on

@@ -40,6 +40,11 @@ from backends.cutedsl.static import KernelStatic, SmemPlan, carveout_percent
 PF_THREAD = 224
 
 
+def _pf_pred(tid, item, end):
+    """1 in the L2-prefetching thread when ``item`` is one of this CTA's (< ``end``), else 0."""
+    return Int32(tid == PF_THREAD) & Int32(item < end)
+
+
 class KdaStream:
     """The streamed kernel for one :class:`KernelStatic`; ``launch`` is what gets compiled."""
 
@@ -98,10 +103,9 @@ class KdaStream:
             # L2 prefetch of the pages of items start+1 .. start+PFD-1 (the loop prefetches
             # n+PFD during item n)
             for i in cutlass.range_constexpr(1, PFD):
-                pf = Int32(tid == PF_THREAD) & Int32(start + i < end)
-                self.math.prefetch_slot_first(p, start + i, pf)
-                self.math.prefetch_slot_second(p, start + i, pf)
-                self.math.prefetch_page(p, start + i, pf)
+                self.math.prefetch_slot_first(p, start + i, _pf_pred(tid, start + i, end))
+                self.math.prefetch_slot_second(p, start + i, _pf_pred(tid, start + i, end))
+                self.math.prefetch_page(p, start + i, _pf_pred(tid, start + i, end))
 
         q = Int32(0)
         for n in cutlass.range(start, end, 1, unroll=1):
@@ -111,8 +115,7 @@ class KdaStream:
                 # L2 prefetch of item n+PFD's page, in three parts: its slot word now, (T>1)
                 # the source slot from the accepted count before the page wait, the prefetch
                 # itself next to item n+1's cp.async (see prefetch_page)
-                self.math.prefetch_slot_first(
-                    p, n + PFD, Int32(tid == PF_THREAD) & Int32(n + PFD < end))
+                self.math.prefetch_slot_first(p, n + PFD, _pf_pred(tid, n + PFD, end))
             vals, nacc = self.math.staged_slot_values(p, q)
             self.math.make_desc(p, n, Int32(1), vals, nacc, desc)
             live = desc[5]
@@ -141,8 +144,7 @@ class KdaStream:
             self.math.load_beta(p, ndesc, wreg)
             P.cp_async_commit()               # group E(n+1): rows and window history
             if cutlass.const_expr(PFD > 0):
-                self.math.prefetch_slot_second(
-                    p, n + PFD, Int32(tid == PF_THREAD) & Int32(n + PFD < end))
+                self.math.prefetch_slot_second(p, n + PFD, _pf_pred(tid, n + PFD, end))
             # item n's page (S(n)) must have landed; E(n+1) may stay in flight. Each thread
             # reads back only the chunks it copied itself: no barrier needed before reading.
             P.cp_async_wait_group(1)
@@ -154,14 +156,14 @@ class KdaStream:
                 self.math.issue_state(p, ndesc)
                 P.cp_async_commit()           # group S(n+1)
                 if cutlass.const_expr(PFD > 0):
-                    self.math.prefetch_page(p, n + PFD, Int32(tid == PF_THREAD) & Int32(n + PFD < end))
+                    self.math.prefetch_page(p, n + PFD, _pf_pred(tid, n + PFD, end))
                 self.math.phase_b(p, desc, q, S, ogr)
             else:
                 P.bar_sync()
                 self.math.issue_state(p, ndesc)
                 P.cp_async_commit()           # group S(n+1)
                 if cutlass.const_expr(PFD > 0):
-                    self.math.prefetch_page(p, n + PFD, Int32(tid == PF_THREAD) & Int32(n + PFD < end))
+                    self.math.prefetch_page(p, n + PFD, _pf_pred(tid, n + PFD, end))
                 self.math.write_zeros(p, desc)
             q = q ^ 1
 
