@@ -47,13 +47,18 @@ def device():
 
 
 
-def _run(spec, device, variant):
+def _run_step(spec, device, step):
+    """(args after ``step``, the reference's result, the inputs) on a fresh case."""
     args = make_case(spec, device)
     before = clone_args(args)
     expected = clone_args(args)
     reference_step(spec.cfg, expected)
-    kd.build_step(spec.cfg, device, variant)(args)
+    step(args)
     return args, expected, before
+
+
+def _run(spec, device, variant):
+    return _run_step(spec, device, kd.build_step(spec.cfg, device, variant))
 
 
 # Small cases over the axes where the variants differ (row blocks, records, aliasing writes,
@@ -91,12 +96,7 @@ def test_vsplit_counters_survive_repeated_steps(device):
     cfg = KdaConfig(num_heads=2, T=2, window=4)
     step = kd.build_step(cfg, device, "vsplit4")
     for i, R in enumerate((3, 5, 2)):
-        spec = CaseSpec(cfg, R=R, seed=40 + i)
-        args = make_case(spec, device)
-        before, expected = clone_args(args), clone_args(args)
-        reference_step(cfg, expected)
-        step(args)
-        errors = compare_step(args, expected, before)
+        errors = compare_step(*_run_step(CaseSpec(cfg, R=R, seed=40 + i), device, step))
         assert not errors, f"step {i}: " + "\n".join(errors)
         ctr = step._ctr.cpu()
         assert bool((ctr % 4 == 0).all()), ctr
@@ -114,12 +114,7 @@ def test_chunked_scratch_across_batch_sizes(device, monkeypatch):
     other = kd.build_step(KdaConfig(num_heads=4, T=1, window=3), device, "chunked")
     sizes = []
     for i, R in enumerate((2, 40, 3)):
-        spec = CaseSpec(cfg, R=R, seed=60 + i)
-        args = make_case(spec, device)
-        before, expected = clone_args(args), clone_args(args)
-        reference_step(cfg, expected)
-        step(args)
-        errors = compare_step(args, expected, before)
+        errors = compare_step(*_run_step(CaseSpec(cfg, R=R, seed=60 + i), device, step))
         assert not errors, f"step {i}: " + "\n".join(errors)
         sizes.append(step._scr.numel())
     assert sizes[0] < sizes[1] == sizes[2], sizes
