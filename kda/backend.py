@@ -131,3 +131,40 @@ def prefetch_distance_from_env(name: str, default: int) -> int:
         raise ValueError(f"{name}: expected one of {', '.join(map(str, PREFETCH_DISTANCES))} "
                          f"(items ahead; 0 = off), got {raw!r}")
     return int(raw)
+
+
+#: Largest ``items_per_cta`` the streamed kernels accept (0 = persistent grid).
+MAX_ITEMS_PER_CTA = 4096
+
+
+def items_per_cta_from_env(name: str, default: int) -> int:
+    """Items per CTA of a streamed kernel's grid from the environment variable ``name``.
+
+    0 means persistent: as many CTAs as are resident at once (each walks ~items/CTAs items);
+    k >= 1 launches ceil(items / k) CTAs (never fewer than the persistent grid), so each CTA
+    walks at most k items and the hardware scheduler starts a new CTA whenever one retires.
+    Returns ``default`` when the variable is unset or empty.
+
+    Raises:
+      ValueError: the value is not an integer in [0, :data:`MAX_ITEMS_PER_CTA`] (the message
+        names the variable, the accepted range and the value given).
+    """
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not re.fullmatch(r"[0-9]{1,5}", raw) or int(raw) > MAX_ITEMS_PER_CTA:
+        raise ValueError(f"{name}: expected an integer in [0, {MAX_ITEMS_PER_CTA}] (items per "
+                         f"CTA; 0 = persistent grid), got {raw!r}")
+    return int(raw)
+
+
+def stream_grid(items: int, resident_ctas: int, items_per_cta: int) -> int:
+    """CTAs to launch for ``items`` work items (see :func:`items_per_cta_from_env`).
+
+    ``min(items, resident_ctas)`` for ``items_per_cta == 0``, else
+    ``min(items, max(resident_ctas, ceil(items / items_per_cta)))``.
+    """
+    grid = resident_ctas
+    if items_per_cta > 0:
+        grid = max(grid, -(-items // items_per_cta))
+    return min(items, grid)

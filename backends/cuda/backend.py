@@ -7,6 +7,8 @@ Environment:
   KDA_CUDA_PDL=0   launch without programmatic dependent launch (default: on).
   KDA_CUDA_PREFETCH=d   L2-prefetch item n+d's state page during item n (d in 2..8; 0 = off,
                    the default PREFETCH_DISTANCE; see the design note of kda_decode.cu).
+  KDA_CUDA_ITEMS_PER_CTA=k   at most k items per CTA: ceil(R*H / k) CTAs, never fewer than
+                   the resident ones (0 = persistent grid, the default ITEMS_PER_CTA).
   KDA_CACHE_DIR    where the compiled extension is kept (see build.py).
 """
 
@@ -18,8 +20,8 @@ from typing import List, Optional
 
 import torch
 
-from kda.backend import (Backend, StepFn, gpu_reason, kernel_config_reasons,
-                         prefetch_distance_from_env)
+from kda.backend import (Backend, StepFn, gpu_reason, items_per_cta_from_env,
+                         kernel_config_reasons, prefetch_distance_from_env)
 from kda.config import KdaArgs, KdaConfig
 
 #: Tokens per request the kernel is instantiated for.
@@ -29,6 +31,9 @@ MAX_T = 8
 #: on the H200 (c3bcd08) distance 2 / 3 took R=128 T=1 from 0.788 to 0.655 / 0.603 of the
 #: floor (the prefetched pages are evicted from L2 by the other SMs' traffic before use).
 PREFETCH_DISTANCE = 0
+
+#: Default items per CTA (``KDA_CUDA_ITEMS_PER_CTA`` overrides; 0 = persistent grid).
+ITEMS_PER_CTA = 0
 
 
 class CudaBackend(Backend):
@@ -74,13 +79,14 @@ class CudaBackend(Backend):
         lb = None if lb is None else float(lb)
         pdl = os.environ.get("KDA_CUDA_PDL", "1") != "0"
         pfd = prefetch_distance_from_env("KDA_CUDA_PREFETCH", PREFETCH_DISTANCE)
+        ipc = items_per_cta_from_env("KDA_CUDA_ITEMS_PER_CTA", ITEMS_PER_CTA)
         launch = ext.step
 
         def step(a: KdaArgs) -> None:
             launch(a.x, a.conv_weight, a.conv_bias, a.conv_state, a.f_a, a.f_b, a.beta, a.A_log,
                    a.dt_bias, a.state, a.state_indices, a.num_accepted_tokens, a.output_gate,
                    a.norm_weight, a.out, a.v_record, a.kg_record, H, T, scale, eps, lb, gm,
-                   record, pdl, pfd)
+                   record, pdl, pfd, ipc)
 
         return step
 

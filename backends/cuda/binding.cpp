@@ -30,7 +30,7 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
           const c10::optional<at::Tensor>& v_record, const c10::optional<at::Tensor>& kg_record,
           int64_t num_heads, int64_t T, double scale, double norm_eps,
           c10::optional<double> lower_bound, int64_t gate_mode, bool record, bool use_pdl,
-          int64_t prefetch_distance) {
+          int64_t prefetch_distance, int64_t items_per_cta) {
   TORCH_CHECK(x.is_cuda(), "kda cuda: tensors must be on a CUDA device");
   for (const auto* t : {&conv_weight, &conv_state, &f_a, &f_b, &beta, &A_log, &dt_bias, &state,
                         &state_indices, &output_gate, &norm_weight, &out}) {
@@ -112,6 +112,9 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
   TORCH_CHECK(prefetch_distance >= 0 && prefetch_distance <= 64,
               "kda cuda: prefetch_distance must be in [0, 64], got ", prefetch_distance);
   p.prefetch_distance = static_cast<int>(prefetch_distance);
+  TORCH_CHECK(items_per_cta >= 0 && items_per_cta <= 4096,
+              "kda cuda: items_per_cta must be in [0, 4096], got ", items_per_cta);
+  p.items_per_cta = static_cast<int>(items_per_cta);
 
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaError_t err = kda_decode_launch(&p, at::cuda::getCurrentCUDAStream().stream());
@@ -129,6 +132,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("output_gate"), py::arg("norm_weight"), py::arg("out"), py::arg("v_record"),
         py::arg("kg_record"), py::arg("num_heads"), py::arg("T"), py::arg("scale"),
         py::arg("norm_eps"), py::arg("lower_bound"), py::arg("gate_mode"), py::arg("record"),
-        py::arg("use_pdl"), py::arg("prefetch_distance"));
+        py::arg("use_pdl"), py::arg("prefetch_distance"), py::arg("items_per_cta"));
   m.def("smem_bytes", &kda_decode_smem_bytes, "Dynamic shared memory per CTA for T tokens");
 }

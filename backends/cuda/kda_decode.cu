@@ -875,10 +875,15 @@ cudaError_t launch_t(const KdaParams& p, cudaStream_t stream) {
 
   const int64_t items = static_cast<int64_t>(p.num_requests) * p.num_heads;
   if (items <= 0) return cudaSuccess;
-  const int grid = static_cast<int>(items < ctas[dev] ? items : ctas[dev]);
+  int64_t grid = ctas[dev];
+  if (p.items_per_cta > 0) {
+    const int64_t want = (items + p.items_per_cta - 1) / p.items_per_cta;
+    if (want > grid) grid = want;
+  }
+  if (items < grid) grid = items;
 
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
@@ -902,6 +907,7 @@ extern "C" cudaError_t kda_decode_launch(const KdaParams* params, cudaStream_t s
   if (static_cast<int64_t>(p->num_requests) * p->num_heads > INT32_MAX) return cudaErrorInvalidValue;
   if (p->T > 1 && p->num_accepted == nullptr) return cudaErrorInvalidValue;
   if (p->prefetch_distance < 0 || p->prefetch_distance > 64) return cudaErrorInvalidValue;
+  if (p->items_per_cta < 0) return cudaErrorInvalidValue;
   if (p->record && (p->v_record == nullptr || p->kg_record == nullptr)) return cudaErrorInvalidValue;
   switch (p->T) {
     case 1: return launch_t<1>(*p, stream);

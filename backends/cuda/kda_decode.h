@@ -58,6 +58,8 @@ typedef struct KdaParams {
   int norm_weight_bf16;
   int use_pdl;        // launch with programmatic stream serialization
   int prefetch_distance;  // 0 = off; 2..64: L2 prefetch of item n+d's state page during item n
+  int items_per_cta;      // 0 = persistent grid (resident CTAs); k >= 1: ceil(items / k) CTAs,
+                          // never fewer than the persistent grid (at most k items per CTA)
 } KdaParams;
 
 // Launches one decode step on `stream`. Returns the launch's error code (cudaSuccess when

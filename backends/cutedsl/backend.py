@@ -18,6 +18,8 @@ Environment:
                       loads (faster for unrelated successors, unsafe for a successor that
                       reads this step's results before its own wait); "0": no PDL.
   KDA_CUTEDSL_PREFETCH  streamed kernel: L2-prefetch distance in items (2..8; 0 = off, default).
+  KDA_CUTEDSL_ITEMS_PER_CTA  streamed kernel: at most k items per CTA, ceil(R*H / k) CTAs but
+                      never fewer than 2 per SM (0 = persistent grid, the default).
   KDA_CACHE_DIR       compile cache root (kernels go to ``$KDA_CACHE_DIR/cutedsl``;
                       default ``~/.cache/kda/cutedsl``).
   CUTE_DSL_ARCH       target architecture when compiling without a GPU (e.g. sm_90a).
@@ -33,7 +35,7 @@ from typing import List, Optional
 
 import torch
 
-from kda.backend import Backend, StepFn, gpu_reason, kernel_config_reasons
+from kda.backend import Backend, StepFn, gpu_reason, kernel_config_reasons, stream_grid
 from kda.config import KdaArgs, KdaConfig
 
 #: Tokens per request the kernels support (the gate MMA has 8 token columns).
@@ -80,6 +82,9 @@ def pdl_mode() -> tuple:
 #: Off: on the H200 (c3bcd08) distance 2 / 3 took R=128 T=1 from 0.768 to 0.625 / 0.584 of
 #: the floor.
 PREFETCH_DISTANCE = 0
+
+#: Default items per CTA of the streamed kernel (``KDA_CUTEDSL_ITEMS_PER_CTA``; 0 = persistent).
+ITEMS_PER_CTA = 0
 
 
 def prefetch_distance() -> int:
@@ -163,6 +168,11 @@ class _Launcher:
         self.carveout_set = _set_carveout(compiled, cfg, self.device_index)
         self.n_sm = torch.cuda.get_device_properties(self.device_index).multi_processor_count
         self.max_ctas = 2 * self.n_sm
+        self.items_per_cta = 0
+        if kind == "stream":
+            from kda.backend import items_per_cta_from_env
+
+            self.items_per_cta = items_per_cta_from_env("KDA_CUTEDSL_ITEMS_PER_CTA", ITEMS_PER_CTA)
         # fast path: the launcher's packed argument array is built once (its entries are the
         # fixed addresses of self.buf's slots); fall back to the executor's own packing.
         self._capi = None
@@ -200,7 +210,7 @@ class _Launcher:
         ]
         self.buf[0:len(vals)] = vals
         if self.kind == "stream":
-            self.buf[self.i_stream - 1] = min(R * self.H, self.max_ctas)
+            self.buf[self.i_stream - 1] = stream_grid(R * self.H, self.max_ctas, self.items_per_cta)
         self.buf[self.i_stream] = _raw_stream(self.device_index)
         self._launch()
 

@@ -11,7 +11,8 @@ Checks, per kernel (``cutedsl`` = stream, ``cutedsl_wide`` = wide):
     covering T in {1, 2, 5, 8}, both conv layouts, both gates, gate_mode 0/1, conv bias,
     record mode, fp32 conv state, bf16 weights, padded strides, null slots, aliasing, and
     batches large enough that each persistent CTA walks several items;
-  * wide and stream produce bit-identical out / state / conv_state / records;
+  * wide and stream produce bit-identical out / state / conv_state / records, and so do
+    the streamed kernel's persistent grid and smaller-range grids (KDA_CUTEDSL_ITEMS_PER_CTA);
   * three chained steps on the same buffers (programmatic dependent launch back to back);
   * CUDA-graph capture and replay; the public ``kda.kda_decode`` path;
   * slot offsets beyond 2**31 elements (64-bit addressing).
@@ -97,6 +98,26 @@ def test_wide_and_stream_bit_identical(spec, device, require_backend):
     torch.cuda.synchronize()
     for buf in ("out", "state", "conv_state", "v_record", "kg_record"):
         assert bits_equal(getattr(a1, buf), getattr(a2, buf)), f"{buf} differs between kernels"
+
+
+@pytest.mark.parametrize("items_per_cta", ["1", "3"])
+@pytest.mark.parametrize("spec", [SPECS[6], SPECS[8]], ids=[SPECS[6].id, SPECS[8].id])
+def test_stream_grid_size_changes_nothing(spec, items_per_cta, device, require_backend,
+                                          monkeypatch):
+    """KDA_CUDA_ITEMS_PER_CTA's CuTe twin (KDA_CUTEDSL_ITEMS_PER_CTA) only moves items
+    between CTAs of the streamed kernel: results are bit-identical to the persistent grid's."""
+    cfg = spec.cfg
+    persistent = require_backend("cutedsl", cfg, device).build(cfg, device)
+    monkeypatch.setenv("KDA_CUTEDSL_ITEMS_PER_CTA", items_per_cta)
+    small = require_backend("cutedsl", cfg, device).build(cfg, device)
+    assert small.items_per_cta == int(items_per_cta)
+    a1 = make_case(spec, device)
+    a2 = clone_args(a1)
+    persistent(a1)
+    small(a2)
+    torch.cuda.synchronize()
+    for buf in ("out", "state", "conv_state", "v_record", "kg_record"):
+        assert bits_equal(getattr(a1, buf), getattr(a2, buf)), f"{buf} differs"
 
 
 @pytest.mark.parametrize("name", KINDS)
