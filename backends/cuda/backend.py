@@ -8,7 +8,7 @@ Environment:
   KDA_CUDA_PREFETCH=d   L2-prefetch item n+d's state page during item n (d in 2..8; 0 = off,
                    the default PREFETCH_DISTANCE; see the design note of kda_decode.cu).
   KDA_CUDA_ITEMS_PER_CTA=k   at most k items per CTA: ceil(R*H / k) CTAs, never fewer than
-                   the resident ones (0 = persistent grid, the default ITEMS_PER_CTA).
+                   the resident ones (0 = persistent grid; default by T: ITEMS_PER_CTA).
   KDA_CACHE_DIR    where the compiled extension is kept (see build.py).
 """
 
@@ -32,8 +32,11 @@ MAX_T = 8
 #: floor (the prefetched pages are evicted from L2 by the other SMs' traffic before use).
 PREFETCH_DISTANCE = 0
 
-#: Default items per CTA (``KDA_CUDA_ITEMS_PER_CTA`` overrides; 0 = persistent grid).
-ITEMS_PER_CTA = 0
+#: Default items per CTA by T (``KDA_CUDA_ITEMS_PER_CTA`` overrides; 0 = persistent grid;
+#: T not listed: 0). Measured on the H200 (95e0754, H=32, fraction of the floor at R=128 /
+#: R=512): T=2 k=8 0.798 / 0.829 against persistent 0.780 / 0.822, T=5 0.801 / 0.810
+#: against 0.786 / 0.813; T=1 k=8 0.771 / 0.801 against 0.770 / 0.826 (k=1, 2, 4 lower).
+ITEMS_PER_CTA = {2: 8, 3: 8, 4: 8, 5: 8, 6: 8, 7: 8, 8: 8}
 
 
 class CudaBackend(Backend):
@@ -79,7 +82,7 @@ class CudaBackend(Backend):
         lb = None if lb is None else float(lb)
         pdl = os.environ.get("KDA_CUDA_PDL", "1") != "0"
         pfd = prefetch_distance_from_env("KDA_CUDA_PREFETCH", PREFETCH_DISTANCE)
-        ipc = items_per_cta_from_env("KDA_CUDA_ITEMS_PER_CTA", ITEMS_PER_CTA)
+        ipc = items_per_cta_from_env("KDA_CUDA_ITEMS_PER_CTA", ITEMS_PER_CTA.get(T, 0))
         launch = ext.step
 
         def step(a: KdaArgs) -> None:

@@ -19,7 +19,8 @@ Environment:
                       reads this step's results before its own wait); "0": no PDL.
   KDA_CUTEDSL_PREFETCH  streamed kernel: L2-prefetch distance in items (2..8; 0 = off, default).
   KDA_CUTEDSL_ITEMS_PER_CTA  streamed kernel: at most k items per CTA, ceil(R*H / k) CTAs but
-                      never fewer than 2 per SM (0 = persistent grid, the default).
+                      never fewer than 2 per SM (0 = persistent grid; default by T:
+                      ITEMS_PER_CTA).
   KDA_CACHE_DIR       compile cache root (kernels go to ``$KDA_CACHE_DIR/cutedsl``;
                       default ``~/.cache/kda/cutedsl``).
   CUTE_DSL_ARCH       target architecture when compiling without a GPU (e.g. sm_90a).
@@ -83,8 +84,13 @@ def pdl_mode() -> tuple:
 #: the floor.
 PREFETCH_DISTANCE = 0
 
-#: Default items per CTA of the streamed kernel (``KDA_CUTEDSL_ITEMS_PER_CTA``; 0 = persistent).
-ITEMS_PER_CTA = 0
+#: Default items per CTA of the streamed kernel by T (``KDA_CUTEDSL_ITEMS_PER_CTA`` overrides;
+#: 0 = persistent grid; T not listed: 1). Measured on the H200 (95e0754, H=32, fraction of
+#: the floor at R=128 / R=512): T=1 k=4 0.773 / 0.829 against persistent 0.759 / 0.807; T=2
+#: k=2 0.748 / 0.761 against 0.726 / 0.757; T=5 k=1 0.800 / 0.825 against 0.751 / 0.774.
+#: With one item per CTA the kernel prefetches nothing of its own: the overlap comes from
+#: the other CTA on the SM and the hardware scheduler starting CTAs as others retire.
+ITEMS_PER_CTA = {1: 4, 2: 2}
 
 
 def prefetch_distance() -> int:
@@ -172,7 +178,8 @@ class _Launcher:
         if kind == "stream":
             from kda.backend import items_per_cta_from_env
 
-            self.items_per_cta = items_per_cta_from_env("KDA_CUTEDSL_ITEMS_PER_CTA", ITEMS_PER_CTA)
+            self.items_per_cta = items_per_cta_from_env("KDA_CUTEDSL_ITEMS_PER_CTA",
+                                                        ITEMS_PER_CTA.get(self.T, 1))
         # fast path: the launcher's packed argument array is built once (its entries are the
         # fixed addresses of self.buf's slots); fall back to the executor's own packing.
         self._capi = None

@@ -117,14 +117,16 @@ def test_back_to_back_steps(spec, pdl, monkeypatch):
 
 
 @pytest.mark.parametrize("env", [("KDA_CUDA_PREFETCH", "2"), ("KDA_CUDA_PREFETCH", "3"),
-                                 ("KDA_CUDA_ITEMS_PER_CTA", "1"), ("KDA_CUDA_ITEMS_PER_CTA", "3")])
+                                 ("KDA_CUDA_ITEMS_PER_CTA", "0"), ("KDA_CUDA_ITEMS_PER_CTA", "1"),
+                                 ("KDA_CUDA_ITEMS_PER_CTA", "3")])
 @pytest.mark.parametrize("spec", [CaseSpec(make_config(32, 1), R=40, null_frac=0.3),
                                   CaseSpec(make_config(8, 5, "DS", gm=1), R=40, null_frac=0.3)],
                          ids=lambda s: s.id)
 def test_launch_knobs_change_nothing(spec, env, monkeypatch):
     """The L2 prefetch (KDA_CUDA_PREFETCH, off by default) is a cache hint and the grid size
-    (KDA_CUDA_ITEMS_PER_CTA) only moves items between CTAs: results are bit-identical to the
-    default's, null slots included."""
+    (KDA_CUDA_ITEMS_PER_CTA; 0 = persistent, 1 / 3 items per CTA, against the default by T)
+    only moves items between CTAs: results are bit-identical to the default's, null slots
+    included."""
     a_def = make_case(spec, DEV)
     a_alt = clone_args(a_def)
     _step(spec.cfg)(a_def)

@@ -100,21 +100,23 @@ def test_wide_and_stream_bit_identical(spec, device, require_backend):
         assert bits_equal(getattr(a1, buf), getattr(a2, buf)), f"{buf} differs between kernels"
 
 
-@pytest.mark.parametrize("items_per_cta", ["1", "3"])
+@pytest.mark.parametrize("items_per_cta", ["1", "3", "4"])
 @pytest.mark.parametrize("spec", [SPECS[6], SPECS[8]], ids=[SPECS[6].id, SPECS[8].id])
 def test_stream_grid_size_changes_nothing(spec, items_per_cta, device, require_backend,
                                           monkeypatch):
-    """KDA_CUDA_ITEMS_PER_CTA's CuTe twin (KDA_CUTEDSL_ITEMS_PER_CTA) only moves items
-    between CTAs of the streamed kernel: results are bit-identical to the persistent grid's."""
+    """The streamed kernel's grid size (KDA_CUTEDSL_ITEMS_PER_CTA) only moves items between
+    CTAs: results with at most 1 / 3 / 4 items per CTA are bit-identical to the persistent
+    grid's (0: each CTA walks ~items / (2 * SMs) items, prefetching the next one)."""
     cfg = spec.cfg
-    persistent = require_backend("cutedsl", cfg, device).build(cfg, device)
-    monkeypatch.setenv("KDA_CUTEDSL_ITEMS_PER_CTA", items_per_cta)
-    small = require_backend("cutedsl", cfg, device).build(cfg, device)
-    assert small.items_per_cta == int(items_per_cta)
+    steps = []
+    for value in ("0", items_per_cta):
+        monkeypatch.setenv("KDA_CUTEDSL_ITEMS_PER_CTA", value)
+        steps.append(require_backend("cutedsl", cfg, device).build(cfg, device))
+        assert steps[-1].items_per_cta == int(value)
     a1 = make_case(spec, device)
     a2 = clone_args(a1)
-    persistent(a1)
-    small(a2)
+    steps[0](a1)
+    steps[1](a2)
     torch.cuda.synchronize()
     for buf in ("out", "state", "conv_state", "v_record", "kg_record"):
         assert bits_equal(getattr(a1, buf), getattr(a2, buf)), f"{buf} differs"
