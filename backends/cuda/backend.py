@@ -33,10 +33,12 @@ MAX_T = 8
 PREFETCH_DISTANCE = 0
 
 #: Default items per CTA by T (``KDA_CUDA_ITEMS_PER_CTA`` overrides; 0 = persistent grid;
-#: T not listed: 0). Measured on the H200 (95e0754, H=32, fraction of the floor at R=128 /
-#: R=512): T=2 k=8 0.798 / 0.829 against persistent 0.780 / 0.822, T=5 0.801 / 0.810
-#: against 0.786 / 0.813; T=1 k=8 0.771 / 0.801 against 0.770 / 0.826 (k=1, 2, 4 lower).
-ITEMS_PER_CTA = {2: 8, 3: 8, 4: 8, 5: 8, 6: 8, 7: 8, 8: 8}
+#: T not listed: 0). Persistent everywhere: on the H200 (H=32, fraction of the floor at
+#: R=128 / R=512) 8 items per CTA looked better at T >= 2 in one sweep (95e0754: T=2 0.798 /
+#: 0.829 against 0.780 / 0.822) and not in the next (5f303cd: T=2 0.802 / 0.832 against
+#: 0.796 / 0.838, T=5 0.805 / 0.812 against 0.804 / 0.830); 1, 2 and 4 items per CTA were
+#: slower at T=1 (95e0754: R=128 0.640 / 0.700 / 0.736 against 0.770).
+ITEMS_PER_CTA: dict = {}
 
 
 class CudaBackend(Backend):

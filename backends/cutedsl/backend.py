@@ -85,11 +85,13 @@ def pdl_mode() -> tuple:
 PREFETCH_DISTANCE = 0
 
 #: Default items per CTA of the streamed kernel by T (``KDA_CUTEDSL_ITEMS_PER_CTA`` overrides;
-#: 0 = persistent grid; T not listed: 1). Measured on the H200 (95e0754, H=32, fraction of
-#: the floor at R=128 / R=512): T=1 k=4 0.773 / 0.829 against persistent 0.759 / 0.807; T=2
-#: k=2 0.748 / 0.761 against 0.726 / 0.757; T=5 k=1 0.800 / 0.825 against 0.751 / 0.774.
-#: With one item per CTA the kernel prefetches nothing of its own: the overlap comes from
-#: the other CTA on the SM and the hardware scheduler starting CTAs as others retire.
+#: 0 = persistent grid; T not listed: 1). Measured on the H200 (H=32, fraction of the floor
+#: at R=128 / R=512, persistent grid in brackets): 95e0754 T=1 k=4 0.773 / 0.829 (0.759 /
+#: 0.807), T=2 k=2 0.748 / 0.761 (0.726 / 0.757), T=5 k=1 0.800 / 0.825 (0.751 / 0.774);
+#: checked at 5f303cd with these defaults: T=1 0.781 / 0.838 (0.773 / 0.823), T=2 0.755 /
+#: 0.775 (0.739 / 0.772), T=3 0.784 / 0.816 (0.743 / 0.774), T=5 0.807 / 0.827 (0.765 /
+#: 0.791). With one item per CTA a CTA prefetches nothing of its own: the overlap comes
+#: from the other CTA on the SM and from the hardware starting a CTA whenever one retires.
 ITEMS_PER_CTA = {1: 4, 2: 2}
 
 
@@ -260,11 +262,12 @@ class _CuteDslBackend(Backend):
 
 
 class KdaStreamBackend(_CuteDslBackend):
-    """``cutedsl``: the persistent streamed kernel (:mod:`backends.cutedsl.stream`)."""
+    """``cutedsl``: the streamed kernel (:mod:`backends.cutedsl.stream`); each CTA walks a
+    contiguous item range (a few items by default, see :data:`ITEMS_PER_CTA`)."""
 
     name = "cutedsl"
     kind = "stream"
-    description = ("CuTe DSL streamed kernel: ~2 persistent CTAs/SM, next item's state page and "
+    description = ("CuTe DSL streamed kernel: CTAs walking item ranges, next item's state page and "
                    "rows prefetched with cp.async during the recurrence, mma.sync gate, PDL")
 
 

@@ -1,7 +1,9 @@
 """KdaStream: the persistent, prefetching CuTe DSL kernel and its host wrapper.
 
-Grid = ``ncta`` CTAs (host: min(R*H, 2 * SM count)); CTA ``i`` walks the contiguous item
-range ``[i*items // ncta, (i+1)*items // ncta)`` (items = R*H). Schedule per CTA:
+Grid = ``ncta`` CTAs (host: :func:`kda.backend.stream_grid`: 2 per SM -- persistent -- or
+ceil(items / k) for at most k items per CTA, ``ITEMS_PER_CTA`` by T in
+:mod:`backends.cutedsl.backend`); CTA ``i`` walks the contiguous item range
+``[i*items // ncta, (i+1)*items // ncta)`` (items = R*H). Schedule per CTA:
 
   prologue  slots of the first item; cp.async its state page and load its window history
             (before ``griddepcontrol.wait`` under programmatic dependent launch: neither is
@@ -180,7 +182,7 @@ class KdaStream:
                kgrec: cute.Pointer, R: Int32, slots: Int32, x_rs: Int32, fa_rs: Int32,
                beta_rs: Int32, og_rs: Int32, out_rs: Int32, state_ss: Int64, cs_ss: Int64,
                scale: Float32, eps: Float32, lb: Float32, ncta: Int32, stream: cuda.CUstream):
-        """Host entry: launch ``ncta`` persistent CTAs of 256 threads on ``stream``."""
+        """Host entry: launch ``ncta`` CTAs of 256 threads on ``stream`` (each walks an item range)."""
         self.kernel(x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, na, og, nw, out, vrec,
                     kgrec, R, slots, x_rs, fa_rs, beta_rs, og_rs, out_rs, state_ss, cs_ss,
                     scale, eps, lb, ncta).launch(
