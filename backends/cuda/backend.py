@@ -9,6 +9,8 @@ Environment:
                    the default PREFETCH_DISTANCE; see the design note of kda_decode.cu).
   KDA_CUDA_ITEMS_PER_CTA=k   at most k items per CTA: ceil(R*H / k) CTAs, never fewer than
                    the resident ones (0 = persistent grid; default by T: ITEMS_PER_CTA).
+  (The KDA_CUDA_* variables are read when a step is built: kda_decode / KdaDecode keep built
+  steps for the process, so a later change needs a new process or a new build().)
   KDA_CACHE_DIR    where the compiled extension is kept (see build.py).
 """
 

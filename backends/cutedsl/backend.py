@@ -21,6 +21,9 @@ Environment:
   KDA_CUTEDSL_ITEMS_PER_CTA  streamed kernel: at most k items per CTA, ceil(R*H / k) CTAs but
                       never fewer than 2 per SM (0 = persistent grid; default by T:
                       ITEMS_PER_CTA).
+  (KDA_CUTEDSL_PDL / _PREFETCH / _ITEMS_PER_CTA are read when a step is built: kda_decode /
+  KdaDecode keep built steps for the process, so a later change needs a new process or a new
+  build().)
   KDA_CACHE_DIR       compile cache root (kernels go to ``$KDA_CACHE_DIR/cutedsl``;
                       default ``~/.cache/kda/cutedsl``).
   CUTE_DSL_ARCH       target architecture when compiling without a GPU (e.g. sm_90a).

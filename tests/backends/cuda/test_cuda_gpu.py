@@ -116,17 +116,13 @@ def test_back_to_back_steps(spec, pdl, monkeypatch):
     assert not errors, "\n".join(errors)
 
 
-@pytest.mark.parametrize("env", [("KDA_CUDA_PREFETCH", "2"), ("KDA_CUDA_PREFETCH", "3"),
-                                 ("KDA_CUDA_ITEMS_PER_CTA", "0"), ("KDA_CUDA_ITEMS_PER_CTA", "1"),
-                                 ("KDA_CUDA_ITEMS_PER_CTA", "3")])
+@pytest.mark.parametrize("env", [("KDA_CUDA_PREFETCH", "2"), ("KDA_CUDA_PREFETCH", "3")])
 @pytest.mark.parametrize("spec", [CaseSpec(make_config(32, 1), R=40, null_frac=0.3),
                                   CaseSpec(make_config(8, 5, "DS", gm=1), R=40, null_frac=0.3)],
                          ids=lambda s: s.id)
-def test_launch_knobs_change_nothing(spec, env, monkeypatch):
-    """The L2 prefetch (KDA_CUDA_PREFETCH, off by default) is a cache hint and the grid size
-    (KDA_CUDA_ITEMS_PER_CTA; 0 = persistent, 1 / 3 items per CTA, against the default by T)
-    only moves items between CTAs: results are bit-identical to the default's, null slots
-    included."""
+def test_cache_hints_change_nothing(spec, env, monkeypatch):
+    """The L2 prefetch (KDA_CUDA_PREFETCH, off by default) is a cache hint only: results are
+    bit-identical to the default's, null slots included."""
     a_def = make_case(spec, DEV)
     a_alt = clone_args(a_def)
     _step(spec.cfg)(a_def)
@@ -135,6 +131,31 @@ def test_launch_knobs_change_nothing(spec, env, monkeypatch):
     torch.cuda.synchronize()
     for name in ("out", "state", "conv_state"):
         assert bits_equal(getattr(a_def, name), getattr(a_alt, name)), name
+
+
+@pytest.mark.parametrize("items_per_cta", [1, 2, 3])
+@pytest.mark.parametrize("spec", [CaseSpec(make_config(32, 1), R=40, null_frac=0.3),
+                                  CaseSpec(make_config(8, 5, "DS", gm=1), R=128, null_frac=0.3),
+                                  CaseSpec(make_config(16, 2, "SD", record=True), R=64)],
+                         ids=lambda s: s.id)
+def test_grid_size_changes_nothing(spec, items_per_cta, monkeypatch):
+    """The grid size (KDA_CUDA_ITEMS_PER_CTA) only moves items between CTAs: at most 1 / 2 / 3
+    items per CTA give bit-identical results to the persistent grid (0: each of the resident
+    CTAs walks ~items / CTAs items, prefetching the next one), null slots and records
+    included. The shapes are chosen so that both grids differ (asserted)."""
+    from kda.backend import stream_grid
+    items = spec.R * spec.cfg.num_heads
+    resident = 2 * torch.cuda.get_device_properties(DEV).multi_processor_count
+    assert stream_grid(items, resident, items_per_cta) != stream_grid(items, resident, 0)
+    a0 = make_case(spec, DEV)
+    a1 = clone_args(a0)
+    monkeypatch.setenv("KDA_CUDA_ITEMS_PER_CTA", "0")
+    _step(spec.cfg)(a0)
+    monkeypatch.setenv("KDA_CUDA_ITEMS_PER_CTA", str(items_per_cta))
+    _step(spec.cfg)(a1)
+    torch.cuda.synchronize()
+    for name in ("out", "state", "conv_state", "v_record", "kg_record"):
+        assert bits_equal(getattr(a0, name), getattr(a1, name)), name
 
 
 def test_repeatable():

@@ -10,7 +10,8 @@ Checks, per kernel (``cutedsl`` = stream, ``cutedsl_wide`` = wide):
     windows exact, dead items exact zeros, everything else untouched), on configurations
     covering T in {1, 2, 5, 8}, both conv layouts, both gates, gate_mode 0/1, conv bias,
     record mode, fp32 conv state, bf16 weights, padded strides, null slots, aliasing, and
-    batches large enough that each persistent CTA walks several items;
+    batches large enough that each CTA walks several items (at T=1 and T=2 by default; at
+    T >= 3 the default is one item per CTA, and the grid-size test runs the persistent grid);
   * wide and stream produce bit-identical out / state / conv_state / records, and so do
     the streamed kernel's persistent grid and smaller-range grids (KDA_CUTEDSL_ITEMS_PER_CTA);
   * three chained steps on the same buffers (programmatic dependent launch back to back);
@@ -100,19 +101,33 @@ def test_wide_and_stream_bit_identical(spec, device, require_backend):
         assert bits_equal(getattr(a1, buf), getattr(a2, buf)), f"{buf} differs between kernels"
 
 
-@pytest.mark.parametrize("items_per_cta", ["1", "3", "4"])
-@pytest.mark.parametrize("spec", [SPECS[6], SPECS[8]], ids=[SPECS[6].id, SPECS[8].id])
+#: Shapes for the grid-size test: (spec, items per CTA) pairs whose grid differs from the
+#: persistent one on an H100 / H200 (132 SMs, 264 resident CTAs; asserted in the test).
+GRID_CASES = [
+    (SPECS[6], 3), (SPECS[6], 4),           # T=1, 1280 items: 427 / 320 CTAs
+    (SPECS[8], 1), (SPECS[8], 2),           # T=5, 768 items: 768 / 384 CTAs
+    (CaseSpec(KdaConfig(num_heads=32, T=2, window=4, conv_layout="DS", record=True), R=24,
+              null_frac=0.3, seed=11), 1),  # records, null slots: 768 CTAs
+]
+
+
+@pytest.mark.parametrize("spec,items_per_cta", GRID_CASES,
+                         ids=[f"{s.id}-k{k}" for s, k in GRID_CASES])
 def test_stream_grid_size_changes_nothing(spec, items_per_cta, device, require_backend,
                                           monkeypatch):
     """The streamed kernel's grid size (KDA_CUTEDSL_ITEMS_PER_CTA) only moves items between
-    CTAs: results with at most 1 / 3 / 4 items per CTA are bit-identical to the persistent
-    grid's (0: each CTA walks ~items / (2 * SMs) items, prefetching the next one)."""
+    CTAs: results with at most k items per CTA are bit-identical to the persistent grid's
+    (0: each of the 2 * SMs CTAs walks ~items / CTAs items, prefetching the next one)."""
+    from kda.backend import stream_grid
     cfg = spec.cfg
+    items = spec.R * cfg.num_heads
+    resident = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    assert stream_grid(items, resident, items_per_cta) != stream_grid(items, resident, 0)
     steps = []
-    for value in ("0", items_per_cta):
-        monkeypatch.setenv("KDA_CUTEDSL_ITEMS_PER_CTA", value)
+    for value in (0, items_per_cta):
+        monkeypatch.setenv("KDA_CUTEDSL_ITEMS_PER_CTA", str(value))
         steps.append(require_backend("cutedsl", cfg, device).build(cfg, device))
-        assert steps[-1].items_per_cta == int(value)
+        assert steps[-1].items_per_cta == value
     a1 = make_case(spec, device)
     a2 = clone_args(a1)
     steps[0](a1)
