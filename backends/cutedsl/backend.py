@@ -270,8 +270,9 @@ class KdaStreamBackend(_CuteDslBackend):
 
     name = "cutedsl"
     kind = "stream"
-    description = ("CuTe DSL streamed kernel: CTAs walking item ranges, next item's state page and "
-                   "rows prefetched with cp.async during the recurrence, mma.sync gate, PDL")
+    description = ("CuTe DSL streamed kernel: CTAs walking item ranges (4 / 2 / 1 items at T = "
+                   "1 / 2 / >= 3 by default), next item's state page and rows prefetched with "
+                   "cp.async during the recurrence, mma.sync gate, PDL")
 
 
 class KdaWideBackend(_CuteDslBackend):
