@@ -39,7 +39,8 @@ from typing import List, Optional
 
 import torch
 
-from kda.backend import Backend, StepFn, gpu_reason, kernel_config_reasons, stream_grid
+from kda.backend import (Backend, StepFn, gpu_reason, items_per_cta_from_env,
+                         kernel_config_reasons, prefetch_distance_from_env, stream_grid)
 from kda.config import KdaArgs, KdaConfig
 
 #: Tokens per request the kernels support (the gate MMA has 8 token columns).
@@ -105,7 +106,6 @@ def prefetch_distance() -> int:
     Raises:
       ValueError: the value is not one of :data:`kda.backend.PREFETCH_DISTANCES`.
     """
-    from kda.backend import prefetch_distance_from_env
     return prefetch_distance_from_env("KDA_CUTEDSL_PREFETCH", PREFETCH_DISTANCE)
 
 
@@ -181,8 +181,6 @@ class _Launcher:
         self.max_ctas = 2 * self.n_sm
         self.items_per_cta = 0
         if kind == "stream":
-            from kda.backend import items_per_cta_from_env
-
             self.items_per_cta = items_per_cta_from_env("KDA_CUTEDSL_ITEMS_PER_CTA",
                                                         ITEMS_PER_CTA.get(self.T, 1))
         # fast path: the launcher's packed argument array is built once (its entries are the
