@@ -571,6 +571,9 @@ class Variant:
       bv: value rows per chunk of the ``chunked`` kernel.
       hold: ``chunked`` kernel, T > 1: keep q̂, k̂, α of the first 4 tokens in registers
         across the row loop instead of re-reading them per chunk and token.
+      kb: ``chunked`` kernel: 1 = the state chunk is a [bv, 128] tile (one row per warp, 32
+        lanes); 4 = a [bv, 4, 32] tile (4 rows per warp, 8 lanes per row, the 4 column
+        blocks of a row in one thread: fewer shuffles per row sum, see ``_delta_rule_kb``).
       description: one line for benchmark tables.
     """
 
@@ -586,6 +589,7 @@ class Variant:
     kernel: str = "item"
     bv: int = 32
     hold: bool = False
+    kb: int = 1
     description: str = ""
 
 
@@ -628,8 +632,15 @@ VARIANTS: Dict[str, Variant] = {v.name: v for v in (
     Variant("chunked_w8_bv64", kernel="chunked", bv=64, num_stages=2, num_warps=8, maxnreg=88,
             description="8-warp programs, 64-row chunks"),
     Variant("chunked_w2_hold", kernel="chunked", bv=16, num_stages=2, num_warps=2, maxnreg=128,
-            hold=True, description="chunked_w2 holding q̂, k̂, α of tokens 0-3 in registers "
-                                   "(not measured yet)"),
+            hold=True, description="chunked_w2 holding q̂, k̂, α of tokens 0-3 in registers"),
+    Variant("chunked_k4", kernel="chunked", bv=32, num_stages=2, num_warps=4, maxnreg=88, kb=4,
+            description="chunked with [32, 4, 32] state tiles (8 lanes per row)"),
+    Variant("chunked_bv16_k4", kernel="chunked", bv=16, num_stages=2, num_warps=4, maxnreg=88,
+            kb=4, description="chunked_bv16 with [16, 4, 32] state tiles"),
+    Variant("chunked_w2_k4", kernel="chunked", bv=16, num_stages=2, num_warps=2, maxnreg=128,
+            kb=4, description="chunked_w2 with [16, 4, 32] state tiles"),
+    Variant("chunked_w2_s3_k4", kernel="chunked", bv=16, num_stages=3, num_warps=2,
+            maxnreg=128, kb=4, description="chunked_w2_s3 with [16, 4, 32] state tiles"),
 )}
 DEFAULT_VARIANT = "auto"
 

@@ -163,6 +163,26 @@ def _qka(scr_item, t, dd):
             tl.load(scr_item + t * 512 + 256 + dd))
 
 
+@triton.jit
+def _delta_rule_kb(S, alpha, k, q, b, v):
+    """:func:`~backends.triton.kda_decode._delta_rule` on a state chunk held as a
+    [BV, 4, 32] tile (key column 32j + c at [row, j, c]; ``alpha``, ``k``, ``q`` [4, 32],
+    ``v`` [BV]). Same operations and order per element; the row sums add the 4 column
+    blocks in-thread first, then across lanes (fp32 reassociation, which the contract allows).
+
+    Why: Triton lays a [BV, 128] fp32 tile out as one row per warp (32 lanes x 4 columns), so
+    each row sum costs 5 shuffle levels, for every row a thread holds (BV / warps of them).
+    Loaded as [BV, 4, 32], a warp covers 4 rows x 32 columns (8 lanes x 16 bytes: whole 128-byte
+    lines, as before) and holds the 4 column blocks of a row in one thread: 3 shuffle levels
+    for 4x fewer rows per thread."""
+    S = S * alpha[None, :, :]
+    Sk = tl.sum(tl.sum(S * k[None, :, :], axis=1), axis=1)
+    u = b * (v - Sk)
+    S = S + u[:, None][:, None, :] * k[None, :, :]   # (expanded in the reductions' order:
+    #                                                    no layout conversion of u)
+    return S, u, tl.sum(tl.sum(S * q[None, :, :], axis=1), axis=1)
+
+
 @triton.jit(do_not_specialize=["num_slots"])
 def _kda_chunked_kernel(
         x_ptr, stride_x, cw_ptr, cb_ptr, cs_ptr, stride_cs,
@@ -173,7 +193,7 @@ def _kda_chunked_kernel(
         H: tl.constexpr, T: tl.constexpr, L: tl.constexpr, SD: tl.constexpr,
         HAS_BIAS: tl.constexpr, BOUNDED: tl.constexpr, GATE_MODE: tl.constexpr,
         RECORD: tl.constexpr, BV: tl.constexpr, NUM_STAGES: tl.constexpr,
-        EVICT: tl.constexpr, HOLD: tl.constexpr, INTERP: tl.constexpr):
+        EVICT: tl.constexpr, HOLD: tl.constexpr, KB: tl.constexpr, INTERP: tl.constexpr):
     """The fused KDA decode step, one program per item, value rows in chunks of ``BV`` (see
     the module docstring). Grid: ``R * H`` programs. Pointers: the :class:`KdaArgs` tensors
     (unused optional ones point at any tensor and are never dereferenced) and the scratch;
@@ -257,25 +277,34 @@ def _kda_chunked_kernel(
         tgt_ok = live & (tgt > 0) & (tgt < num_slots)
         tgt64 = tl.where(tgt_ok, tgt, 0).to(tl.int64)               # [TP]; 0 = no write
     tl.debug_barrier()                       # scratch rows visible to every thread
+    # the key columns of the row loop's tiles: KB=1 [128]; KB=4 [4, 32] (column 32j + c at
+    # [j, c]), so that a state chunk is a [BV, 4, 32] tile (see _delta_rule_kb)
+    if KB == 1:
+        kd = dd
+    else:
+        kd = tl.arange(0, 4)[:, None] * 32 + tl.arange(0, 32)[None, :]
     # T=1 (and T <= 4 with HOLD): q̂_t, k̂_t, α_t read back once here and kept in registers
     # for the whole row loop (otherwise re-read per chunk and token: the loop's stores may
     # alias the scratch as far as the compiler knows, so it cannot hoist those loads)
     if T == 1 or HOLD:
-        q_0, k_0, a_0 = _qka(scr_item, 0, dd)
+        q_0, k_0, a_0 = _qka(scr_item, 0, kd)
     if HOLD:
         if T > 1:
-            q_1, k_1, a_1 = _qka(scr_item, 1, dd)
+            q_1, k_1, a_1 = _qka(scr_item, 1, kd)
         if T > 2:
-            q_2, k_2, a_2 = _qka(scr_item, 2, dd)
+            q_2, k_2, a_2 = _qka(scr_item, 2, kd)
         if T > 3:
-            q_3, k_3, a_3 = _qka(scr_item, 3, dd)
+            q_3, k_3, a_3 = _qka(scr_item, 3, kd)
 
     # ---- 3. the row loop -------------------------------------------------------------------
     st_page = st_ptr + tl.multiple_of(src64 * stride_st, 4) + h * (128 * 128)
     rows = tl.arange(0, BV)
     for c in tl.range(0, NCHUNK, num_stages=NUM_STAGES):
         vv = c * BV + rows                                          # this chunk's value rows
-        st_off = vv[:, None] * 128 + dd[None, :]
+        if KB == 1:
+            st_off = vv[:, None] * 128 + kd[None, :]
+        else:
+            st_off = vv[:, None, None] * 128 + kd[None, :, :]       # [BV, 4, 32]
         if EVICT:
             S = tl.load(st_page + st_off, mask=live, other=0.0, eviction_policy="evict_first")
         else:
@@ -291,13 +320,16 @@ def _kda_chunked_kernel(
             elif HOLD and t == 3:
                 q_t, k_t, a_t = q_3, k_3, a_3
             else:
-                q_t, k_t, a_t = _qka(scr_item, t, dd)
+                q_t, k_t, a_t = _qka(scr_item, t, kd)
             if T == 1:
                 b_t = tl.sum(bvec, axis=0)
             else:
                 b_t = tl.sum(tl.where(tt == t, bvec, 0.0), axis=0)
 
-            S, u, o = _delta_rule(S, a_t, k_t, q_t, b_t, v_t)   # the chunk's rows
+            if KB == 1:
+                S, u, o = _delta_rule(S, a_t, k_t, q_t, b_t, v_t)   # the chunk's rows
+            else:
+                S, u, o = _delta_rule_kb(S, a_t, k_t, q_t, b_t, v_t)
 
             if RECORD:
                 rec = cs64 * (H * T) + h * T + t                 # record row (conv_slot, h, t)
@@ -348,7 +380,7 @@ class ChunkedStep:
             HAS_BIAS=cfg.has_conv_bias, BOUNDED=cfg.lower_bound is not None,
             GATE_MODE=cfg.gate_mode, RECORD=cfg.record, BV=variant.bv,
             NUM_STAGES=variant.num_stages, EVICT=variant.evict, HOLD=variant.hold,
-            INTERP=self.interp)
+            KB=variant.kb, INTERP=self.interp)
         self._scalars = (float(cfg.scale), float(cfg.norm_eps),
                          0.0 if cfg.lower_bound is None else float(cfg.lower_bound))
 
@@ -401,7 +433,7 @@ def compile_chunked_offline(cfg: KdaConfig, variant, arch: int = 90,
         H=cfg.num_heads, T=cfg.T, L=cfg.window, SD=cfg.conv_layout == "SD",
         HAS_BIAS=cfg.has_conv_bias, BOUNDED=cfg.lower_bound is not None, GATE_MODE=cfg.gate_mode,
         RECORD=cfg.record, BV=variant.bv, NUM_STAGES=variant.num_stages, EVICT=variant.evict,
-        HOLD=variant.hold, INTERP=False)
+        HOLD=variant.hold, KB=variant.kb, INTERP=False)
     opts = {"num_warps": variant.num_warps or 4, "num_stages": variant.num_stages}
     if variant.maxnreg:
         opts["maxnreg"] = variant.maxnreg
