@@ -32,8 +32,8 @@ from tools.bench import harness, peers, plot
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("backends", ["all"], "backends to measure (names, or 'all' = every available one)")
-flags.DEFINE_list("peers", ["auto"], "peers: fla_recurrent, fla_unfused, 'auto' (both where they "
-                  "run) or 'none'")
+flags.DEFINE_list("peers", ["auto"], "peers: fla_recurrent, fla_unfused, touch, touch_rows32, "
+                  "'auto' (all that run here) or 'none'")
 flags.DEFINE_list("triton_variants", [], "also time these Triton launch variants, one column each "
                   "(names from backends.triton.kda_decode.VARIANTS)")
 flags.DEFINE_list("heads", ["32"], "H values (Kimi-Linear TP1..8: 32,16,8,4; K3-style: 12,24,48,96)")
@@ -68,6 +68,9 @@ flags.register_validator(
 flags.register_validator(
     "triton_variants", lambda v: all(n in _triton_variant_names() for n in v),
     message="--triton_variants: unknown name (see backends.triton.kda_decode.VARIANTS)")
+flags.register_validator(
+    "peers", lambda v: v in (["auto"], ["none"]) or all(n in peers.PEERS for n in v),
+    message="--peers takes 'auto', 'none' or names from: " + ", ".join(peers.PEERS))
 flags.register_validator("pool_gib", lambda v: v is None or v > 0, message="--pool_gib must be > 0")
 for _name in ("sets", "iters", "warmup"):
     flags.register_validator(_name, lambda v, _n=_name: v is None or v >= (0 if _n == "warmup" else 1),
@@ -110,10 +113,11 @@ def main(argv):
     names = registry.BACKEND_NAMES if FLAGS.backends == ["all"] else FLAGS.backends
     want_peers = list(peers.PEERS) if FLAGS.peers == ["auto"] else \
         [] if FLAGS.peers == ["none"] else FLAGS.peers
-    peer_why = peers.available(device)
-    if peer_why and want_peers:
-        console.print(f"peers skipped: {peer_why}")
-        want_peers = []
+    for p in list(want_peers):
+        why = peers.available(p, device)
+        if why:
+            console.print(f"[dim]{p}: skipped ({why})[/]")
+            want_peers.remove(p)
     batches = [int(b) for b in (FLAGS.batches or (["1", "8", "32", "128", "512"] if gpu
                                                   else ["1", "8", "32", "128"]))]
     tokens = [int(t) for t in FLAGS.tokens]

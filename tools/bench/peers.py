@@ -8,8 +8,12 @@
   ``causal_conv1d_update`` (a contiguous per-batch conv cache of 4 taps, no paging, so
   slightly favourable to the peer), the f_b GEMM (``torch.matmul``), ``fused_recurrent_kda_fwd``
   and fla's ``rms_norm_gated`` with the sigmoid gate.
+* ``touch`` / ``touch_rows32`` (:mod:`tools.bench.touch`): only the step's state traffic (read
+  the source page, write it to every write slot), no math: the ceiling a fused step can reach
+  on the same pages.
 
-Both need a CUDA device and fla-core; :func:`available` says why not otherwise.
+The fla peers need a CUDA device and fla-core, the touch peers a CUDA device and Triton (or
+Triton's interpreter on the CPU); :func:`available` says why not otherwise.
 """
 
 from __future__ import annotations
@@ -21,11 +25,16 @@ import torch
 from kda.config import HEAD_DIM as D
 from kda.config import KdaArgs, KdaConfig
 
-PEERS = ("fla_recurrent", "fla_unfused")
+PEERS = ("fla_recurrent", "fla_unfused", "touch", "touch_rows32")
 
 
-def available(device: torch.device) -> Optional[str]:
-    """None when the peers can run here, else why not."""
+def available(name: str, device: torch.device) -> Optional[str]:
+    """None when peer ``name`` can run on ``device``, else why not."""
+    if name.startswith("touch"):
+        from backends.triton.kda_decode import interpreter_enabled
+        if device.type != "cuda" and not interpreter_enabled():
+            return "the touch peers run on CUDA (or on the CPU with TRITON_INTERPRET=1)"
+        return None
     if device.type != "cuda":
         return "the fla-core peers run on CUDA only"
     try:
@@ -40,7 +49,13 @@ def make_peer(name: str, cfg: KdaConfig, args: KdaArgs) -> Callable[[torch.Tenso
 
     The peer works on ``args``' state pool (V-first, in place) and operands; the slot ids come
     per call so that the benchmark can rotate slot sets.
+
+    Raises:
+      ValueError: ``name`` is not one of :data:`PEERS`.
     """
+    if name.startswith("touch"):
+        from tools.bench.touch import make_touch
+        return make_touch(name, cfg, args)
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     H, T, dim = cfg.num_heads, cfg.T, cfg.dim

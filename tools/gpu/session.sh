@@ -12,7 +12,8 @@
 #            "pf0:KDA_CUDA_PREFETCH=0:cuda") for those backends (default $KDA_SWEEP_BACKENDS,
 #            else cuda,cutedsl; the Triton variants $KDA_SWEEP_TRITON_VARIANTS where triton is
 #            one) at R in $KDA_SWEEP_BATCHES (default 32,128,512) and T in $KDA_SWEEP_TOKENS
-#            (default 1,5), no peers -> sweep/bench-<label>.json and a fraction-of-floor table.
+#            (default 1,5), the peers in $KDA_SWEEP_PEERS (default none, e.g. touch,touch_rows32)
+#            -> sweep/bench-<label>.json and a fraction-of-floor table.
 #            Labels must be unique; values may not contain ',' or ':' (use separate entries).
 #   ncu      alone: one Nsight Compute profile (speed of light, memory, warp stats) per backend
 #            ($KDA_NCU_BACKENDS, default all) at H=32 R=128 T=1 -> logs/ncu.log
@@ -100,7 +101,7 @@ if want sweep; then
     backends=${backends:-${KDA_SWEEP_BACKENDS:-cuda,cutedsl}}
     tv=; [[ ",$backends," == *,triton,* ]] && tv=${KDA_SWEEP_TRITON_VARIANTS:-}
     env ${assigns//,/ } timeout "$(left)" python3 -m tools.bench.bench \
-      --backends="$backends" --peers=none --noplot \
+      --backends="$backends" --peers="${KDA_SWEEP_PEERS:-none}" --noplot \
       --batches="${KDA_SWEEP_BATCHES:-32,128,512}" --tokens="${KDA_SWEEP_TOKENS:-1,5}" \
       --triton_variants="$tv" --out_dir="$OUT/sweep" --tag="$label" \
       > "$L/sweep-$label.log" 2>&1
