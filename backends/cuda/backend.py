@@ -9,6 +9,10 @@ Environment:
                    the default PREFETCH_DISTANCE; see the design note of kda_decode.cu).
   KDA_CUDA_ITEMS_PER_CTA=k   at most k items per CTA: ceil(R*H / k) CTAs, never fewer than
                    the resident ones (0 = persistent grid; default by T: ITEMS_PER_CTA).
+  KDA_CUDA_SCHEDULE=dynamic|static   how CTAs get their items (default: SCHEDULE): dynamic =
+                   each CTA takes its next item from an atomic counter owned by the built step
+                   (so one built step must not run on two streams at the same time); static =
+                   contiguous ranges fixed at launch.
   (The KDA_CUDA_* variables are read when a step is built: kda_decode / KdaDecode keep built
   steps for the process, so a later change needs a new process or a new build().)
   KDA_CACHE_DIR    where the compiled extension is kept (see build.py).
@@ -41,6 +45,23 @@ PREFETCH_DISTANCE = 0
 #: 0.796 / 0.838, T=5 0.805 / 0.812 against 0.804 / 0.830); 1, 2 and 4 items per CTA were
 #: slower at T=1 (95e0754: R=128 0.640 / 0.700 / 0.736 against 0.770).
 ITEMS_PER_CTA: dict = {}
+
+#: Default item schedule (``KDA_CUDA_SCHEDULE`` overrides): "dynamic" or "static" (see
+#: ``KdaParams.sched`` in kda_decode.h and the design note of kda_decode.cu).
+SCHEDULE = "dynamic"
+SCHEDULES = ("dynamic", "static")
+
+
+def schedule_from_env(default: str = SCHEDULE) -> str:
+    """``$KDA_CUDA_SCHEDULE`` (``dynamic`` or ``static``), else ``default``.
+
+    Raises:
+      ValueError: the variable holds anything else.
+    """
+    v = os.environ.get("KDA_CUDA_SCHEDULE", "").strip().lower() or default
+    if v not in SCHEDULES:
+        raise ValueError(f"KDA_CUDA_SCHEDULE must be one of {SCHEDULES}, got {v!r}")
+    return v
 
 
 class CudaBackend(Backend):
@@ -87,14 +108,18 @@ class CudaBackend(Backend):
         pdl = os.environ.get("KDA_CUDA_PDL", "1") != "0"
         pfd = prefetch_distance_from_env("KDA_CUDA_PREFETCH", PREFETCH_DISTANCE)
         ipc = items_per_cta_from_env("KDA_CUDA_ITEMS_PER_CTA", ITEMS_PER_CTA.get(T, 0))
+        # the dynamic schedule's two counters: zero now, left at zero by every launch
+        sched = (torch.zeros(2, dtype=torch.int32, device=device)
+                 if schedule_from_env() == "dynamic" else None)
         launch = ext.step
 
         def step(a: KdaArgs) -> None:
             launch(a.x, a.conv_weight, a.conv_bias, a.conv_state, a.f_a, a.f_b, a.beta, a.A_log,
                    a.dt_bias, a.state, a.state_indices, a.num_accepted_tokens, a.output_gate,
                    a.norm_weight, a.out, a.v_record, a.kg_record, H, T, scale, eps, lb, gm,
-                   record, pdl, pfd, ipc)
+                   record, pdl, pfd, ipc, sched)
 
+        step.sched = sched   # the counters, for tests (None: static schedule)
         return step
 
 

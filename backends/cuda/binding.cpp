@@ -30,7 +30,8 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
           const c10::optional<at::Tensor>& v_record, const c10::optional<at::Tensor>& kg_record,
           int64_t num_heads, int64_t T, double scale, double norm_eps,
           c10::optional<double> lower_bound, int64_t gate_mode, bool record, bool use_pdl,
-          int64_t prefetch_distance, int64_t items_per_cta) {
+          int64_t prefetch_distance, int64_t items_per_cta,
+          const c10::optional<at::Tensor>& sched) {
   TORCH_CHECK(x.is_cuda(), "kda cuda: tensors must be on a CUDA device");
   for (const auto* t : {&conv_weight, &conv_state, &f_a, &f_b, &beta, &A_log, &dt_bias, &state,
                         &state_indices, &output_gate, &norm_weight, &out}) {
@@ -115,6 +116,15 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
   TORCH_CHECK(items_per_cta >= 0 && items_per_cta <= 4096,
               "kda cuda: items_per_cta must be in [0, 4096], got ", items_per_cta);
   p.items_per_cta = static_cast<int>(items_per_cta);
+  p.sched = nullptr;
+  if (sched.has_value()) {
+    const at::Tensor& c = *sched;
+    check_cuda(c, x, "sched");
+    TORCH_CHECK(c.scalar_type() == at::kInt && c.numel() >= 2 && c.is_contiguous(),
+                "kda cuda: sched must be a contiguous int32 tensor of >= 2 elements, got ",
+                c.scalar_type(), " with ", c.numel(), " elements");
+    p.sched = c.data_ptr<int32_t>();
+  }
 
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaError_t err = kda_decode_launch(&p, at::cuda::getCurrentCUDAStream().stream());
@@ -132,6 +142,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("output_gate"), py::arg("norm_weight"), py::arg("out"), py::arg("v_record"),
         py::arg("kg_record"), py::arg("num_heads"), py::arg("T"), py::arg("scale"),
         py::arg("norm_eps"), py::arg("lower_bound"), py::arg("gate_mode"), py::arg("record"),
-        py::arg("use_pdl"), py::arg("prefetch_distance"), py::arg("items_per_cta"));
+        py::arg("use_pdl"), py::arg("prefetch_distance"), py::arg("items_per_cta"),
+        py::arg("sched") = py::none());
   m.def("smem_bytes", &kda_decode_smem_bytes, "Dynamic shared memory per CTA for T tokens");
 }

@@ -131,8 +131,11 @@ struct __align__(16) Smem {
   float nw[kD];                         // norm weight
   long long woff[T];                    // per token: state page offset to write (-1: none), or
                                         // in record mode the v_record row offset
-  int item_end;                         // end of this CTA's item range (kept out of registers)
-  int slots[2][12];                     // state_indices row [0, T) and num_accepted [8], by parity of item
+  int item_end;                         // items >= item_end are past this CTA's work (static:
+                                        // its range's end; dynamic: R * H); kept out of registers
+  int item_idx[2];                      // item index of iterations n and n+1 (by parity)
+  int item_beg;                         // static schedule: item of iteration 0
+  int slots[2][12];                     // state_indices row [0, T) and num_accepted [8], by parity of iteration
   Item info[2];                         // items n and n+1 (by parity), derived once from slots
   int params_head;                      // head whose cw / cbias / dtb are staged (-1: none)
   int pf_src;                           // L2 prefetch: slot id (or accepted count) being read
@@ -230,20 +233,21 @@ __device__ __forceinline__ void pf_page(const KdaParams& p, int item, int src) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], 16384;\n" ::"l"(page + i * 4096) : "memory");
 }
 
-// cp.async of item `item`'s slot row (and accepted count) into sm.slots[item & 1].
+// cp.async of request r's slot row (and accepted count) into sm.slots[iter & 1], by threads
+// 0..8 (warp 0 only: the dynamic schedule hands the next item to warp 0 alone).
 template <int T>
-__device__ __forceinline__ void issue_slots(const KdaParams& p, Smem<T>& sm, int item, int r, int tid) {
-  if (tid < T) cp_async4(&sm.slots[item & 1][tid], p.state_indices + static_cast<int64_t>(r) * p.idx_row + tid);
-  if (T > 1 && tid == 32) cp_async4(&sm.slots[item & 1][8], p.num_accepted + r);
+__device__ __forceinline__ void issue_slots(const KdaParams& p, Smem<T>& sm, int iter, int r, int tid) {
+  if (tid < T) cp_async4(&sm.slots[iter & 1][tid], p.state_indices + static_cast<int64_t>(r) * p.idx_row + tid);
+  if (T > 1 && tid == kMaxT) cp_async4(&sm.slots[iter & 1][8], p.num_accepted + r);
 }
 
-// Item `item` = (request r, head h), with its slots from its staged slot row.
+// The item of iteration `iter` = (request r, head h), with its slots from its staged slot row.
 template <int T>
-__device__ __forceinline__ Item item_at(const KdaParams& p, const Smem<T>& sm, int item, int r, int h) {
+__device__ __forceinline__ Item item_at(const KdaParams& p, const Smem<T>& sm, int iter, int r, int h) {
   Item it;
   it.r = r;
   it.h = h;
-  const int* row = sm.slots[item & 1];
+  const int* row = sm.slots[iter & 1];
   if (T == 1) {
     it.src = it.cslot = row[0];
     it.off = 0;
@@ -434,10 +438,20 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
   const int dim = H * kD;
   const int num_items = p.num_requests * H;
   const int G = gridDim.x;
-  const int beg = static_cast<int>((static_cast<int64_t>(blockIdx.x) * num_items) / G);
-  const int end = static_cast<int>((static_cast<int64_t>(blockIdx.x + 1) * num_items) / G);
+  // Static schedule: CTA b walks the contiguous range [beg, end). Dynamic (p.sched): CTA b
+  // starts with item b and takes every next item from an atomic counter, so CTAs finish within
+  // about one item of each other whatever their items cost (see the design note).
+  const bool dynamic = p.sched != nullptr;
+  const int beg = dynamic ? static_cast<int>(blockIdx.x)
+                          : static_cast<int>((static_cast<int64_t>(blockIdx.x) * num_items) / G);
+  const int end = dynamic ? num_items
+                          : static_cast<int>((static_cast<int64_t>(blockIdx.x + 1) * num_items) / G);
 
-  if (tid == 0) sm.item_end = end;
+  if (tid == 0) {
+    sm.item_end = end;
+    sm.item_idx[0] = beg;
+    sm.item_beg = beg;
+  }
   if (tid < kD) {  // norm weight, shared by all heads
     sm.nw[tid] = p.norm_weight_bf16 ? bf2f(static_cast<const uint16_t*>(p.norm_weight)[tid])
                                     : static_cast<const float*>(p.norm_weight)[tid];
@@ -448,14 +462,14 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
   // so its conv taps / biases are staged once per head. (The f_b rows are re-read every item;
   // the L1 hit rate measured ~3%: two CTAs' heads per SM do not fit next to 2 x 84 KB smem.)
   const int R = p.num_requests;
-  issue_slots<T>(p, sm, beg, beg % R, tid);
+  issue_slots<T>(p, sm, 0, beg % R, tid);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
   {
-    const Item first = item_at<T>(p, sm, beg, beg % R, beg / R);
+    const Item first = item_at<T>(p, sm, 0, beg % R, beg / R);
     if (tid == 0) {
-      sm.info[beg & 1] = first;
+      sm.info[0] = first;
       sm.params_head = first.src > 0 ? first.h : -1;
     }
     if (first.src > 0) {
@@ -465,29 +479,36 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       cp_async_commit();
     }
     // L2 prefetch of the pages of items beg+1 .. beg+d-1 (the loop prefetches n+d from n).
-    if (tid == kPfThread) {
+    if (tid == kPfThread && !dynamic) {
       for (int i = 1; i < p.prefetch_distance && beg + i < end; ++i)
         pf_page(p, beg + i, pf_second(p, T, beg + i, pf_first(p, T, beg + i)));
     }
     grid_dependency_wait();  // x, output gate, f_a, beta come from the predecessor
     if (first.src > 0) {
       issue_operands<T>(p, sm, first, tid);
-      issue_beta<T>(p, sm, first, beg, tid);
+      issue_beta<T>(p, sm, first, 0, tid);
       cp_async_commit();
     }
     cp_async_wait<0>();  // the first item's groups are not in the loop's E, S order
-    __syncthreads();     // sm.info[beg & 1]
+    __syncthreads();     // sm.info[0], sm.item_idx[0]
   }
 
-  for (int n = beg; n < sm.item_end; ++n) {
+  // n counts this CTA's iterations; its item's index is sm.item_idx[n & 1], (r, h) in
+  // sm.info[n & 1]. Every buffer kept per item parity is kept per iteration parity.
+  for (int n = 0; sm.item_idx[n & 1] < sm.item_end; ++n) {
     // cp.async groups: item n's operands (E) then its state page (S) were committed in that
     // order one iteration ago; wait for E only, so that the conv and gate below overlap the
     // page's arrival.
     cp_async_wait<1>();
-    // Item n+1's slot row (group L), needed when item n+1 is prefetched below.
-    if (n + 1 < sm.item_end) {
-      const Item& c = sm.info[n & 1];
-      issue_slots<T>(p, sm, n + 1, c.r + 1 == R ? 0 : c.r + 1, tid);
+    // The next item (static: the range's next; dynamic: from the counter, by thread 0 for
+    // warp 0), its index parked for everyone (read after B2), and its slot row (group L),
+    // needed when it is prefetched below.
+    if (warp == 0) {
+      int nx = 0;
+      if (lane == 0) nx = dynamic ? G + atomicAdd(p.sched, 1) : sm.item_idx[n & 1] + 1;
+      nx = __shfl_sync(0xffffffffu, nx, 0);
+      if (lane == 0) sm.item_idx[(n + 1) & 1] = nx;
+      if (nx < sm.item_end) issue_slots<T>(p, sm, n + 1, nx % R, tid);
     }
     cp_async_commit();
     // L2 prefetch of item n+d's page: its slot ids are read now (first half; the wait for it
@@ -496,8 +517,8 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
     // prefetch is issued after B3, next to item n+1's cp.async.
     // (pf_item and pf are recomputed through opaque() at each use: held across the item they
     // pushed T=8 over the register cap.)
-#define PF_ITEM (opaque(n) + p.prefetch_distance)
-#define PF (p.prefetch_distance > 0 && tid == kPfThread && PF_ITEM < sm.item_end)
+#define PF_ITEM (sm.item_beg + opaque(n) + p.prefetch_distance)  // static schedule only
+#define PF (p.prefetch_distance > 0 && !dynamic && tid == kPfThread && PF_ITEM < sm.item_end)
     if (PF) sm.pf_src = pf_first(p, T, PF_ITEM);  // its own word: no barrier needed
     // Item info lives in shared memory (written once per item by thread 0), not in registers.
 #define CUR (sm.info[n & 1])
@@ -664,9 +685,9 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
 
     // ---- prefetch item n+1, part E: operands, window, parameters, beta (their buffers are
     // free: the conv and gate are done). Issued before the page moves into registers. ----
-    const bool wrap = CUR.r + 1 == R;
-    const Item nxt = item_at<T>(p, sm, n + 1, wrap ? 0 : CUR.r + 1, wrap ? CUR.h + 1 : CUR.h);
-    const bool next_live = n + 1 < sm.item_end && nxt.src > 0;
+    const int nx = sm.item_idx[(n + 1) & 1];
+    const Item nxt = item_at<T>(p, sm, n + 1, nx % R, nx / R);
+    const bool next_live = nx < sm.item_end && nxt.src > 0;
     const bool new_head = nxt.h != sm.params_head;  // params in smem belong to params_head
     if (tid == 0) sm.info[(n + 1) & 1] = nxt;       // read after B3 (no reader of this parity now)
     if (next_live) {
@@ -839,6 +860,16 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
 #undef ROW0
   }
 
+  // Dynamic schedule: the last CTA to finish (it took its last item after every other CTA took
+  // theirs) leaves both counters at zero for the next launch, which reads them only after its
+  // griddepcontrol.wait (or plain stream order).
+  if (dynamic && tid == 0) {
+    __threadfence();
+    if (atomicAdd(p.sched + 1, 1) == G - 1) {
+      p.sched[0] = 0;
+      p.sched[1] = 0;
+    }
+  }
   // Dependents may start once every CTA got here: all of this CTA's stores are issued and
   // fenced, so a dependent's pre-wait reads of state / windows see them.
   __threadfence();

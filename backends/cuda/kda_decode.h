@@ -60,6 +60,12 @@ typedef struct KdaParams {
   int prefetch_distance;  // 0 = off; 2..64: L2 prefetch of item n+d's state page during item n
   int items_per_cta;      // 0 = persistent grid (resident CTAs); k >= 1: ceil(items / k) CTAs,
                           // never fewer than the persistent grid (at most k items per CTA)
+  // Dynamic schedule: two int32 counters in device memory, zero before the first launch and
+  // left at zero by every launch (the last CTA resets them). CTA b starts with item b and
+  // takes each next item from counter 0 (atomicAdd); counter 1 counts finished CTAs. nullptr:
+  // static contiguous item ranges. One counter pair must not serve two launches that run at
+  // the same time (e.g. on two streams).
+  int* sched;
 } KdaParams;
 
 // Launches one decode step on `stream`. Returns the launch's error code (cudaSuccess when

@@ -49,11 +49,12 @@ def test_touch_moves_exactly_the_step_pages(name, T):
     state0 = args.state.clone()
     assert peers.available(name, DEVICE) is None
     make_touch(name, cfg, args)(si, args.num_accepted_tokens)
-    expected = _expected(state0, si.cpu(), None if T == 1 else args.num_accepted_tokens.cpu(), T)
+    nacc = None if T == 1 else args.num_accepted_tokens.cpu()
+    expected = _expected(state0.cpu(), si.cpu(), nacc, T)
     if T > 1:   # (T=1 writes each page back onto itself: only "nothing else changes" is checked)
         assert not torch.equal(expected.view(torch.int32), state0.cpu().view(torch.int32))
     # bitwise (NaN poison included): the pages are copied, nothing else changes
-    assert torch.equal(args.state.view(torch.int32).cpu(), expected.view(torch.int32).cpu())
+    assert torch.equal(args.state.cpu().view(torch.int32), expected.view(torch.int32))
 
 
 def test_unknown_touch_peer_is_refused():
