@@ -47,8 +47,13 @@ PREFETCH_DISTANCE = 0
 ITEMS_PER_CTA: dict = {}
 
 #: Default item schedule (``KDA_CUDA_SCHEDULE`` overrides): "dynamic" or "static" (see
-#: ``KdaParams.sched`` in kda_decode.h and the design note of kda_decode.cu).
-SCHEDULE = "dynamic"
+#: ``KdaParams.sched`` in kda_decode.h). Static: on the H200 (1b62e9a, H=32, fraction of the
+#: floor at R = 32 / 128 / 256 / 512) the dynamic schedule was slower at T=1 (0.662 / 0.763 /
+#: 0.792 / 0.810 against 0.686 / 0.789 / 0.821 / 0.838) and within run-to-run noise at T=2
+#: (+0.006..0.009 at R >= 128) and T=5 (+0.009 at R=128, equal at R=512); the static ranges
+#: also keep a CTA's items on one head (conv taps staged once) and need no counter shared by
+#: the launches of a built step.
+SCHEDULE = "static"
 SCHEDULES = ("dynamic", "static")
 
 

@@ -49,6 +49,9 @@ flags.DEFINE_enum("mode", "auto", ["auto", "graph", "eager"], "GPU timing: CUDA-
 flags.DEFINE_string("out_dir", "", "where to write JSON and PNG (default: print only)")
 flags.DEFINE_string("tag", "", "file name tag (default: gpu name and date)")
 flags.DEFINE_float("max_items", 20000, "skip cells with more R*H items than this on the CPU")
+flags.DEFINE_bool("hot_state", False, "every request of a step on one state slot (pages stay in "
+                  "L2): times the kernels' compute / latency bound; 'frac' then compares with "
+                  "the HBM floor and can exceed 1")
 flags.DEFINE_bool("plot", True, "also write the PNG (needs matplotlib; else: python3 -m tools.bench.plot)")
 
 
@@ -149,7 +152,7 @@ def main(argv):
         cfg = KdaConfig(num_heads=H, T=T, window=T + 2, conv_layout=FLAGS.layout,
                         lower_bound=-5.0 if FLAGS.gate == "bounded" else None,
                         gate_mode=FLAGS.gate_mode)
-        wl = harness.Workload(cfg, R, device, pool, FLAGS.sets)
+        wl = harness.Workload(cfg, R, device, pool, FLAGS.sets, hot=FLAGS.hot_state)
         for name, make in runners:
             base = name.split("[")[0]        # "triton[vsplit4]" -> triton's support rules
             why = registry.unsupported_reasons(base, cfg, device) if base in registry.BACKEND_NAMES else []
@@ -175,6 +178,7 @@ def main(argv):
     order = list(dict.fromkeys(c.backend for c in cells))
     tab = Table(title=f"fused KDA decode step, {dev_name}, H={','.join(FLAGS.heads)}, {FLAGS.gate} gate, "
                       f"{FLAGS.layout}: median us (fraction of copy-bandwidth floor)"
+                      + ("  [--hot_state: state in L2, not an HBM measurement]" if FLAGS.hot_state else "")
                       + ("" if gpu else "  [CPU wall clock, not GPU timings]"))
     tab.add_column("H")
     tab.add_column("T")
@@ -199,7 +203,7 @@ def main(argv):
             "command": " ".join(sys.argv), "copy_bandwidth_Bps": copy_bw,
             "torch": torch.__version__, "python": platform.python_version(),
             "pool_gib": pool, "sets": FLAGS.sets, "iters": iters, "gate": FLAGS.gate,
-            "layout": FLAGS.layout, "gate_mode": FLAGS.gate_mode,
+            "layout": FLAGS.layout, "gate_mode": FLAGS.gate_mode, "hot_state": FLAGS.hot_state,
             "timing": ("median over CUDA-event timed replays of one CUDA graph of `sets` steps "
                        "(one per slot set), divided by `sets`") if gpu else "CPU wall clock",
         }

@@ -15,6 +15,9 @@
 #            (default 1,5), the peers in $KDA_SWEEP_PEERS (default none, e.g. touch,touch_rows32)
 #            -> sweep/bench-<label>.json and a fraction-of-floor table.
 #            Labels must be unique; values may not contain ',' or ':' (use separate entries).
+#   hot      alone: the benchmark with --hot_state (every request of a step on one slot, so the
+#            state stays in L2: the kernels' compute / latency bound) for $KDA_HOT_BACKENDS
+#            (default all), R 128 and 512, T 1 and 5 -> $OUT/bench-hot-h200.json
 #   ncu      alone: one Nsight Compute profile (speed of light, memory, warp stats) per backend
 #            ($KDA_NCU_BACKENDS, default all) at H=32 R=128 T=1 -> logs/ncu.log
 #   tests    in parallel (one CPU thread each): the conformance suite once per backend (ci
@@ -121,6 +124,16 @@ print(f"{'label':14s} {'backend':24s} " + " ".join(f"R{r}T{t}".rjust(8) for r, t
 for (label, b), v in sorted(rows.items()):
     print(f"{label:14s} {b:24s} " + " ".join(f"{v.get(k, float('nan')):8.3f}" for k in cells))
 PY
+fi
+
+if want hot; then       # alone: every request on one slot per set (state in L2): compute bound
+  t0=$SECONDS
+  B=${KDA_HOT_BACKENDS:-$GPU}
+  timeout "$(left)" python3 -m tools.bench.bench --backends="${B// /,}" --hot_state \
+    --peers=touch,touch_rows32,fla_recurrent --batches=128,512 --tokens=1,5 --noplot \
+    --out_dir="$OUT" --tag=hot-h200 > "$L/hot.log" 2>&1
+  echo "hot rc=$? $((SECONDS - t0))s" >> "$L/_rc"
+  tail -n 12 "$L/hot.log" >> "$OUT/summary.txt"
 fi
 
 if want ncu; then
