@@ -20,8 +20,9 @@
 #            (default all), R 128 and 512, T 1 and 5 -> $OUT/bench-hot-h200.json
 #   ncu      alone: one Nsight Compute profile (speed of light, memory, warp stats) per backend
 #            ($KDA_NCU_BACKENDS, default all) at H=32 R=128 T=1 -> logs/ncu.log
-#   tests    in parallel (one CPU thread each): the conformance suite once per backend (ci
-#            matrix, every backend required), the per-backend GPU tests
+#   tests    in parallel (one CPU thread each): the conformance suite once per backend in
+#            $KDA_TEST_BACKENDS (default all; ci matrix, every backend required), the
+#            per-backend GPU tests
 #   kdatools tests/kda + tests/tools
 #   serve    serve runs checked step for step against the reference
 #   bigmem   the GPU-scale cases (2**31 offsets, >65,535 items)
@@ -153,7 +154,7 @@ fi
 export OMP_NUM_THREADS=1
 PYT="python3 -m pytest -q -rfE -p no:cacheprovider --durations=5"
 if want tests; then
-  for b in $GPU; do
+  for b in ${KDA_TEST_BACKENDS:-$GPU}; do
     bg "conformance-$b" $PYT tests/conformance --kda-backends="$b" --kda-require-backends -m "not bigmem"
   done
   has cuda && bg backends-cuda $PYT tests/backends/cuda --kda-require-backends
