@@ -47,7 +47,10 @@ programs on 16-row chunks (more independent programs per SM; measured faster, se
    for all warps); holding 3T vectors in registers would cost 12T registers per thread. The
    ``HOLD`` build (variant ``chunked_w2_hold``) holds those of tokens 0-3 (48 registers;
    offline sm_90a compile at T=5: 128 registers, 104 bytes of stack against 48 without);
-   not yet timed on the GPU.
+   measured on the H200 (95e0754): no gain at T=2, slower at T=5, so ``auto`` does not use
+   it. ``KB=4`` (variants ``*_k4``) holds the chunk as a [BV, 4, 32] tile instead of [BV,
+   128] (8 lanes per row: 3.5x fewer shuffles in the row sums, see ``_delta_rule_kb``);
+   measured on the H200 (9168933): no gain where ``auto`` runs, so not used by it either.
    The chunk's rows of ``y_v,t`` are re-read per chunk and token (BV values). Doing the v
    conv here rather than per chunk keeps the window reads and the conv's fma chains out of
    the loop (with the v conv in the loop, uncapped, T=5 needed 255 registers and spilled;
