@@ -19,7 +19,8 @@
 #            state stays in L2: the kernels' compute / latency bound) for $KDA_HOT_BACKENDS
 #            (default all), R 128 and 512, T 1 and 5 -> $OUT/bench-hot-h200.json
 #   ncu      alone: one Nsight Compute profile (speed of light, memory, warp stats) per backend
-#            ($KDA_NCU_BACKENDS, default all) at H=32 R=128 T=1 -> logs/ncu.log
+#            ($KDA_NCU_BACKENDS, default all) at H=32 R=128 T=$KDA_NCU_TOKENS (default 1)
+#            -> logs/ncu.log
 #   tests    in parallel (one CPU thread each): the conformance suite once per backend in
 #            $KDA_TEST_BACKENDS (default all; ci matrix, every backend required), the
 #            per-backend GPU tests
@@ -145,7 +146,8 @@ if want ncu; then
       -k 'regex:kda|Kda|cutlass' --section SpeedOfLight --section MemoryWorkloadAnalysis \
       --section WarpStateStats --section Occupancy --section LaunchStats \
       --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
-      python3 -m tools.bench.bench --backends="$b" --peers= --batches=128 --tokens=1 --iters=8 \
+      python3 -m tools.bench.bench --backends="$b" --peers=none --batches=128 \
+      --tokens="${KDA_NCU_TOKENS:-1}" --iters=8 \
       --warmup=0 --mode=eager --noplot >> "$L/ncu.log" 2>&1
   done
   echo "ncu rc=$? $((SECONDS - t0))s" >> "$L/_rc"
