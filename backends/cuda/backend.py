@@ -9,10 +9,12 @@ Environment:
                    the default PREFETCH_DISTANCE; see the design note of kda_decode.cu).
   KDA_CUDA_ITEMS_PER_CTA=k   at most k items per CTA: ceil(R*H / k) CTAs, never fewer than
                    the resident ones (0 = persistent grid; default by T: ITEMS_PER_CTA).
-  KDA_CUDA_SCHEDULE=dynamic|static   how CTAs get their items (default: SCHEDULE): dynamic =
-                   each CTA takes its next item from an atomic counter owned by the built step
-                   (so one built step must not run on two streams at the same time); static =
-                   contiguous ranges fixed at launch.
+  KDA_CUDA_SCHEDULE=dynamic|static   how CTAs get their items (default by T: SCHEDULE):
+                   dynamic = each CTA takes its next item from an atomic counter pair that
+                   the built step keeps per CUDA stream (launches on different streams never
+                   share one; graphs captured on one stream share that stream's pair, so do
+                   not replay two of them at the same time); static = contiguous ranges
+                   fixed at launch.
   (The KDA_CUDA_* variables are read when a step is built: kda_decode / KdaDecode keep built
   steps for the process, so a later change needs a new process or a new build().)
   KDA_CACHE_DIR    where the compiled extension is kept (see build.py).
@@ -46,18 +48,18 @@ PREFETCH_DISTANCE = 0
 #: slower at T=1 (95e0754: R=128 0.640 / 0.700 / 0.736 against 0.770).
 ITEMS_PER_CTA: dict = {}
 
-#: Default item schedule (``KDA_CUDA_SCHEDULE`` overrides): "dynamic" or "static" (see
-#: ``KdaParams.sched`` in kda_decode.h). Static: on the H200 (1b62e9a, H=32, fraction of the
-#: floor at R = 32 / 128 / 256 / 512) the dynamic schedule was slower at T=1 (0.662 / 0.763 /
-#: 0.792 / 0.810 against 0.686 / 0.789 / 0.821 / 0.838) and within run-to-run noise at T=2
-#: (+0.006..0.009 at R >= 128) and T=5 (+0.009 at R=128, equal at R=512); the static ranges
-#: also keep a CTA's items on one head (conv taps staged once) and need no counter shared by
-#: the launches of a built step.
-SCHEDULE = "static"
+#: Default item schedule by T (``KDA_CUDA_SCHEDULE`` overrides; T not listed: "dynamic"; see
+#: ``KdaParams.sched`` in kda_decode.h). On the H200 (1b62e9a, H=32, step times of one sweep,
+#: dynamic against static at R = 32 / 128 / 256 / 512): T=1 0.6-0.9% slower (173.2 against
+#: 172.1 us at R=128: the next item's slot row waits for the atomic, and consecutive items
+#: rarely share a head), T=2 3.6-3.9% faster from R=128 (244.0 against 252.7 us), T=5 2.7-4.0%
+#: faster (480.9 against 500.2 us at R=128; 1.9% at R=32).
+SCHEDULE: dict = {1: "static"}
+
 SCHEDULES = ("dynamic", "static")
 
 
-def schedule_from_env(default: str = SCHEDULE) -> str:
+def schedule_from_env(default: str) -> str:
     """``$KDA_CUDA_SCHEDULE`` (``dynamic`` or ``static``), else ``default``.
 
     Raises:
@@ -113,18 +115,30 @@ class CudaBackend(Backend):
         pdl = os.environ.get("KDA_CUDA_PDL", "1") != "0"
         pfd = prefetch_distance_from_env("KDA_CUDA_PREFETCH", PREFETCH_DISTANCE)
         ipc = items_per_cta_from_env("KDA_CUDA_ITEMS_PER_CTA", ITEMS_PER_CTA.get(T, 0))
-        # the dynamic schedule's two counters: zero now, left at zero by every launch
-        sched = (torch.zeros(2, dtype=torch.int32, device=device)
-                 if schedule_from_env() == "dynamic" else None)
+        dynamic = schedule_from_env(SCHEDULE.get(T, "dynamic")) == "dynamic"
+        # the dynamic schedule's counter pairs, one per CUDA stream (zero when made, left at
+        # zero by every launch)
+        counters: Optional[dict] = {} if dynamic else None
+        dev = torch.device(device)
+
+        def sched() -> Optional[torch.Tensor]:
+            if counters is None:
+                return None
+            stream = torch.cuda.current_stream(dev).cuda_stream
+            c = counters.get(stream)
+            if c is None:    # (during a capture: allocated from the graph's pool, kept here)
+                c = counters[stream] = torch.zeros(2, dtype=torch.int32, device=dev)
+            return c
+
         launch = ext.step
 
         def step(a: KdaArgs) -> None:
             launch(a.x, a.conv_weight, a.conv_bias, a.conv_state, a.f_a, a.f_b, a.beta, a.A_log,
                    a.dt_bias, a.state, a.state_indices, a.num_accepted_tokens, a.output_gate,
                    a.norm_weight, a.out, a.v_record, a.kg_record, H, T, scale, eps, lb, gm,
-                   record, pdl, pfd, ipc, sched)
+                   record, pdl, pfd, ipc, sched())
 
-        step.sched = sched   # the counters, for tests (None: static schedule)
+        step.counters = counters   # stream handle -> counter pair, for tests (None: static)
         return step
 
 

@@ -42,13 +42,13 @@
 // (the straightforward fragment order needs 32 scattered 4-byte loads, twice the L2 sectors).
 // gate_mode 1's four chains are exactly those 32-column slices, summed ((c0+c1)+c2)+c3.
 //
-// Schedule: static by default, CTA b walks the contiguous range [b*I/G, (b+1)*I/G). With
+// Schedule: static, CTA b walks the contiguous range [b*I/G, (b+1)*I/G). With
 // KdaParams.sched (KDA_CUDA_SCHEDULE=dynamic) CTA b starts with item b and takes each next
 // item from an atomic counter (thread 0, at the top of the current item, so that the next
 // item's slot row is still requested one item ahead); the last CTA to finish resets the
-// counters. Measured on the H200 (1b62e9a): slower at T=1 (-0.025 of the floor at R >= 128:
-// the next item's slot row waits for the atomic, and consecutive items rarely share a head),
-// within noise at T >= 2; so static stays the default.
+// counters. Measured on the H200 (1b62e9a, step times): 0.6-0.9% slower at T=1 (the next
+// item's slot row waits for the atomic, and consecutive items rarely share a head), 3-4%
+// faster at T >= 2 (R >= 128); the backend's default is static at T=1, dynamic above.
 //
 // Shared memory per CTA: 64 KiB state staging laid out [16 chunk][256 thread][4 floats]
 // (each thread reads back only what it copied: no barrier needed for the page itself, no bank
@@ -64,11 +64,14 @@
 // the same reason the staging functions pass tid / strides through opaque() so that ptxas
 // cannot hoist their address arithmetic out of the item loop. No T spills (checked in CI).
 //
-// Programmatic dependent launch: the first item's slot row, window and head parameters are
-// not produced by the predecessor and are requested before griddepcontrol.wait; x, output
-// gate, f_a and beta after it, and then the first item's state page (it used to be requested
-// before the wait too; behind the operands, in its own cp.async group, item 0's conv and gate
-// overlap its arrival as every later item's do). The trigger for dependents is issued at the end of
+// Programmatic dependent launch: only the norm weight is read before griddepcontrol.wait;
+// the slot ids, windows, pages and operands may all come from the predecessor (slot ids from
+// a server's input preparation, windows and pages from the previous step on the same cache),
+// and launch_dependents alone does not make a primary's writes visible to a dependent
+// (earlier versions read the first item's slot row, page and window before the wait, relying
+// on the trigger's placement below; the H200 measured no difference either way). The first
+// item's page is requested behind its operands, in its own cp.async group, so that item 0's
+// conv and gate overlap its arrival as every later item's do. The trigger for dependents is issued at the end of
 // each CTA, after its last stores and a fence, not right after the wait: an early trigger
 // would let a back-to-back launch of this kernel on the same state pool read a page before
 // this launch has written it (by reasoning: with a small batch all CTAs of both launches are
@@ -472,6 +475,9 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
   // so its conv taps / biases are staged once per head. (The f_b rows are re-read every item;
   // the L1 hit rate measured ~3%: two CTAs' heads per SM do not fit next to 2 x 84 KB smem.)
   const int R = p.num_requests;
+  // Everything below may read what the predecessor kernel wrote (slot ids, windows, pages,
+  // operands): wait for it first. Only the norm weight (a model weight) is read before.
+  grid_dependency_wait();
   issue_slots<T>(p, sm, 0, beg % R, tid);
   cp_async_commit();
   cp_async_wait<0>();
@@ -492,7 +498,6 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       for (int i = 1; i < p.prefetch_distance && beg + i < end; ++i)
         pf_page(p, beg + i, pf_second(p, T, beg + i, pf_first(p, T, beg + i)));
     }
-    grid_dependency_wait();  // x, output gate, f_a, beta come from the predecessor
     if (first.src > 0) {
       issue_operands<T>(p, sm, first, tid);
       issue_beta<T>(p, sm, first, 0, tid);
@@ -883,8 +888,8 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       p.sched[1] = 0;
     }
   }
-  // Dependents may start once every CTA got here: all of this CTA's stores are issued and
-  // fenced, so a dependent's pre-wait reads of state / windows see them.
+  // Dependents may be scheduled once every CTA got here (they read nothing we write before
+  // their griddepcontrol.wait, which waits for this whole grid and its memory).
   __threadfence();
   trigger_dependents();
 }

@@ -15,8 +15,9 @@ synchronized, so the step can be captured in a CUDA graph.
 Environment:
   KDA_CUTEDSL_PDL     "1" (default): programmatic dependent launch, dependents triggered
                       after each CTA's last write; "early": triggered after the prologue's
-                      loads (faster for unrelated successors, unsafe for a successor that
-                      reads this step's results before its own wait); "0": no PDL.
+                      loads (the kernels read nothing before their griddepcontrol.wait, so a
+                      successor of the same kind stays correct; not measured faster); "0":
+                      no PDL.
   KDA_CUTEDSL_PREFETCH  streamed kernel: L2-prefetch distance in items (2..8; 0 = off, default).
   KDA_CUTEDSL_ITEMS_PER_CTA  streamed kernel: at most k items per CTA, ceil(R*H / k) CTAs but
                       never fewer than 2 per SM (0 = persistent grid; default by T:

@@ -29,13 +29,12 @@ class KernelStatic:
       gate_mode: 0 (one accumulator chain) or 1 (four chains).
       has_bias: a conv bias is passed. record: record mode.
       cs_bf16 / cw_bf16 / nw_bf16: conv_state / conv_weight / norm_weight are bf16 (else fp32).
-      pdl: launched with programmatic dependent launch (state page and window are loaded
-        before ``griddepcontrol.wait``).
+      pdl: launched with programmatic dependent launch (``griddepcontrol.wait`` first, before
+        any global read: slot ids, windows, pages and operands may be the predecessor's).
       pdl_early: trigger ``griddepcontrol.launch_dependents`` right after the prologue's loads
-        (as the design notes suggest) instead of after each CTA's last write. Faster for
-        unrelated successors, but a successor that reads this step's outputs before its own
-        ``griddepcontrol.wait`` (e.g. the same step launched again on the same state) may
-        read stale data. Off by default.
+        (as the design notes suggest) instead of after each CTA's last write. Correct for
+        any successor that, like these kernels, reads nothing before its own
+        ``griddepcontrol.wait``; off by default (not measured faster).
       prefetch: streamed kernel only (0 for the wide one): during item n, L2-prefetch item
         n+prefetch's state page (``cp.async.bulk.prefetch.L2``); 0 = off.
     """

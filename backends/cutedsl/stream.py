@@ -5,10 +5,10 @@ ceil(items / k) for at most k items per CTA, ``ITEMS_PER_CTA`` by T in
 :mod:`backends.cutedsl.backend`); CTA ``i`` walks the contiguous item range
 ``[i*items // ncta, (i+1)*items // ncta)`` (items = R*H). Schedule per CTA:
 
-  prologue  slots of the first item; cp.async its state page and load its window history
-            (before ``griddepcontrol.wait`` under programmatic dependent launch: neither is
-            produced by the predecessor kernel); wait; stage its x / output-gate rows and
-            load its beta.
+  prologue  (``griddepcontrol.wait`` first under programmatic dependent launch: slot ids,
+            windows, pages and operands may all be the predecessor's output) slots of the
+            first item; cp.async its state page and load its window history; stage its
+            x / output-gate rows and load its beta.
   loop n    load item n+1's slot ids (one per lane of warp 0) and item n's per-head
             parameters; item n's gate projection (tensor cores, f_a from global); wait for
             item n's operand rows only (cp.async group E(n); its page, group S(n), may still
@@ -86,13 +86,16 @@ class KdaStream:
         end = Int32((Int64(cta + 1) * items) // Int64(ncta))
 
         # prologue: the first item
+        # Under PDL, wait for the predecessor before reading anything: slot ids, windows,
+        # pages and operands may all be its output (launch_dependents alone does not make
+        # its writes visible here).
+        if cutlass.const_expr(self.ks.pdl):
+            P.griddep_wait()
         vals, nacc = self.math.slot_values(p, start, Int32(start < end))
         self.math.make_desc(p, start, Int32(start < end), vals, nacc, desc)
         self.math.stage_slot_values(p, vals, nacc, Int32(0))
         self.math.issue_state(p, desc)
         self.math.load_window(p, desc, wreg)
-        if cutlass.const_expr(self.ks.pdl):
-            P.griddep_wait()
         self.math.issue_operands(p, desc)
         self.math.load_beta(p, desc, wreg)
         P.cp_async_commit()

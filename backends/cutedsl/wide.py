@@ -63,13 +63,16 @@ class KdaWide:
         S = cute.make_rmem_tensor(cute.make_layout((64,)), Float32)
         ogr = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
 
+        # Under PDL, wait for the predecessor before reading anything: slot ids, windows,
+        # pages and operands may all be its output (launch_dependents alone does not make
+        # its writes visible here).
+        if cutlass.const_expr(self.ks.pdl):
+            P.griddep_wait()
         vals, nacc = self.math.slot_values(p, Int32(item), Int32(1))
         self.math.make_desc(p, Int32(item), Int32(1), vals, nacc, desc)
         self.math.stage_slot_values(p, vals, nacc, Int32(0))
         self.math.issue_state(p, desc)
         self.math.load_window(p, desc, wreg)
-        if cutlass.const_expr(self.ks.pdl):
-            P.griddep_wait()
         self.math.issue_operands(p, desc)
         self.math.load_beta(p, desc, wreg)
         P.cp_async_commit()

@@ -113,15 +113,23 @@ if want sweep; then
     echo "sweep-$label rc=$? $((SECONDS - t0))s" >> "$L/_rc"
   done
   python3 - "$OUT/sweep" >> "$OUT/summary.txt" 2>&1 <<'PY'
-import glob, json, os, sys
+import glob, json, os, statistics, sys
+# Each entry is its own process with its own copy-bandwidth measurement (seen 2.8% apart in
+# one sweep): fractions are recomputed from the step times with the entries' median copy
+# bandwidth, so that the rows compare times.
+runs = [(os.path.basename(f)[6:-5], json.load(open(f)))
+        for f in sorted(glob.glob(os.path.join(sys.argv[1], "bench-*.json")))]
+bw = statistics.median(r["meta"]["copy_bandwidth_Bps"] for _, r in runs) if runs else 0.0
 rows = {}
-for f in sorted(glob.glob(os.path.join(sys.argv[1], "bench-*.json"))):
-    label = os.path.basename(f)[6:-5]
-    for c in json.load(open(f))["cells"]:
-        if c.get("frac") is not None:
-            rows.setdefault((label, c["backend"]), {})[(c["R"], c["T"])] = c["frac"]
+for label, r in runs:
+    for c in r["cells"]:
+        if c.get("time_us"):
+            rows.setdefault((label, c["backend"]), {})[(c["R"], c["T"])] = \
+                c["bytes"] / bw / (c["time_us"] * 1e-6)
 cells = sorted({k for v in rows.values() for k in v}, key=lambda rt: (rt[1], rt[0]))
-print("== sweep: fraction of the copy-bandwidth floor")
+print(f"== sweep: fraction of the copy-bandwidth floor at the entries' median copy bandwidth "
+      f"({bw / 1e12:.3f} TB/s; per entry: "
+      + ", ".join(f"{l} {r['meta']['copy_bandwidth_Bps'] / 1e12:.3f}" for l, r in runs) + ")")
 print(f"{'label':14s} {'backend':24s} " + " ".join(f"R{r}T{t}".rjust(8) for r, t in cells))
 for (label, b), v in sorted(rows.items()):
     print(f"{label:14s} {b:24s} " + " ".join(f"{v.get(k, float('nan')):8.3f}" for k in cells))

@@ -98,10 +98,14 @@ def test_matches_reference(spec):
                                   CaseSpec(make_config(32, 1), R=64, null_frac=0.0),
                                   CaseSpec(make_config(2, 3, "DS"), R=5, null_frac=0.0)],
                          ids=lambda s: s.id)
-def test_back_to_back_steps(spec, pdl, monkeypatch):
-    """Three steps on one pool with no host sync between them: each launch's pre-wait reads
-    (slots, state page, window) must see the previous launch's writes."""
+@pytest.mark.parametrize("schedule", ["static", "dynamic"])
+def test_back_to_back_steps(spec, pdl, schedule, monkeypatch):
+    """Three steps on one pool with no host sync between them, under both item schedules: each
+    launch must read the previous launch's pages and windows (everything after its
+    griddepcontrol.wait), and the dynamic schedule's counters must be back at zero between
+    launches that follow each other under PDL."""
     monkeypatch.setenv("KDA_CUDA_PDL", pdl)
+    monkeypatch.setenv("KDA_CUDA_SCHEDULE", schedule)
     cfg = spec.cfg
     args = make_case(spec, DEV)
     before = clone_args(args)
@@ -172,14 +176,15 @@ def test_schedules_agree(spec, monkeypatch):
     a1 = clone_args(a0)
     monkeypatch.setenv("KDA_CUDA_SCHEDULE", "static")
     s0 = _step(spec.cfg)
-    assert s0.sched is None
+    assert s0.counters is None
     monkeypatch.setenv("KDA_CUDA_SCHEDULE", "dynamic")
     s1 = _step(spec.cfg)
     for _ in range(3):
         s0(a0)
+    for _ in range(3):
         s1(a1)
     torch.cuda.synchronize()
-    assert s1.sched.tolist() == [0, 0]
+    assert [c.tolist() for c in s1.counters.values()] == [[0, 0]]
     for name in ("out", "state", "conv_state", "v_record", "kg_record"):
         assert bits_equal(getattr(a0, name), getattr(a1, name)), name
 
@@ -188,9 +193,37 @@ def test_schedule_env_is_checked(monkeypatch):
     from backends.cuda.backend import schedule_from_env
     monkeypatch.setenv("KDA_CUDA_SCHEDULE", "greedy")
     with pytest.raises(ValueError, match="KDA_CUDA_SCHEDULE must be one of"):
-        schedule_from_env()
+        schedule_from_env("static")
     monkeypatch.setenv("KDA_CUDA_SCHEDULE", " Static ")
-    assert schedule_from_env() == "static"
+    assert schedule_from_env("dynamic") == "static"
+
+
+def test_dynamic_schedule_on_two_streams(monkeypatch):
+    """One built step (dynamic schedule) launched on two streams at once: each stream gets its
+    own counter pair, so both steps stay right."""
+    monkeypatch.setenv("KDA_CUDA_SCHEDULE", "dynamic")
+    specs = [CaseSpec(make_config(32, 3), R=96, seed=11), CaseSpec(make_config(32, 3), R=96, seed=12)]
+    step = _step(specs[0].cfg)
+    runs = []
+    for spec in specs:
+        args = make_case(spec, DEV)
+        before, expected = clone_args(args), clone_args(args)
+        reference_step(spec.cfg, expected)
+        runs.append((args, expected, before))
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for _ in range(2):     # the second round reuses both pairs
+        for (args, _, _), st in zip(runs, streams):
+            with torch.cuda.stream(st):
+                step(args)
+    torch.cuda.synchronize()
+    assert len(step.counters) == 2
+    assert all(c.tolist() == [0, 0] for c in step.counters.values())
+    # two steps per pool: compare against the reference applied twice
+    for (args, expected, before), spec in zip(runs, specs):
+        reference_step(spec.cfg, expected)
+        errors = compare_step(args, expected, before)
+        assert not errors, "\n".join(errors)
 
 
 def test_repeatable():

@@ -28,7 +28,8 @@ def _expected(state, si, nacc, T):
         else:
             a = min(max(int(nacc[r]), 1), T)
             src, dsts = int(si[r, a - 1]), [int(s) for s in si[r]]
-        if not 0 < src < slots:
+        cslot = int(si[r]) if T == 1 else int(si[r, 0])
+        if not (0 < src < slots and 0 < cslot < slots):
             continue
         for d in dsts:
             if 0 < d < slots:
@@ -39,21 +40,37 @@ def _expected(state, si, nacc, T):
 @pytest.mark.parametrize("name", sorted(TOUCH_PEERS))
 @pytest.mark.parametrize("T", [1, 3])
 def test_touch_moves_exactly_the_step_pages(name, T):
+    """Every page distinct (no NaN poison, which would hide copies of poison onto poison), so
+    a copy from the wrong slot, head or rows, a write to a dead slot or a skipped write shows.
+    (T=1 writes each page back onto itself: there only "nothing else changes" is checked.)"""
     cfg = KdaConfig(num_heads=2, T=T, window=T + 2)
-    args = make_case(CaseSpec(cfg, R=4, seed=7 + T), DEVICE)
-    si = args.state_indices.clone()
+    R = 7
+    args = make_case(CaseSpec(cfg, R=R, seed=7 + T), DEVICE)
+    slots = R * T + 6
+    state = torch.randn(slots, 2, 128, 128, generator=torch.Generator().manual_seed(T))
+    si = (torch.randperm(slots - 1, generator=torch.Generator().manual_seed(1))[:R * T] + 1)
+    si = si.to(torch.int32).view(R, T) if T > 1 else si.to(torch.int32)
+    nacc = None
     if T > 1:
-        si[1, 1] = 0                    # one dead write slot
-    si[2] = -1                          # one dead item
-    args = args._replace(state_indices=si)
+        nacc = torch.tensor([1, 1, 3, 2, 3, 5, 2], dtype=torch.int32)   # 5: clamped to 3
+        si[1, 1] = 0                    # a dead write slot of a live item
+        si[3, 2] = slots + 2            # a write slot past the pool
+        si[4, 0] = -1                   # dead conv slot: the whole item is dead
+        si[5, 1] = -1                   # dead write slot that is not the source (a = 3)
+        si[6, 1] = 0                    # null source slot, live conv slot: the item is dead
+    else:
+        si[3] = slots + 2               # a slot past the pool: dead
+    si[2] = 0                           # a dead item (null slot)
+    si, nacc = si.to(DEVICE), (None if nacc is None else nacc.to(DEVICE))
+    args = args._replace(state=state.to(DEVICE), state_indices=si, num_accepted_tokens=nacc)
     state0 = args.state.clone()
     assert peers.available(name, DEVICE) is None
     make_touch(name, cfg, args)(si, args.num_accepted_tokens)
     nacc = None if T == 1 else args.num_accepted_tokens.cpu()
     expected = _expected(state0.cpu(), si.cpu(), nacc, T)
-    if T > 1:   # (T=1 writes each page back onto itself: only "nothing else changes" is checked)
+    if T > 1:
         assert not torch.equal(expected.view(torch.int32), state0.cpu().view(torch.int32))
-    # bitwise (NaN poison included): the pages are copied, nothing else changes
+    # bitwise: the pages are copied, nothing else changes
     assert torch.equal(args.state.cpu().view(torch.int32), expected.view(torch.int32))
 
 
