@@ -57,14 +57,14 @@ flags.DEFINE_bool("plot", True, "also write the PNG (needs matplotlib; else: pyt
 
 def _all_positive(values) -> bool:
     try:
-        return all(int(v) >= 1 for v in values)
+        return len(values) > 0 and all(int(v) >= 1 for v in values)
     except (TypeError, ValueError):
         return False
 
 
 for _name in ("heads", "batches", "tokens"):
     flags.register_validator(_name, lambda v: v is None or _all_positive(v),
-                             message=f"--{_name} takes integers >= 1")
+                             message=f"--{_name} takes a non-empty list of integers >= 1")
 flags.register_validator(
     "backends", lambda v: v == ["all"] or all(n in registry.BACKEND_NAMES for n in v),
     message="--backends takes 'all' or names from: " + ", ".join(registry.BACKEND_NAMES))
@@ -75,9 +75,10 @@ flags.register_validator(
     "peers", lambda v: v in (["auto"], ["none"]) or all(n in peers.PEERS for n in v),
     message="--peers takes 'auto', 'none' or names from: " + ", ".join(peers.PEERS))
 flags.register_validator("pool_gib", lambda v: v is None or v > 0, message="--pool_gib must be > 0")
-for _name in ("sets", "iters", "warmup"):
-    flags.register_validator(_name, lambda v, _n=_name: v is None or v >= (0 if _n == "warmup" else 1),
-                             message=f"--{_name} must be >= 1 (warmup >= 0)")
+for _name, _least in (("sets", 1), ("iters", 1), ("warmup", 0)):
+    flags.register_validator(_name, lambda v, _l=_least: v is None or v >= _l,
+                             message=f"--{_name} must be >= {_least}")
+flags.register_validator("max_items", lambda v: v >= 1, message="--max_items must be >= 1")
 
 
 def _triton_variant_names():
@@ -148,6 +149,8 @@ def main(argv):
     grid = [(int(H), T, R) for H in FLAGS.heads for T in tokens for R in batches]
     for H, T, R in track(grid, description="cells", console=console):
         if not gpu and R * H > FLAGS.max_items:
+            console.print(f"[dim]H={H} T={T} R={R}: skipped on the CPU (R*H = {R * H} > "
+                          f"--max_items={FLAGS.max_items:g})[/]")
             continue
         cfg = KdaConfig(num_heads=H, T=T, window=T + 2, conv_layout=FLAGS.layout,
                         lower_bound=-5.0 if FLAGS.gate == "bounded" else None,
@@ -160,7 +163,9 @@ def main(argv):
                 logging.info("%s cannot run %s: %s", name, cfg.short(), why)
                 continue
             if name.startswith("triton") and not gpu and R * H > 8:
-                continue   # the interpreter: tiny shapes only
+                console.print(f"[dim]{escape(name)} H={H} T={T} R={R}: skipped (Triton's CPU "
+                              "interpreter runs R*H <= 8 only)[/]")
+                continue
             try:
                 cells.append(harness.measure(name, make, wl, copy_bw, iters, warmup, FLAGS.mode))
             except Exception as e:  # noqa: BLE001 - one failing cell must not hide the others
@@ -200,7 +205,10 @@ def main(argv):
         meta = {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": dev_name, "gpu": gpu, "commit": _git_commit(),
-            "command": " ".join(sys.argv), "copy_bandwidth_Bps": copy_bw,
+            "command": " ".join(["python3 -m tools.bench.bench"] + sys.argv[1:]),
+            "env": {k: v for k, v in sorted(os.environ.items())
+                    if k.startswith("KDA_") or k == "TRITON_INTERPRET"},
+            "copy_bandwidth_Bps": copy_bw,
             "torch": torch.__version__, "python": platform.python_version(),
             "pool_gib": pool, "sets": FLAGS.sets, "iters": iters, "gate": FLAGS.gate,
             "layout": FLAGS.layout, "gate_mode": FLAGS.gate_mode, "hot_state": FLAGS.hot_state,
