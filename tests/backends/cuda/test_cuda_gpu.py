@@ -189,15 +189,6 @@ def test_schedules_agree(spec, monkeypatch):
         assert bits_equal(getattr(a0, name), getattr(a1, name)), name
 
 
-def test_schedule_env_is_checked(monkeypatch):
-    from backends.cuda.backend import schedule_from_env
-    monkeypatch.setenv("KDA_CUDA_SCHEDULE", "greedy")
-    with pytest.raises(ValueError, match="KDA_CUDA_SCHEDULE must be one of"):
-        schedule_from_env("static")
-    monkeypatch.setenv("KDA_CUDA_SCHEDULE", " Static ")
-    assert schedule_from_env("dynamic") == "static"
-
-
 def test_dynamic_schedule_on_two_streams(monkeypatch):
     """One built step (dynamic schedule) launched on two streams at once: each stream gets its
     own counter pair, so both steps stay right."""

@@ -1,0 +1,21 @@
+"""The cuda backend's host-side settings, on the CPU (no GPU, no nvcc needed)."""
+
+import pytest
+
+from backends.cuda.backend import SCHEDULE, schedule_from_env
+
+
+def test_schedule_env_is_checked(monkeypatch):
+    monkeypatch.delenv("KDA_CUDA_SCHEDULE", raising=False)
+    assert schedule_from_env("dynamic") == "dynamic"
+    monkeypatch.setenv("KDA_CUDA_SCHEDULE", "greedy")
+    with pytest.raises(ValueError, match="KDA_CUDA_SCHEDULE must be one of"):
+        schedule_from_env("static")
+    monkeypatch.setenv("KDA_CUDA_SCHEDULE", " Static ")
+    assert schedule_from_env("dynamic") == "static"
+
+
+def test_default_schedule_by_T():
+    """Static at T=1, dynamic above (docs/results/2026-11-29-h200-1b62e9a)."""
+    assert SCHEDULE.get(1, "dynamic") == "static"
+    assert all(SCHEDULE.get(t, "dynamic") == "dynamic" for t in range(2, 9))
