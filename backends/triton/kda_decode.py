@@ -633,15 +633,13 @@ VARIANTS: Dict[str, Variant] = {v.name: v for v in (
             description="8-warp programs, 64-row chunks"),
     Variant("chunked_w2_hold", kernel="chunked", bv=16, num_stages=2, num_warps=2, maxnreg=128,
             hold=True, description="chunked_w2 holding q̂, k̂, α of tokens 0-3 in registers"),
-    Variant("chunked_k4", kernel="chunked", bv=32, num_stages=2, num_warps=4, maxnreg=88, kb=4,
-            description="chunked with [32, 4, 32] state tiles (8 lanes per row)"),
-    Variant("chunked_bv16_k4", kernel="chunked", bv=16, num_stages=2, num_warps=4, maxnreg=88,
-            kb=4, description="chunked_bv16 with [16, 4, 32] state tiles"),
-    Variant("chunked_w2_k4", kernel="chunked", bv=16, num_stages=2, num_warps=2, maxnreg=128,
-            kb=4, description="chunked_w2 with [16, 4, 32] state tiles"),
-    Variant("chunked_w2_s3_k4", kernel="chunked", bv=16, num_stages=3, num_warps=2,
-            maxnreg=128, kb=4, description="chunked_w2_s3 with [16, 4, 32] state tiles"),
 )}
+# ``<base>_k4``: the same build with the state chunk as a [bv, 4, 32] tile (8 lanes per row)
+VARIANTS.update({
+    f"{b}_k4": dataclasses.replace(
+        VARIANTS[b], name=f"{b}_k4", kb=4,
+        description=f"{b} with [{VARIANTS[b].bv}, 4, 32] state tiles (8 lanes per row)")
+    for b in ("chunked", "chunked_bv16", "chunked_w2", "chunked_w2_s3")})
 DEFAULT_VARIANT = "auto"
 
 #: ``auto``'s chunked builds, first match wins: (largest T or None = any, least items per SM,
