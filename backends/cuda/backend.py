@@ -15,6 +15,9 @@ Environment:
                    share one; graphs captured on one stream share that stream's pair, so do
                    not replay two of them at the same time); static = contiguous ranges
                    fixed at launch.
+  KDA_CUDA_FB_SMEM=1|0   at T=1, stage each head's f_b rows (32 KiB) in shared memory once
+                   per head instead of loading the gate MMA's fragments from L2 for every
+                   item (default: FB_SMEM; no effect at T > 1, which has no such build).
   (The KDA_CUDA_* variables are read when a step is built: kda_decode / KdaDecode keep built
   steps for the process, so a later change needs a new process or a new build().)
   KDA_CACHE_DIR    where the compiled extension is kept (see build.py).
@@ -57,6 +60,23 @@ ITEMS_PER_CTA: dict = {}
 SCHEDULE: dict = {1: "static"}
 
 SCHEDULES = ("dynamic", "static")
+
+#: Default of ``KDA_CUDA_FB_SMEM`` (the T=1 kernel with f_b staged in shared memory).
+FB_SMEM = False
+
+
+def fb_smem_from_env(default: bool) -> bool:
+    """``$KDA_CUDA_FB_SMEM`` (``1`` or ``0``), else ``default``.
+
+    Raises:
+      ValueError: the variable holds anything else.
+    """
+    v = os.environ.get("KDA_CUDA_FB_SMEM", "").strip()
+    if not v:
+        return default
+    if v not in ("0", "1"):
+        raise ValueError(f"KDA_CUDA_FB_SMEM must be 0 or 1, got {v!r}")
+    return v == "1"
 
 
 def schedule_from_env(default: str) -> str:
@@ -116,6 +136,7 @@ class CudaBackend(Backend):
         pfd = prefetch_distance_from_env("KDA_CUDA_PREFETCH", PREFETCH_DISTANCE)
         ipc = items_per_cta_from_env("KDA_CUDA_ITEMS_PER_CTA", ITEMS_PER_CTA.get(T, 0))
         dynamic = schedule_from_env(SCHEDULE.get(T, "dynamic")) == "dynamic"
+        fb_smem = T == 1 and fb_smem_from_env(FB_SMEM)
         # the dynamic schedule's counter pairs, one per CUDA stream (zero when made, left at
         # zero by every launch)
         counters: Optional[dict] = {} if dynamic else None
@@ -136,8 +157,9 @@ class CudaBackend(Backend):
             launch(a.x, a.conv_weight, a.conv_bias, a.conv_state, a.f_a, a.f_b, a.beta, a.A_log,
                    a.dt_bias, a.state, a.state_indices, a.num_accepted_tokens, a.output_gate,
                    a.norm_weight, a.out, a.v_record, a.kg_record, H, T, scale, eps, lb, gm,
-                   record, pdl, pfd, ipc, sched())
+                   record, pdl, pfd, ipc, sched(), fb_smem)
 
+        step.fb_smem = fb_smem     # for tests
         step.counters = counters   # stream handle -> counter pair, for tests (None: static)
         return step
 

@@ -121,7 +121,7 @@ struct __align__(16) Item {
   int pad[3];
 };
 
-template <int T>
+template <int T, bool FB = false>
 struct __align__(16) Smem {
   float4 state[16 * kThreads];          // [chunk][thread] float4
   __nv_bfloat16 x[T][3 * kD];           // staged x row slice: q | k | v of this head
@@ -132,7 +132,10 @@ struct __align__(16) Smem {
   // positions off..off+2, [part*128 + ch][words].
   uint32_t win[3 * 3 * kD];
   uint32_t cw[3 * 4 * kD];              // conv taps of the head, raw: [part][tap][128] (fp32 or bf16)
-  float cbias[3][kD];                   // conv bias of the head (if any)
+  float cbias[FB ? 1 : 3][kD];          // conv bias of the head (if any; FB: read from global)
+  // FB (the head's f_b staged in shared memory): [row][16-byte chunk], chunk index XOR
+  // 4 * (row % 4), so that the MMA's 16-byte fragment loads are free of bank conflicts.
+  uint4 fb[FB ? kD * 16 : 1];
   float dtb[kD];                        // dt_bias of the head
   float q[T][kD], k[T][kD], v[T][kD];   // conv outputs (q, k normalised in place)
   float alpha[T][kD];                   // per-key decay
@@ -248,15 +251,15 @@ __device__ __forceinline__ void pf_page(const KdaParams& p, int item, int src) {
 
 // cp.async of request r's slot row (and accepted count) into sm.slots[iter & 1], by threads
 // 0..8 (warp 0 only: the dynamic schedule hands the next item to warp 0 alone).
-template <int T>
-__device__ __forceinline__ void issue_slots(const KdaParams& p, Smem<T>& sm, int iter, int r, int tid) {
+template <int T, bool FB>
+__device__ __forceinline__ void issue_slots(const KdaParams& p, Smem<T, FB>& sm, int iter, int r, int tid) {
   if (tid < T) cp_async4(&sm.slots[iter & 1][tid], p.state_indices + static_cast<int64_t>(r) * p.idx_row + tid);
   if (T > 1 && tid == kMaxT) cp_async4(&sm.slots[iter & 1][8], p.num_accepted + r);
 }
 
 // The item of iteration `iter` = (request r, head h), with its slots from its staged slot row.
-template <int T>
-__device__ __forceinline__ Item item_at(const KdaParams& p, const Smem<T>& sm, int iter, int r, int h) {
+template <int T, bool FB>
+__device__ __forceinline__ Item item_at(const KdaParams& p, const Smem<T, FB>& sm, int iter, int r, int h) {
   Item it;
   it.r = r;
   it.h = h;
@@ -279,8 +282,8 @@ __device__ __forceinline__ Item item_at(const KdaParams& p, const Smem<T>& sm, i
 }
 
 // cp.async of the item's 64 KiB state page into the thread's own staging chunks.
-template <int T>
-__device__ __forceinline__ void issue_state(const KdaParams& p, Smem<T>& sm, const Item& it,
+template <int T, bool FB>
+__device__ __forceinline__ void issue_state(const KdaParams& p, Smem<T, FB>& sm, const Item& it,
                                             int tid) {
   const float* base = p.state + static_cast<int64_t>(it.src) * p.state_slot +
                       static_cast<int64_t>(it.h) * (kD * kD) + (tid >> 3) * kD + 4 * (tid & 7);
@@ -290,8 +293,8 @@ __device__ __forceinline__ void issue_state(const KdaParams& p, Smem<T>& sm, con
 }
 
 // cp.async of the item's x (q|k|v slice), output-gate and f_a rows, T tokens.
-template <int T>
-__device__ __forceinline__ void issue_operands(const KdaParams& p, Smem<T>& sm, const Item& it,
+template <int T, bool FB>
+__device__ __forceinline__ void issue_operands(const KdaParams& p, Smem<T, FB>& sm, const Item& it,
                                                int tid_) {
   const int tid = opaque(tid_);  // keep the tid-only index math inside the item loop
   const int dim = p.num_heads * kD;
@@ -316,8 +319,8 @@ __device__ __forceinline__ void issue_operands(const KdaParams& p, Smem<T>& sm, 
 }
 
 // cp.async of the item's conv history (positions off..off+2 of its 3 x 128 channels).
-template <int T>
-__device__ __forceinline__ void issue_window(const KdaParams& p, Smem<T>& sm, const Item& it,
+template <int T, bool FB>
+__device__ __forceinline__ void issue_window(const KdaParams& p, Smem<T, FB>& sm, const Item& it,
                                              int tid_) {
   const int tid = opaque(tid_);
   const int dim = p.num_heads * kD;
@@ -360,17 +363,26 @@ __device__ __forceinline__ void issue_window(const KdaParams& p, Smem<T>& sm, co
   }
 }
 
-// cp.async of the head's conv taps, conv bias and dt_bias (L2-resident parameters).
-template <int T>
-__device__ __forceinline__ void issue_params(const KdaParams& p, Smem<T>& sm, int h, int tid_) {
+// cp.async of the head's conv taps, conv bias and dt_bias (L2-resident parameters); FB: also
+// the head's 128 f_b rows (32 KiB, swizzled, see Smem::fb), and no conv bias (read from global).
+template <int T, bool FB>
+__device__ __forceinline__ void issue_params(const KdaParams& p, Smem<T, FB>& sm, int h, int tid_) {
   const int tid = opaque(tid_);
   const int dim = p.num_heads * kD;
+  if (FB) {
+    const uint4* fb = opaque(static_cast<const uint4*>(p.f_b)) + static_cast<int64_t>(h) * (kD * 16);
+#pragma unroll
+    for (int k = 0; k < kD * 16 / kThreads; ++k) {
+      const int i = tid + k * kThreads, row = i >> 4, chunk = i & 15;
+      cp_async16(&sm.fb[row * 16 + (chunk ^ ((row & 3) << 2))], fb + i);
+    }
+  }
   const char* cw = opaque(static_cast<const char*>(p.conv_weight));
   auto go = [&](auto es_c) {
     constexpr int es = decltype(es_c)::value;  // conv weight element size
     constexpr int per = 8 * es;                // 16-byte chunks per 128-channel row
     constexpr int nw = 12 * per;
-    const int nb = p.conv_bias ? 3 * 32 : 0;
+    const int nb = (!FB && p.conv_bias) ? 3 * 32 : 0;
 #pragma unroll 1
     for (int k = 0; k < (nw + 96 + 32 + kThreads - 1) / kThreads; ++k) {
       const int i = tid + k * kThreads;
@@ -381,7 +393,7 @@ __device__ __forceinline__ void issue_params(const KdaParams& p, Smem<T>& sm, in
                    cw + (static_cast<int64_t>(rowi) * dim + h * kD) * es + piece * 16);
       } else if (i < nw + nb) {
         const int j = i - nw, part = j >> 5, piece = j & 31;
-        cp_async16(&sm.cbias[part][piece * 4], p.conv_bias + part * dim + h * kD + piece * 4);
+        cp_async16(&sm.cbias[FB ? 0 : part][piece * 4], p.conv_bias + part * dim + h * kD + piece * 4);
       } else {
         const int piece = i - nw - nb;
         cp_async16(&sm.dtb[piece * 4], p.dt_bias + h * kD + piece * 4);
@@ -393,8 +405,8 @@ __device__ __forceinline__ void issue_params(const KdaParams& p, Smem<T>& sm, in
 }
 
 // Raw bits (bf16 in the low half) of the three history values of channel d of `part`.
-template <int T>
-__device__ __forceinline__ void read_window(const KdaParams& p, const Smem<T>& sm, const Item& it,
+template <int T, bool FB>
+__device__ __forceinline__ void read_window(const KdaParams& p, const Smem<T, FB>& sm, const Item& it,
                                             int part, int d, uint32_t (&raw)[3]) {
   if (p.conv_chan == 1) {
     if (p.conv_state_fp32) {
@@ -421,8 +433,8 @@ __device__ __forceinline__ void read_window(const KdaParams& p, const Smem<T>& s
 // cp.async of the 4-byte-aligned words holding beta[r*T + t, h] (bf16, any row stride). The
 // word's other half is a neighbouring beta element, or the 2 bytes after the tensor's last
 // element (same aligned word, so never past a page or allocation granule).
-template <int T>
-__device__ __forceinline__ void issue_beta(const KdaParams& p, Smem<T>& sm, const Item& it,
+template <int T, bool FB>
+__device__ __forceinline__ void issue_beta(const KdaParams& p, Smem<T, FB>& sm, const Item& it,
                                            int item, int tid) {
   if (tid < T) {
     const int64_t n = static_cast<int64_t>(it.r) * T + tid;
@@ -431,8 +443,8 @@ __device__ __forceinline__ void issue_beta(const KdaParams& p, Smem<T>& sm, cons
               reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(b) & ~uintptr_t(3)));
   }
 }
-template <int T>
-__device__ __forceinline__ float beta_value(const KdaParams& p, const Smem<T>& sm, const Item& it,
+template <int T, bool FB>
+__device__ __forceinline__ float beta_value(const KdaParams& p, const Smem<T, FB>& sm, const Item& it,
                                             int item, int t) {
   const int64_t n = static_cast<int64_t>(it.r) * T + t;
   const uintptr_t b = reinterpret_cast<uintptr_t>(static_cast<const uint16_t*>(p.beta) + n * p.beta_row + it.h);
@@ -440,10 +452,10 @@ __device__ __forceinline__ float beta_value(const KdaParams& p, const Smem<T>& s
   return bf2f(static_cast<uint16_t>((b & 2) ? (w >> 16) : (w & 0xffffu)));
 }
 
-template <int T>
+template <int T, bool FB>
 __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_constant__ KdaParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  Smem<T>& sm = *reinterpret_cast<Smem<T>*>(smem_raw);
+  Smem<T, FB>& sm = *reinterpret_cast<Smem<T, FB>*>(smem_raw);
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
@@ -561,21 +573,32 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       // 2p+1 cover the gate-rank columns [32p, 32p+32), and thread (g, tig) owns columns
       // 32p + 8tig .. +7 of that slice, so its A fragment is one 16-byte load per row and
       // k-step pair. The slices are exactly gate_mode 1's chains.
+      // (FB: from the head's rows staged in shared memory, after B1; else from L2, in flight
+      // across B1.)
       uint32_t afr[8][4];
-      {
-        const uint4* fb = reinterpret_cast<const uint4*>(
+      auto load_afr = [&]() {
+        const uint4* fb = FB ? sm.fb : reinterpret_cast<const uint4*>(
             static_cast<const __nv_bfloat16*>(p.f_b) + static_cast<int64_t>(H_CUR * kD + feat0) * kD) + tig;
 #pragma unroll
         for (int pp = 0; pp < 4; ++pp) {
-          const uint4 r0 = __ldg(fb + 4 * pp);               // row feat0
-          const uint4 r1 = __ldg(fb + 4 * pp + 8 * kD / 8);  // row feat0 + 8
+          uint4 r0, r1;  // rows feat0, feat0 + 8 (same swizzle: feat0 + 8 = feat0 mod 4)
+          if (FB) {
+            const int ch = (4 * pp + tig) ^ ((feat0 & 3) << 2);
+            r0 = sm.fb[feat0 * 16 + ch];
+            r1 = sm.fb[(feat0 + 8) * 16 + ch];
+          } else {
+            r0 = __ldg(fb + 4 * pp);
+            r1 = __ldg(fb + 4 * pp + 8 * kD / 8);
+          }
           afr[2 * pp][0] = r0.x; afr[2 * pp][1] = r1.x; afr[2 * pp][2] = r0.y; afr[2 * pp][3] = r1.y;
           afr[2 * pp + 1][0] = r0.z; afr[2 * pp + 1][1] = r1.z;
           afr[2 * pp + 1][2] = r0.w; afr[2 * pp + 1][3] = r1.w;
         }
-      }
+      };
+      if (!FB) load_afr();
       if (tid < T) sm.beta[tid] = sigmoidf_fast(beta_value<T>(p, sm, CUR, n, tid));
-      __syncthreads();  // B1: operands, window, parameters, beta visible
+      __syncthreads();  // B1: operands, window, parameters (FB: f_b rows), beta visible
+      if (FB) load_afr();
 
       const bool rec = p.record != 0;
       // ---- gate projection on the tensor cores: rg[feat][token] ----
@@ -622,7 +645,8 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
             w[e] = p.conv_weight_bf16 ? bf2f(reinterpret_cast<const uint16_t*>(sm.cw)[wi])
                                       : __uint_as_float(sm.cw[wi]);
           }
-          const float bias = p.conv_bias ? sm.cbias[part][d] : 0.f;
+          const float bias = !p.conv_bias ? 0.f
+                             : FB ? __ldg(p.conv_bias + part * dim + H_CUR * kD + d) : sm.cbias[part][d];
           float s[T + 3];
           uint32_t hraw[3];
           read_window<T>(p, sm, CUR, part, d, hraw);
@@ -894,10 +918,10 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
   trigger_dependents();
 }
 
-template <int T>
+template <int T, bool FB = false>
 cudaError_t launch_t(const KdaParams& p, cudaStream_t stream) {
-  constexpr size_t smem = sizeof(Smem<T>);
-  static_assert(sizeof(Smem<T>) <= 113 * 1024, "two CTAs per SM must fit");
+  constexpr size_t smem = sizeof(Smem<T, FB>);
+  static_assert(sizeof(Smem<T, FB>) <= 113 * 1024, "two CTAs per SM must fit");
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
@@ -909,14 +933,14 @@ cudaError_t launch_t(const KdaParams& p, cudaStream_t stream) {
   static cudaError_t init_err[kMaxDev];
   if (dev >= kMaxDev) return cudaErrorInvalidDevice;
   std::call_once(once[dev], [&] {
-    init_err[dev] = cudaFuncSetAttribute(kda_decode_kernel<T>,
+    init_err[dev] = cudaFuncSetAttribute(kda_decode_kernel<T, FB>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));
     int sms = 0, per_sm = 0;
     if (init_err[dev] == cudaSuccess)
       init_err[dev] = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     if (init_err[dev] == cudaSuccess)
-      init_err[dev] = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kda_decode_kernel<T>,
+      init_err[dev] = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kda_decode_kernel<T, FB>,
                                                                     kThreads, smem);
     ctas[dev] = sms * (per_sm > 0 ? per_sm : 1);
   });
@@ -941,7 +965,7 @@ cudaError_t launch_t(const KdaParams& p, cudaStream_t stream) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = p.use_pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kda_decode_kernel<T>, p);
+  return cudaLaunchKernelEx(&cfg, kda_decode_kernel<T, FB>, p);
 }
 
 }  // namespace
@@ -957,9 +981,10 @@ extern "C" cudaError_t kda_decode_launch(const KdaParams* params, cudaStream_t s
   if (p->T > 1 && p->num_accepted == nullptr) return cudaErrorInvalidValue;
   if (p->prefetch_distance < 0 || p->prefetch_distance > 64) return cudaErrorInvalidValue;
   if (p->items_per_cta < 0) return cudaErrorInvalidValue;
+  if (p->fb_smem != 0 && (p->fb_smem != 1 || p->T != 1)) return cudaErrorInvalidValue;
   if (p->record && (p->v_record == nullptr || p->kg_record == nullptr)) return cudaErrorInvalidValue;
   switch (p->T) {
-    case 1: return launch_t<1>(*p, stream);
+    case 1: return p->fb_smem ? launch_t<1, true>(*p, stream) : launch_t<1>(*p, stream);
     case 2: return launch_t<2>(*p, stream);
     case 3: return launch_t<3>(*p, stream);
     case 4: return launch_t<4>(*p, stream);
@@ -971,7 +996,8 @@ extern "C" cudaError_t kda_decode_launch(const KdaParams* params, cudaStream_t s
   }
 }
 
-extern "C" size_t kda_decode_smem_bytes(int T) {
+extern "C" size_t kda_decode_smem_bytes(int T, int fb_smem) {
+  if (fb_smem) return T == 1 ? sizeof(Smem<1, true>) : 0;
   switch (T) {
     case 1: return sizeof(Smem<1>);
     case 2: return sizeof(Smem<2>);

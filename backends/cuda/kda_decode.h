@@ -66,14 +66,19 @@ typedef struct KdaParams {
   // static contiguous item ranges. One counter pair must not serve two launches that run at
   // the same time (e.g. on two streams).
   int* sched;
+  // 1 = stage the head's f_b rows (32 KiB) in shared memory once per head instead of reading
+  // the MMA fragments from L2 for every item (T=1 only; 0 = off). Pays off when a CTA's
+  // consecutive items share the head (the static schedule's head-major ranges).
+  int fb_smem;
 } KdaParams;
 
 // Launches one decode step on `stream`. Returns the launch's error code (cudaSuccess when
 // nothing needs doing, e.g. R == 0). Never synchronizes.
 cudaError_t kda_decode_launch(const KdaParams* params, cudaStream_t stream);
 
-// Dynamic shared memory one CTA of the T-token kernel uses, in bytes (0 for T outside 1..8).
-size_t kda_decode_smem_bytes(int T);
+// Dynamic shared memory one CTA of the T-token kernel uses, in bytes, with f_b staged in
+// shared memory (fb_smem = 1) or not (0 for an instantiation that does not exist).
+size_t kda_decode_smem_bytes(int T, int fb_smem);
 
 // Number of threads per CTA.
 int kda_decode_threads(void);

@@ -2,7 +2,7 @@
 
 import pytest
 
-from backends.cuda.backend import SCHEDULE, schedule_from_env
+from backends.cuda.backend import SCHEDULE, fb_smem_from_env, schedule_from_env
 
 
 def test_schedule_env_is_checked(monkeypatch):
@@ -19,3 +19,16 @@ def test_default_schedule_by_T():
     """Static at T=1, dynamic above (docs/results/2026-11-29-h200-1b62e9a)."""
     assert SCHEDULE.get(1, "dynamic") == "static"
     assert all(SCHEDULE.get(t, "dynamic") == "dynamic" for t in range(2, 9))
+
+
+def test_fb_smem_env_is_checked(monkeypatch):
+    monkeypatch.delenv("KDA_CUDA_FB_SMEM", raising=False)
+    assert fb_smem_from_env(True) is True
+    assert fb_smem_from_env(False) is False
+    monkeypatch.setenv("KDA_CUDA_FB_SMEM", "0")
+    assert fb_smem_from_env(True) is False
+    monkeypatch.setenv("KDA_CUDA_FB_SMEM", " 1 ")
+    assert fb_smem_from_env(False) is True
+    monkeypatch.setenv("KDA_CUDA_FB_SMEM", "yes")
+    with pytest.raises(ValueError, match="KDA_CUDA_FB_SMEM must be 0 or 1"):
+        fb_smem_from_env(False)

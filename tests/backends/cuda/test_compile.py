@@ -2,9 +2,10 @@
 
 Compiles ``backends/cuda/kda_decode.cu`` with the machine's nvcc and the backend's own flags
 (``backends.cuda.build.CUDA_FLAGS``) plus ``-Xptxas -v``, then checks for every T
-instantiation: no spill stores or loads, no stack frame (no local memory), and that two
-256-thread CTAs fit on one SM from the reported registers and the dynamic shared memory
-(read from the object itself through a small host probe, so no number is duplicated here).
+instantiation (and the T=1 one with f_b staged in shared memory, ``fb_smem``): no spill
+stores or loads, no stack frame (no local memory), and that two 256-thread CTAs fit on one SM
+from the reported registers and the dynamic shared memory (read from the object itself
+through a small host probe, so no number is duplicated here).
 Skipped when nvcc is not on PATH. Takes about 15 s on two cores.
 """
 
@@ -27,12 +28,15 @@ SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024
 CTAS_PER_SM = 2
 T_VALUES = range(1, 9)
+#: (T, fb_smem) of every kernel instantiation
+KERNELS = [(t, 0) for t in T_VALUES] + [(1, 1)]
 
 PROBE = r"""
 #include <cstdio>
 #include "kda_decode.h"
 int main() {
-  for (int t = 1; t <= 8; ++t) std::printf("smem %d %zu\n", t, kda_decode_smem_bytes(t));
+  for (int t = 1; t <= 8; ++t)
+    for (int fb = 0; fb <= 1; ++fb) std::printf("smem %d %d %zu\n", t, fb, kda_decode_smem_bytes(t, fb));
   std::printf("threads %d\n", kda_decode_threads());
   return 0;
 }
@@ -43,7 +47,7 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """(ptxas report per T, smem bytes per T, threads per CTA)."""
+    """(ptxas report per (T, fb_smem), smem bytes per (T, fb_smem), threads per CTA)."""
     d = tmp_path_factory.mktemp("kda_cuda")
     obj = d / "kda_decode.o"
     cmd = [NVCC, "-c", *build.CUDA_FLAGS, "-Xptxas", "-v", str(SRC), "-o", str(obj)]
@@ -57,20 +61,22 @@ def compiled(tmp_path_factory):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, f"probe link failed:\n{res.stderr}"
     out = subprocess.run([str(probe)], capture_output=True, text=True, timeout=60, check=True).stdout
-    smem = {int(t): int(b) for t, b in re.findall(r"smem (\d+) (\d+)", out)}
+    smem = {(int(t), int(fb)): int(b) for t, fb, b in re.findall(r"smem (\d+) (\d+) (\d+)", out)
+            if int(b) > 0}
     threads = int(re.search(r"threads (\d+)", out).group(1))
     return report, smem, threads
 
 
 def _parse_ptxas(text: str):
-    """{T: {"regs", "stack", "spill_st", "spill_ld", "smem"}} from nvcc -Xptxas -v output."""
+    """{(T, fb_smem): {"regs", "stack", "spill_st", "spill_ld", "smem"}} from nvcc -Xptxas -v
+    output."""
     report = {}
     cur = None
     for line in text.splitlines():
         m = re.search(r"Compiling entry function '(\S+)'", line)
         if m:
-            t = re.search(r"kda_decode_kernelILi(\d+)E", m.group(1))
-            cur = int(t.group(1)) if t else None
+            t = re.search(r"kda_decode_kernelILi(\d+)ELb([01])E", m.group(1))
+            cur = (int(t.group(1)), int(t.group(2))) if t else None
             if cur is not None:
                 report[cur] = {"smem": 0}
             continue
@@ -90,26 +96,27 @@ def _parse_ptxas(text: str):
 
 def test_every_T_is_instantiated(compiled):
     report, smem, threads = compiled
-    assert sorted(report) == list(T_VALUES), report.keys()
+    assert sorted(report) == sorted(KERNELS), report.keys()
     assert threads == 256
-    assert sorted(smem) == list(T_VALUES)
+    assert sorted(smem) == sorted(KERNELS)
 
 
-@pytest.mark.parametrize("T", T_VALUES)
-def test_no_local_memory(compiled, T):
-    r = compiled[0][T]
-    assert r["spill_st"] == 0 and r["spill_ld"] == 0, f"T={T}: register spills {r}"
-    assert r["stack"] == 0, f"T={T}: {r['stack']} bytes of stack frame (local memory)"
+@pytest.mark.parametrize("T,fb", KERNELS)
+def test_no_local_memory(compiled, T, fb):
+    r = compiled[0][T, fb]
+    assert r["spill_st"] == 0 and r["spill_ld"] == 0, f"T={T} fb_smem={fb}: register spills {r}"
+    assert r["stack"] == 0, f"T={T} fb_smem={fb}: {r['stack']} bytes of stack frame (local memory)"
 
 
-@pytest.mark.parametrize("T", T_VALUES)
-def test_two_ctas_per_sm(compiled, T):
+@pytest.mark.parametrize("T,fb", KERNELS)
+def test_two_ctas_per_sm(compiled, T, fb):
     report, smem, threads = compiled
-    r = report[T]
+    r = report[T, fb]
     regs_per_cta = r["regs"] * threads
-    assert CTAS_PER_SM * regs_per_cta <= REGS_PER_SM, f"T={T}: {r['regs']} registers per thread"
-    per_cta = smem[T] + r["smem"] + SMEM_RESERVED_PER_CTA
-    assert CTAS_PER_SM * per_cta <= SMEM_PER_SM, f"T={T}: {per_cta} bytes of shared memory per CTA"
+    assert CTAS_PER_SM * regs_per_cta <= REGS_PER_SM, f"T={T} fb_smem={fb}: {r['regs']} registers per thread"
+    per_cta = smem[T, fb] + r["smem"] + SMEM_RESERVED_PER_CTA
+    assert CTAS_PER_SM * per_cta <= SMEM_PER_SM, (
+        f"T={T} fb_smem={fb}: {per_cta} bytes of shared memory per CTA")
 
 
 if __name__ == "__main__":

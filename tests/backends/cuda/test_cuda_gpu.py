@@ -189,6 +189,44 @@ def test_schedules_agree(spec, monkeypatch):
         assert bits_equal(getattr(a0, name), getattr(a1, name)), name
 
 
+FB_CASES = [CaseSpec(make_config(32, 1), R=128, null_frac=0.1),
+            CaseSpec(make_config(4, 1, "DS", lb=-5.0, gm=1, bias=True), R=40, null_frac=0.3),
+            CaseSpec(make_config(12, 1, "SD", gm=1, bias=True, cs32=True, bf16_weights=True), R=9,
+                     padded=True),
+            CaseSpec(make_config(8, 1, record=True, bias=True), R=20),
+            CaseSpec(make_config(3, 1), R=1)]
+
+
+@pytest.mark.parametrize("schedule", ["static", "dynamic"])
+@pytest.mark.parametrize("spec", FB_CASES, ids=lambda s: s.id)
+def test_fb_smem(spec, schedule, monkeypatch):
+    """The T=1 build that stages each head's f_b rows in shared memory (KDA_CUDA_FB_SMEM=1;
+    the conv bias then comes from global memory) against the reference, and bit-identical to
+    the build that loads the fragments from L2, under both schedules (the dynamic one changes
+    heads between most consecutive items, so the rows are restaged there), three back-to-back
+    steps on one pool, null slots, bias and records included."""
+    monkeypatch.setenv("KDA_CUDA_SCHEDULE", schedule)
+    cfg = spec.cfg
+    a0 = make_case(spec, DEV)
+    before = clone_args(a0)
+    expected = clone_args(a0)
+    a1 = clone_args(a0)
+    monkeypatch.setenv("KDA_CUDA_FB_SMEM", "0")
+    s0 = _step(cfg)
+    monkeypatch.setenv("KDA_CUDA_FB_SMEM", "1")
+    s1 = _step(cfg)
+    assert (s0.fb_smem, s1.fb_smem) == (False, True)
+    for _ in range(3):
+        s0(a0)
+        s1(a1)
+        reference_step(cfg, expected)
+    torch.cuda.synchronize()
+    errors = compare_step(a1, expected, before)
+    assert not errors, "\n".join(errors)
+    for name in ("out", "state", "conv_state", "v_record", "kg_record"):
+        assert bits_equal(getattr(a0, name), getattr(a1, name)), name
+
+
 def test_dynamic_schedule_on_two_streams(monkeypatch):
     """One built step (dynamic schedule) launched on two streams at once: each stream gets its
     own counter pair, so both steps stay right."""
