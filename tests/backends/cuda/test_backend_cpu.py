@@ -2,7 +2,7 @@
 
 import pytest
 
-from backends.cuda.backend import SCHEDULE, fb_smem_from_env, schedule_from_env
+from backends.cuda.backend import FB_SMEM, SCHEDULE, fb_smem_from_env, schedule_from_env
 
 
 def test_schedule_env_is_checked(monkeypatch):
@@ -32,3 +32,8 @@ def test_fb_smem_env_is_checked(monkeypatch):
     monkeypatch.setenv("KDA_CUDA_FB_SMEM", "yes")
     with pytest.raises(ValueError, match="KDA_CUDA_FB_SMEM must be 0 or 1"):
         fb_smem_from_env(False)
+
+
+def test_default_fb_smem():
+    """On (docs/results/2026-11-29-h200-e1356bb: 4-6% faster at T=1)."""
+    assert FB_SMEM is True
