@@ -22,7 +22,11 @@ Environment:
   KDA_CUTEDSL_ITEMS_PER_CTA  streamed kernel: at most k items per CTA, ceil(R*H / k) CTAs but
                       never fewer than 2 per SM (0 = persistent grid; default by T:
                       ITEMS_PER_CTA).
-  (KDA_CUTEDSL_PDL / _PREFETCH / _ITEMS_PER_CTA are read when a step is built: kda_decode /
+  KDA_CUTEDSL_FB_SMEM  streamed kernel at T=1: "1" walks items head-major and stages each
+                      head's f_b rows in shared memory once per head instead of loading the
+                      gate MMA's A fragments from L2 for every item; "0" does not (default:
+                      FB_SMEM; no effect at T > 1 or on the wide kernel).
+  (KDA_CUTEDSL_PDL / _PREFETCH / _ITEMS_PER_CTA / _FB_SMEM are read when a step is built: kda_decode /
   KdaDecode keep built steps for the process, so a later change needs a new process or a new
   build().)
   KDA_CACHE_DIR       compile cache root (kernels go to ``$KDA_CACHE_DIR/cutedsl``;
@@ -100,6 +104,25 @@ PREFETCH_DISTANCE = 0
 ITEMS_PER_CTA = {1: 4, 2: 2}
 
 
+#: Default of ``KDA_CUTEDSL_FB_SMEM``: the streamed kernel at T=1 walks items head-major and
+#: stages each head's f_b rows in shared memory (:class:`backends.cutedsl.static.KernelStatic`).
+FB_SMEM = False
+
+
+def fb_smem() -> bool:
+    """``$KDA_CUTEDSL_FB_SMEM`` (``1`` or ``0``), else :data:`FB_SMEM`.
+
+    Raises:
+      ValueError: the variable holds anything else.
+    """
+    v = os.environ.get("KDA_CUTEDSL_FB_SMEM", "").strip()
+    if not v:
+        return FB_SMEM
+    if v not in ("0", "1"):
+        raise ValueError(f"KDA_CUTEDSL_FB_SMEM must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
 def prefetch_distance() -> int:
     """The streamed kernel's L2-prefetch distance from ``KDA_CUTEDSL_PREFETCH`` (0 = off;
     default :data:`PREFETCH_DISTANCE`; see :class:`backends.cutedsl.static.KernelStatic`).
@@ -121,7 +144,7 @@ def _raw_stream(device_index: int) -> int:
         return torch.cuda.current_stream(device_index).cuda_stream
 
 
-def _set_carveout(compiled, cfg: KdaConfig, device_index: int) -> bool:
+def _set_carveout(compiled, smem_bytes: int, device_index: int) -> bool:
     """Best effort: the shared-memory carveout hint for 2 CTAs/SM (the rest stays L1).
 
     The CuTe DSL CUDA-library loader applies the kernel's max-dynamic-smem attribute but not
@@ -131,9 +154,9 @@ def _set_carveout(compiled, cfg: KdaConfig, device_index: int) -> bool:
     try:
         import cuda.bindings.runtime as rt
 
-        from backends.cutedsl.static import SmemPlan, carveout_percent
+        from backends.cutedsl.static import carveout_percent
 
-        pct = carveout_percent(SmemPlan(cfg.T).total)
+        pct = carveout_percent(smem_bytes)
         lib = compiled.library
         ok = False
         for name in (compiled.kernel_info or {}):
@@ -154,11 +177,13 @@ class _Launcher:
 
     Args (constructor):
       kind: "stream" or "wide". cfg: the config. device: a CUDA device. compiled: the
-      CuTe DSL ``JitCompiledFunction`` from :func:`backends.cutedsl.cache.get_kernel`.
+      CuTe DSL ``JitCompiledFunction`` from :func:`backends.cutedsl.cache.get_kernel`. ks: its
+      :class:`backends.cutedsl.static.KernelStatic`.
     """
 
-    def __init__(self, kind: str, cfg: KdaConfig, device: torch.device, compiled):
+    def __init__(self, kind: str, cfg: KdaConfig, device: torch.device, compiled, ks):
         from backends.cutedsl import cache
+        from backends.cutedsl.static import SmemPlan
 
         self.kind = kind
         self.cfg = cfg
@@ -177,7 +202,9 @@ class _Launcher:
         self.buf[idx["scale"]] = _f32_bits(cfg.scale)
         self.buf[idx["eps"]] = _f32_bits(cfg.norm_eps)
         self.buf[idx["lb"]] = _f32_bits(lb)
-        self.carveout_set = _set_carveout(compiled, cfg, self.device_index)
+        self.ks = ks
+        self.carveout_set = _set_carveout(compiled, SmemPlan(ks.T, ks.fb_smem).total,
+                                          self.device_index)
         self.n_sm = torch.cuda.get_device_properties(self.device_index).multi_processor_count
         self.max_ctas = 2 * self.n_sm
         self.items_per_cta = 0
@@ -257,10 +284,12 @@ class _CuteDslBackend(Backend):
         from backends.cutedsl.static import KernelStatic
 
         pdl, early = pdl_mode()
+        stream = self.kind == "stream"
         ks = KernelStatic.from_config(cfg, pdl=pdl, pdl_early=early,
-                                      prefetch=prefetch_distance() if self.kind == "stream" else 0)
+                                      prefetch=prefetch_distance() if stream else 0,
+                                      fb_smem=stream and cfg.T == 1 and fb_smem())
         compiled = cache.get_kernel(self.kind, ks)
-        return _Launcher(self.kind, cfg, device, compiled)
+        return _Launcher(self.kind, cfg, device, compiled, ks)
 
 
 class KdaStreamBackend(_CuteDslBackend):

@@ -37,6 +37,9 @@ class KernelStatic:
         ``griddepcontrol.wait``; off by default (not measured faster).
       prefetch: streamed kernel only (0 for the wide one): during item n, L2-prefetch item
         n+prefetch's state page (``cp.async.bulk.prefetch.L2``); 0 = off.
+      fb_smem: streamed kernel at T=1 only (False elsewhere): items are walked head-major
+        (item = h * R + r) and each head's f_b rows are staged in shared memory once per head
+        (:class:`SmemPlan` region FB) instead of being loaded from L2 for every item.
     """
 
     H: int
@@ -53,18 +56,27 @@ class KernelStatic:
     pdl: bool = True
     pdl_early: bool = False
     prefetch: int = 0
+    fb_smem: bool = False
+
+    def __post_init__(self):
+        if self.fb_smem and self.T != 1:
+            raise ValueError(f"fb_smem serves T=1 only (shared memory), got T={self.T}")
 
     @classmethod
     def from_config(cls, cfg: KdaConfig, pdl: bool = True, pdl_early: bool = False,
-                    prefetch: int = 0) -> "KernelStatic":
-        """The static part of ``cfg`` (scale, norm_eps and lower_bound's value excluded)."""
+                    prefetch: int = 0, fb_smem: bool = False) -> "KernelStatic":
+        """The static part of ``cfg`` (scale, norm_eps and lower_bound's value excluded).
+
+        Raises:
+          ValueError: ``fb_smem`` with T != 1.
+        """
         return cls(H=cfg.num_heads, T=cfg.T, L=cfg.window, layout=cfg.conv_layout,
                    bounded=cfg.lower_bound is not None, gate_mode=cfg.gate_mode,
                    has_bias=cfg.has_conv_bias, record=cfg.record,
                    cs_bf16=cfg.conv_state_dtype == torch.bfloat16,
                    cw_bf16=cfg.conv_weight_dtype == torch.bfloat16,
                    nw_bf16=cfg.norm_weight_dtype == torch.bfloat16, pdl=pdl,
-                   pdl_early=pdl and pdl_early, prefetch=prefetch)
+                   pdl_early=pdl and pdl_early, prefetch=prefetch, fb_smem=fb_smem)
 
     def tag(self) -> str:
         """A file-name friendly identifier, e.g. ``H32_T1_L3_SD_sp_g0``."""
@@ -80,6 +92,8 @@ class KernelStatic:
         parts.append(("pdle" if self.pdl_early else "pdl") if self.pdl else "nopdl")
         if self.prefetch:
             parts.append(f"pf{self.prefetch}")
+        if self.fb_smem:
+            parts.append("fbs")
         return "_".join(parts)
 
 
@@ -96,10 +110,18 @@ class SmemPlan:
       CB  beta [8] fp32; SL raw slot ids [2 parity][16] int32 (T slots + accepted count)
       CRQ, CRK, CRO  per-warp partial sums [9][4] fp32 (q^2, k^2, ob^2)
       PF  the L2 prefetch's slot word (streamed kernel)
+    With ``fb`` (:attr:`KernelStatic.fb_smem`):
+      FB  the head's f_b rows [128][136] bf16 (rows padded to 272 bytes, so that the MMA's
+          A-fragment words of one warp -- 8 rows x 4 consecutive words -- hit 32 distinct
+          banks; 34 KiB)
     """
 
-    def __init__(self, T: int):
+    #: bytes per staged f_b row (128 bf16 + 16 bytes of padding)
+    FB_ROW = 272
+
+    def __init__(self, T: int, fb: bool = False):
         self.T = T
+        self.fb = fb
         off = 0
 
         def take(n):
@@ -124,6 +146,7 @@ class SmemPlan:
         self.CRK = take(144)
         self.CRO = take(144)
         self.PF = take(16)
+        self.FB = take(D * self.FB_ROW) if fb else -1
         self.total = (off + 127) // 128 * 128
 
 

@@ -22,6 +22,13 @@ ceil(items / k) for at most k items per CTA, ``ITEMS_PER_CTA`` by T in
   end       fence + barrier + ``griddepcontrol.launch_dependents`` (after the prologue instead
             with ``KDA_CUTEDSL_PDL=early``; see ``README.md``).
 
+With ``fb_smem`` (T=1, :class:`backends.cutedsl.static.KernelStatic`; ``KDA_CUTEDSL_FB_SMEM``)
+items are numbered head-major (item = h*R + r), so a CTA's consecutive items share the head;
+the head's f_b rows are cp.async-staged into shared memory with the prologue and, when the
+next item's head differs, with group E(n+1); the gate then runs after the E(n) wait and
+barrier and reads its A fragments from there instead of loading 32 KiB of f_b from L2 for
+every item.
+
 The per-item math is :class:`backends.cutedsl.common.ItemMath`, the very same calls the wide
 kernel (:mod:`backends.cutedsl.wide`) makes, so results are bit-identical to it.
 """
@@ -55,7 +62,7 @@ class KdaStream:
     def __init__(self, ks: KernelStatic):
         self.ks = ks
         self.math = ItemMath(ks)
-        self.plan = SmemPlan(ks.T)
+        self.plan = SmemPlan(ks.T, ks.fb_smem)
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, cw: cute.Pointer, cb: cute.Pointer, cs: cute.Pointer,
@@ -72,7 +79,7 @@ class KdaStream:
         buf = smem.allocate(self.plan.total, byte_alignment=128)
         p = make_params(self.ks, Int32(buf.toint()), Int32(tid), x=x, cw=cw, cb=cb, cs=cs,
                         fa=fa, fb=fb, beta=beta, alog=alog, dtb=dtb, state=state, si=si, na=na,
-                        og=og, nw=nw, out=out, vrec=vrec, kgrec=kgrec, slots=slots, x_rs=x_rs,
+                        og=og, nw=nw, out=out, vrec=vrec, kgrec=kgrec, R=R, slots=slots, x_rs=x_rs,
                         fa_rs=fa_rs, beta_rs=beta_rs, og_rs=og_rs, out_rs=out_rs,
                         state_ss=state_ss, cs_ss=cs_ss, scale=scale, eps=eps, lb=lb)
         desc = cute.make_rmem_tensor(cute.make_layout((8,)), Int32)
@@ -98,6 +105,11 @@ class KdaStream:
         self.math.load_window(p, desc, wreg)
         self.math.issue_operands(p, desc)
         self.math.load_beta(p, desc, wreg)
+        # fb_smem: the head whose f_b rows FB holds (-1: none yet)
+        fbh = Int32(-1)
+        if cutlass.const_expr(self.ks.fb_smem):
+            fbh = P.sel_i32(Int32(start < end), desc[1], fbh)
+            self.math.issue_fb(p, desc[1], Int32(start < end))
         P.cp_async_commit()
         if cutlass.const_expr(self.ks.pdl_early):
             P.griddep_launch()
@@ -125,8 +137,9 @@ class KdaStream:
             self.math.make_desc(p, n, Int32(1), vals, nacc, desc)
             live = desc[5]
             hp = self.math.head_loads(p, desc[1])
-            if live != 0:
-                self.math.gate(p, desc, hp)  # needs no staged data: overlaps the staging
+            if cutlass.const_expr(not self.ks.fb_smem):
+                if live != 0:
+                    self.math.gate(p, desc, hp)  # needs no staged data: overlaps the staging
             # item n's operand rows (group E(n)) must have landed; its state page (S(n), the
             # most recent group) may still be landing during phase A. The prologue committed
             # the first item's page and rows as one group: wait for everything there.
@@ -135,6 +148,9 @@ class KdaStream:
             else:
                 P.cp_async_wait_group(1)
             P.bar_sync()
+            if cutlass.const_expr(self.ks.fb_smem):
+                if live != 0:
+                    self.math.gate(p, desc, hp)  # A fragments from FB (staged with E(n))
             for i in cutlass.range_constexpr(4):
                 ogr[i] = Float32(0.0)       # not loop-carried: ogr is per item
             if live != 0:
@@ -144,6 +160,12 @@ class KdaStream:
             # the operand staging buffers are free: prefetch item n+1's rows and registers
             nvals, nna = self.math.staged_slot_values(p, q ^ 1)
             self.math.make_desc(p, n + 1, nvalid, nvals, nna, ndesc)
+            if cutlass.const_expr(self.ks.fb_smem):
+                # item n+1's head rows into FB when the head changes (item n's gate, the only
+                # reader, is two barriers back); they land with group E(n+1)
+                fchange = nvalid & Int32(ndesc[1] != fbh)
+                self.math.issue_fb(p, ndesc[1], fchange)
+                fbh = P.sel_i32(fchange, ndesc[1], fbh)
             self.math.issue_operands(p, ndesc)
             self.math.load_window(p, ndesc, wreg)   # SD layout: cp.async too
             self.math.load_beta(p, ndesc, wreg)

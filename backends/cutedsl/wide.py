@@ -38,7 +38,7 @@ class KdaWide:
     def __init__(self, ks: KernelStatic):
         self.ks = ks
         self.math = ItemMath(ks)
-        self.plan = SmemPlan(ks.T)
+        self.plan = SmemPlan(ks.T, ks.fb_smem)
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, cw: cute.Pointer, cb: cute.Pointer, cs: cute.Pointer,

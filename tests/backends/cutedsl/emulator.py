@@ -841,12 +841,15 @@ def load_kernels():
 _ESIZE = {torch.bfloat16: 2, torch.float32: 4, torch.int32: 4}
 
 
-def run(kind: str, cfg, args, ncta: int = None, pdl: bool = True, prefetch: int = None) -> dict:
+def run(kind: str, cfg, args, ncta: int = None, pdl: bool = True, prefetch: int = None,
+        fb_smem: bool = None) -> dict:
     """Run kernel ``kind`` ("wide" / "stream") on the CPU tensors ``args`` in place.
 
     Args:
       ncta: CTAs of the streamed kernel (default min(items, 5), so CTAs walk several items).
       prefetch: the streamed kernel's L2-prefetch distance (default: the backend's default).
+      fb_smem: the streamed kernel's head-major order with f_b staged in shared memory
+        (default: the backend's default at T=1; never at T > 1 or for the wide kernel).
 
     Returns:
       {"ctas": n, "barriers": total barriers executed}.
@@ -855,10 +858,12 @@ def run(kind: str, cfg, args, ncta: int = None, pdl: bool = True, prefetch: int 
     from backends.cutedsl.static import KernelStatic, SmemPlan
 
     mods = load_kernels()
-    from backends.cutedsl.backend import PREFETCH_DISTANCE
+    from backends.cutedsl.backend import FB_SMEM, PREFETCH_DISTANCE
     if prefetch is None:
         prefetch = PREFETCH_DISTANCE if kind == "stream" else 0
-    ks = KernelStatic.from_config(cfg, pdl=pdl, prefetch=prefetch)
+    if fb_smem is None:
+        fb_smem = FB_SMEM and kind == "stream" and cfg.T == 1
+    ks = KernelStatic.from_config(cfg, pdl=pdl, prefetch=prefetch, fb_smem=fb_smem)
     obj = mods[kind].KdaWide(ks) if kind == "wide" else mods[kind].KdaStream(ks)
     gmem = GlobalMemory()
     tensors = dict(x=args.x, cw=args.conv_weight, cb=args.conv_bias, cs=args.conv_state,
@@ -887,7 +892,7 @@ def run(kind: str, cfg, args, ncta: int = None, pdl: bool = True, prefetch: int 
         scalars.append(Int32(grid))
     else:
         grid = items
-    plan = SmemPlan(cfg.T)
+    plan = SmemPlan(cfg.T, ks.fb_smem)
     total_bar = 0
     for b in range(grid):
         _State.cta = CTA(b, plan.total, gmem)

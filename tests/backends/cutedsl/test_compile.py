@@ -154,10 +154,35 @@ def test_stream_compiles_with_l2_prefetch(i):
 
 
 def test_smem_fits_two_ctas_per_sm():
-    for T in range(1, 9):
-        plan = SmemPlan(T)
+    for T, fb in [(t, False) for t in range(1, 9)] + [(1, True)]:
+        plan = SmemPlan(T, fb)
         # 228 KiB per SM, 1 KiB reserved per CTA, 2 CTAs
-        assert 2 * (plan.total + 1024) <= 228 * 1024, (T, plan.total)
+        assert 2 * (plan.total + 1024) <= 228 * 1024, (T, fb, plan.total)
+    with pytest.raises(ValueError, match="fb_smem serves T=1 only"):
+        KernelStatic.from_config(CONFIGS[1], fb_smem=True)
+
+
+@pytest.mark.parametrize("i", [0, 6])
+def test_stream_compiles_with_fb_smem(i):
+    """The streamed kernel's T=1 build with f_b staged in shared memory (KDA_CUTEDSL_FB_SMEM):
+    the gate's A fragments come from shared memory (no global f_b loads left in the loop: 32
+    per item without it), 8 extra 16-byte copies per thread where the head changes, and it
+    fits two CTAs per SM."""
+    ks = KernelStatic.from_config(CONFIGS[i], fb_smem=True)
+    assert "fbs" in ks.tag()
+    compiled, secs = cache.compile_kernel("stream", ks)
+    print(f"stream {ks.tag()}: compiled in {secs:.2f} s")
+    ptx = compiled.__ptx__
+    if not isinstance(ptx, str) or ".entry" not in ptx:
+        pytest.skip("PTX not kept (CuTe DSL was imported before CUTE_DSL_KEEP was set)")
+    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)) == 8
+    plain, _ = cache.compile_kernel("stream", KernelStatic.from_config(CONFIGS[i]))
+    n_nc = lambda text: len(re.findall(r"ld\.global\.nc\.b32", text))   # noqa: E731
+    assert n_nc(plain.__ptx__) - n_nc(ptx) == 32, (n_nc(plain.__ptx__), n_nc(ptx))
+    usage = _resource_usage(compiled.__cubin__)
+    if usage is not None:
+        print(f"  resources: {usage}")
+        assert usage["REG"] <= 128 and usage["STACK"] <= 512, usage
 
 
 def test_runtime_scalars_do_not_recompile():
@@ -251,7 +276,8 @@ def test_launcher_packs_arguments(kind, monkeypatch):
     monkeypatch.setattr(be, "_raw_stream", lambda i: 0xABCDEF)
     cfg = KdaConfig(num_heads=4, T=2, window=5, conv_layout="DS", lower_bound=-2.0, scale=0.25,
                     norm_eps=1e-4, has_conv_bias=True, record=True)
-    launcher = be._Launcher(kind, cfg, torch.device("cuda", 0), FakeCompiled())
+    launcher = be._Launcher(kind, cfg, torch.device("cuda", 0), FakeCompiled(),
+                            KernelStatic.from_config(cfg))
     a = make_case(CaseSpec(cfg, R=3, padded=True), "cpu")
     launcher(a)
     names = cache.arg_names(kind)

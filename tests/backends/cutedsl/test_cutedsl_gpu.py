@@ -137,6 +137,44 @@ def test_stream_grid_size_changes_nothing(spec, items_per_cta, device, require_b
         assert bits_equal(getattr(a1, buf), getattr(a2, buf)), f"{buf} differs"
 
 
+FB_SPECS = [CaseSpec(KdaConfig(num_heads=32, T=1, window=3), R=128, null_frac=0.1, seed=21),
+            CaseSpec(KdaConfig(num_heads=12, T=1, window=6, conv_layout="DS", lower_bound=-5.0,
+                               gate_mode=1, has_conv_bias=True, record=True,
+                               conv_state_dtype=torch.float32), R=9, null_frac=0.3, seed=22),
+            CaseSpec(KdaConfig(num_heads=3, T=1, window=3), R=1, seed=23)]
+
+
+@pytest.mark.parametrize("items_per_cta", [0, 4])
+@pytest.mark.parametrize("spec", FB_SPECS, ids=[s.id for s in FB_SPECS])
+def test_stream_fb_smem(spec, items_per_cta, device, require_backend, monkeypatch):
+    """The streamed kernel's T=1 build with head-major items and f_b staged in shared memory
+    (KDA_CUTEDSL_FB_SMEM=1), on the persistent grid and on 4 items per CTA: against the
+    reference, and bit-identical to the build without it and to the wide kernel, three
+    back-to-back steps on one pool, null slots and records included."""
+    cfg = spec.cfg
+    monkeypatch.setenv("KDA_CUTEDSL_ITEMS_PER_CTA", str(items_per_cta))
+    steps = []
+    for value in ("1", "0"):
+        monkeypatch.setenv("KDA_CUTEDSL_FB_SMEM", value)
+        steps.append(require_backend("cutedsl", cfg, device).build(cfg, device))
+        assert steps[-1].ks.fb_smem == (value == "1")
+    steps.append(require_backend("cutedsl_wide", cfg, device).build(cfg, device))
+    args = [make_case(spec, device)]
+    before = clone_args(args[0])
+    expected = clone_args(args[0])
+    args += [clone_args(args[0]), clone_args(args[0])]
+    for _ in range(3):
+        for step, a in zip(steps, args):
+            step(a)
+        reference_step(cfg, expected)
+    torch.cuda.synchronize()
+    errors = compare_step(args[0], expected, before)
+    assert not errors, "\n".join(errors)
+    for other in args[1:]:
+        for buf in ("out", "state", "conv_state", "v_record", "kg_record"):
+            assert bits_equal(getattr(args[0], buf), getattr(other, buf)), f"{buf} differs"
+
+
 @pytest.mark.parametrize("name", KINDS)
 @pytest.mark.parametrize("T", [1, 5])
 def test_chained_steps(name, T, device, require_backend):
