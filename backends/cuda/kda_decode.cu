@@ -753,6 +753,27 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
     }
 
     float4 S[4][4];  // [m][c]: row tid/8 + 32m, columns 4*(tid%8 + 8c)..+3
+    // ---- state page: staging -> registers (each thread reads only the chunks it copied) ----
+    auto page_to_regs = [&]() {
+#pragma unroll
+      for (int m = 0; m < 4; ++m)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) S[m][c] = sm.state[(m * 4 + c) * kThreads + tid];
+    };
+    // ---- prefetch item n+1, part S: the state page (each thread into the chunks it has just
+    // read itself, so no barrier is needed before) ----
+    auto issue_next_page = [&]() {
+      if (next_live) {
+        issue_state<T>(p, sm, nxt, tid);
+        cp_async_commit();
+      }
+      if (PF) pf_page(p, PF_ITEM, sm.pf_src);
+    };
+    const bool early = p.page_early != 0;
+    if (early) {
+      if (live) page_to_regs();
+      issue_next_page();
+    }
     if (live) {
       if (tid < kD) {
         // ---- warps 0-3: L2 norm of q (with scale) and k, in place ----
@@ -787,21 +808,11 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
           }
         }
       }
-      // ---- state page: staging -> registers (each thread reads only the chunks it copied) ----
-#pragma unroll
-      for (int m = 0; m < 4; ++m)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) S[m][c] = sm.state[(m * 4 + c) * kThreads + tid];
+      if (!early) page_to_regs();
     }
     __syncthreads();  // B3: state staging free; normalised q, k, alpha visible
     if (tid == 0 && next_live) sm.params_head = nxt.h;  // all threads read it before B3
-
-    // ---- prefetch item n+1, part S: the state page ----
-    if (next_live) {
-      issue_state<T>(p, sm, nxt, tid);
-      cp_async_commit();
-    }
-    if (PF) pf_page(p, PF_ITEM, sm.pf_src);
+    if (!early) issue_next_page();
 
     if (live) {
       // ---- recurrence ----

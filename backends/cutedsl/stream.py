@@ -178,7 +178,8 @@ class KdaStream:
             # S is written and read inside one branch, so it is never loop-carried
             if live != 0:
                 self.math.load_state_regs(p, S)
-                P.bar_sync()
+                if cutlass.const_expr(not self.ks.page_nobar):
+                    P.bar_sync()
                 # every thread has read its state chunks: prefetch item n+1's state page
                 self.math.issue_state(p, ndesc)
                 P.cp_async_commit()           # group S(n+1)
@@ -186,7 +187,8 @@ class KdaStream:
                     self.math.prefetch_page(p, n + PFD, _pf_pred(tid, n + PFD, end))
                 self.math.phase_b(p, desc, q, S, ogr)
             else:
-                P.bar_sync()
+                if cutlass.const_expr(not self.ks.page_nobar):
+                    P.bar_sync()
                 self.math.issue_state(p, ndesc)
                 P.cp_async_commit()           # group S(n+1)
                 if cutlass.const_expr(PFD > 0):
