@@ -15,15 +15,21 @@
 // conv window, head parameters, beta words) and S (the 64 KiB page), committed E then S.
 //
 //   top of item n:   wait for E(n) (S(n) may still be landing); issue L(n+1); f_b fragments
-//                    (L2/L1) into registers; B1.
+//                    (T=1: from shared memory after B1, see below; else L2/L1) into
+//                    registers; B1.
 //   gate MMA (mma.sync m16n8k16 bf16 -> fp32, raw gate rounded to bf16 into smem), conv +
 //   SiLU + window write-back, sigmoid(output gate), per-token write offsets.
 //   wait for S(n), L(n+1); B2.
 //   issue E(n+1) (its buffers are free now; the state is not in registers yet, so the
-//   address arithmetic costs no registers). Warps 0-3: L2-normalise q, k. Warps 4-7: decay
-//   alpha from the raw gate (accurate expf/log1pf). All: state page smem -> registers. B3.
-//   issue S(n+1); recurrence for T tokens on the register-resident page, 16-byte state
-//   stores per token; B4; gated RMSNorm epilogue (warp sums, B5, bf16 out).
+//   address arithmetic costs no registers). All: state page smem -> registers, then issue
+//   S(n+1) into the chunks just read (each thread its own: no barrier needed). Warps 0-3:
+//   L2-normalise q, k. Warps 4-7: decay alpha from the raw gate (accurate expf/log1pf). B3.
+//   Recurrence for T tokens on the register-resident page, 16-byte state stores per token;
+//   B4; gated RMSNorm epilogue (warp sums, B5, bf16 out).
+//   (S(n+1) was issued after B3, behind the norms and the decay, until the sixth session:
+//   requesting it before them measured on the H200 (749d079, same sweep, step times) 1.5% /
+//   1.0% faster at R = 128 / 512, T=1, 2.9% / 3.3% / 1.4% at R = 32 / 128 / 512, T=5, and
+//   2.2% slower at R=32 T=1.)
 //
 // Thread layout (256 threads): thread tid holds value rows tid/8 + 32m (m = 0..3) and in
 // each row the key columns 4*(tid%8 + 8c)..+3 (c = 0..3): 16 float4 = 64 fp32 registers. A
@@ -754,26 +760,20 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
 
     float4 S[4][4];  // [m][c]: row tid/8 + 32m, columns 4*(tid%8 + 8c)..+3
     // ---- state page: staging -> registers (each thread reads only the chunks it copied) ----
-    auto page_to_regs = [&]() {
+    if (live) {
 #pragma unroll
       for (int m = 0; m < 4; ++m)
 #pragma unroll
         for (int c = 0; c < 4; ++c) S[m][c] = sm.state[(m * 4 + c) * kThreads + tid];
-    };
-    // ---- prefetch item n+1, part S: the state page (each thread into the chunks it has just
-    // read itself, so no barrier is needed before) ----
-    auto issue_next_page = [&]() {
-      if (next_live) {
-        issue_state<T>(p, sm, nxt, tid);
-        cp_async_commit();
-      }
-      if (PF) pf_page(p, PF_ITEM, sm.pf_src);
-    };
-    const bool early = p.page_early != 0;
-    if (early) {
-      if (live) page_to_regs();
-      issue_next_page();
     }
+    // ---- prefetch item n+1, part S: the state page, each thread into the chunks it has just
+    // read itself (so no barrier before), and before the norms and the decay below, so that
+    // the page is in flight for their duration too ----
+    if (next_live) {
+      issue_state<T>(p, sm, nxt, tid);
+      cp_async_commit();
+    }
+    if (PF) pf_page(p, PF_ITEM, sm.pf_src);
     if (live) {
       if (tid < kD) {
         // ---- warps 0-3: L2 norm of q (with scale) and k, in place ----
@@ -808,11 +808,9 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
           }
         }
       }
-      if (!early) page_to_regs();
     }
-    __syncthreads();  // B3: state staging free; normalised q, k, alpha visible
+    __syncthreads();  // B3: normalised q, k, alpha visible
     if (tid == 0 && next_live) sm.params_head = nxt.h;  // all threads read it before B3
-    if (!early) issue_next_page();
 
     if (live) {
       // ---- recurrence ----

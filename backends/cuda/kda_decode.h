@@ -70,9 +70,6 @@ typedef struct KdaParams {
   // the MMA fragments from L2 for every item (T=1 only; 0 = off). Pays off when a CTA's
   // consecutive items share the head (the static schedule's head-major ranges).
   int fb_smem;
-  // 1 = move item n's page into registers and request item n+1's page right after B2, before
-  // the q/k norms and the decay (0: after them, behind B3).
-  int page_early;
 } KdaParams;
 
 // Launches one decode step on `stream`. Returns the launch's error code (cudaSuccess when

@@ -292,9 +292,7 @@ class _CuteDslBackend(Backend):
         stream = self.kind == "stream"
         ks = KernelStatic.from_config(cfg, pdl=pdl, pdl_early=early,
                                       prefetch=prefetch_distance() if stream else 0,
-                                      fb_smem=stream and cfg.T == 1 and fb_smem(),
-                                      page_nobar=stream and os.environ.get(
-                                          "KDA_CUTEDSL_PAGE_NOBAR", "0") == "1")  # experiment
+                                      fb_smem=stream and cfg.T == 1 and fb_smem())
         compiled = cache.get_kernel(self.kind, ks)
         return _Launcher(self.kind, cfg, device, compiled, ks)
 

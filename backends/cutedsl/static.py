@@ -57,7 +57,6 @@ class KernelStatic:
     pdl_early: bool = False
     prefetch: int = 0
     fb_smem: bool = False
-    page_nobar: bool = False
 
     def __post_init__(self):
         if self.fb_smem and self.T != 1:
@@ -65,8 +64,7 @@ class KernelStatic:
 
     @classmethod
     def from_config(cls, cfg: KdaConfig, pdl: bool = True, pdl_early: bool = False,
-                    prefetch: int = 0, fb_smem: bool = False,
-                    page_nobar: bool = False) -> "KernelStatic":
+                    prefetch: int = 0, fb_smem: bool = False) -> "KernelStatic":
         """The static part of ``cfg`` (scale, norm_eps and lower_bound's value excluded).
 
         Raises:
@@ -78,8 +76,7 @@ class KernelStatic:
                    cs_bf16=cfg.conv_state_dtype == torch.bfloat16,
                    cw_bf16=cfg.conv_weight_dtype == torch.bfloat16,
                    nw_bf16=cfg.norm_weight_dtype == torch.bfloat16, pdl=pdl,
-                   pdl_early=pdl and pdl_early, prefetch=prefetch, fb_smem=fb_smem,
-                   page_nobar=page_nobar)
+                   pdl_early=pdl and pdl_early, prefetch=prefetch, fb_smem=fb_smem)
 
     def tag(self) -> str:
         """A file-name friendly identifier, e.g. ``H32_T1_L3_SD_sp_g0``."""
@@ -97,8 +94,6 @@ class KernelStatic:
             parts.append(f"pf{self.prefetch}")
         if self.fb_smem:
             parts.append("fbs")
-        if self.page_nobar:
-            parts.append("pnb")
         return "_".join(parts)
 
 
