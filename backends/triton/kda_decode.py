@@ -574,8 +574,6 @@ class Variant:
       kb: ``chunked`` kernel: 1 = the state chunk is a [bv, 128] tile (one row per warp, 32
         lanes); 4 = a [bv, 4, 32] tile (4 rows per warp, 8 lanes per row, the 4 column
         blocks of a row in one thread: fewer shuffles per row sum, see ``_delta_rule_kb``).
-      gate_first: ``chunked`` kernel: the gate projection and decay (their f_a / f_b loads)
-        before the conv instead of after it.
       description: one line for benchmark tables.
     """
 
@@ -592,7 +590,6 @@ class Variant:
     bv: int = 32
     hold: bool = False
     kb: int = 1
-    gate_first: bool = False
     description: str = ""
 
 
@@ -642,12 +639,6 @@ VARIANTS.update({
     f"{b}_k4": dataclasses.replace(
         VARIANTS[b], name=f"{b}_k4", kb=4,
         description=f"{b} with [{VARIANTS[b].bv}, 4, 32] state tiles (8 lanes per row)")
-    for b in ("chunked", "chunked_bv16", "chunked_w2", "chunked_w2_s3")})
-# ``<base>_gf``: the same build with the gate projection before the conv
-VARIANTS.update({
-    f"{b}_gf": dataclasses.replace(
-        VARIANTS[b], name=f"{b}_gf", gate_first=True,
-        description=f"{b} with the gate projection (f_a / f_b loads) before the conv")
     for b in ("chunked", "chunked_bv16", "chunked_w2", "chunked_w2_s3")})
 DEFAULT_VARIANT = "auto"
 

@@ -186,26 +186,6 @@ def _delta_rule_kb(S, alpha, k, q, b, v):
     return S, u, tl.sum(tl.sum(S * q[None, :, :], axis=1), axis=1)
 
 
-@triton.jit
-def _gate_decay(fa_ptr, stride_fa, n0, fb_ptr, h, live, scale, alog_ptr, dtb_ptr, lower_bound,
-                scr_item, kgrec_ptr, cs64, dd, H: tl.constexpr, T: tl.constexpr,
-                GATE_MODE: tl.constexpr, BOUNDED: tl.constexpr, RECORD: tl.constexpr,
-                INTERP: tl.constexpr):
-    """The item's gate projection and decay: α of its T tokens to the scratch, and (record
-    mode) rg to the second half of its kg_record rows."""
-    G = _gate_projection(fa_ptr, stride_fa, n0, fb_ptr, h, live, scale * 0.0, T, GATE_MODE,
-                         INTERP)                                    # [16, 128] raw gate rg
-    A = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-    alpha = _decay(G + _load_f32(dtb_ptr + h * 128 + dd, True)[None, :], A, lower_bound,
-                   BOUNDED)
-    g16 = tl.arange(0, 16)[:, None]
-    gmask = (g16 < T) & live
-    tl.store(scr_item + g16 * 512 + 256 + dd[None, :], alpha, mask=gmask)
-    if RECORD:
-        kg_rows = kgrec_ptr + (cs64 * (H * T) + h * T) * 256
-        tl.store(kg_rows + g16 * 256 + 128 + dd[None, :], G.to(tl.bfloat16), mask=gmask)
-
-
 @triton.jit(do_not_specialize=["num_slots"])
 def _kda_chunked_kernel(
         x_ptr, stride_x, cw_ptr, cb_ptr, cs_ptr, stride_cs,
@@ -216,8 +196,7 @@ def _kda_chunked_kernel(
         H: tl.constexpr, T: tl.constexpr, L: tl.constexpr, SD: tl.constexpr,
         HAS_BIAS: tl.constexpr, BOUNDED: tl.constexpr, GATE_MODE: tl.constexpr,
         RECORD: tl.constexpr, BV: tl.constexpr, NUM_STAGES: tl.constexpr,
-        EVICT: tl.constexpr, HOLD: tl.constexpr, KB: tl.constexpr, GATE_FIRST: tl.constexpr,
-        INTERP: tl.constexpr):
+        EVICT: tl.constexpr, HOLD: tl.constexpr, KB: tl.constexpr, INTERP: tl.constexpr):
     """The fused KDA decode step, one program per item, value rows in chunks of ``BV`` (see
     the module docstring). Grid: ``R * H`` programs. Pointers: the :class:`KdaArgs` tensors
     (unused optional ones point at any tensor and are never dereferenced) and the scratch;
@@ -260,9 +239,6 @@ def _kda_chunked_kernel(
     scr_item = scr_ptr + item64 * (T * 512)
 
     # ---- 2. per item: q, k conv and norms, gate, decay, beta, write slots ------------------
-    if GATE_FIRST:   # the gate's f_a / f_b loads (34 KiB from L2) first, ahead of the conv's
-        _gate_decay(fa_ptr, stride_fa, n0, fb_ptr, h, live, scale, alog_ptr, dtb_ptr, lower_bound,
-                    scr_item, kgrec_ptr, cs64, dd, H, T, GATE_MODE, BOUNDED, RECORD, INTERP)
     t2 = tt[:, None]
     m2 = tmask[:, None] & live
     chq = h * 128 + dd[None, :]                                     # q channels of head h
@@ -283,13 +259,19 @@ def _kda_chunked_kernel(
                     DIM, STRIDE_L, HAS_BIAS, INTERP)
     tl.store(scr_item + t2 * 512 + 384 + dd[None, :], yv, mask=m2)
 
-    if not GATE_FIRST:
-        _gate_decay(fa_ptr, stride_fa, n0, fb_ptr, h, live, scale, alog_ptr, dtb_ptr, lower_bound,
-                    scr_item, kgrec_ptr, cs64, dd, H, T, GATE_MODE, BOUNDED, RECORD, INTERP)
+    G = _gate_projection(fa_ptr, stride_fa, n0, fb_ptr, h, live, scale * 0.0, T, GATE_MODE,
+                         INTERP)                                    # [16, 128] raw gate rg
+    A = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    alpha = _decay(G + _load_f32(dtb_ptr + h * 128 + dd, True)[None, :], A, lower_bound,
+                   BOUNDED)
+    g16 = tl.arange(0, 16)[:, None]
+    gmask = (g16 < T) & live
+    tl.store(scr_item + g16 * 512 + 256 + dd[None, :], alpha, mask=gmask)
     if RECORD:
-        # kg_record[conv_slot, h, t] = [bf16 k before the L2 norm | rg (by _gate_decay)]
+        # kg_record[conv_slot, h, t] = [bf16 k before the L2 norm | rg before dt_bias]
         kg_rows = kgrec_ptr + (cs64 * (H * T) + h * T) * 256
         tl.store(kg_rows + t2 * 256 + dd[None, :], yk.to(tl.bfloat16), mask=m2)
+        tl.store(kg_rows + g16 * 256 + 128 + dd[None, :], G.to(tl.bfloat16), mask=gmask)
 
     bvec = _sigmoid(tl.load(beta_ptr + (n0 + tt) * stride_beta + h, mask=tmask & live,
                             other=0.0).to(tl.float32))              # [TP] beta per token
@@ -401,7 +383,7 @@ class ChunkedStep:
             HAS_BIAS=cfg.has_conv_bias, BOUNDED=cfg.lower_bound is not None,
             GATE_MODE=cfg.gate_mode, RECORD=cfg.record, BV=variant.bv,
             NUM_STAGES=variant.num_stages, EVICT=variant.evict, HOLD=variant.hold,
-            KB=variant.kb, GATE_FIRST=variant.gate_first, INTERP=self.interp)
+            KB=variant.kb, INTERP=self.interp)
         self._scalars = (float(cfg.scale), float(cfg.norm_eps),
                          0.0 if cfg.lower_bound is None else float(cfg.lower_bound))
 
@@ -454,7 +436,7 @@ def compile_chunked_offline(cfg: KdaConfig, variant, arch: int = 90,
         H=cfg.num_heads, T=cfg.T, L=cfg.window, SD=cfg.conv_layout == "SD",
         HAS_BIAS=cfg.has_conv_bias, BOUNDED=cfg.lower_bound is not None, GATE_MODE=cfg.gate_mode,
         RECORD=cfg.record, BV=variant.bv, NUM_STAGES=variant.num_stages, EVICT=variant.evict,
-        HOLD=variant.hold, KB=variant.kb, GATE_FIRST=variant.gate_first, INTERP=False)
+        HOLD=variant.hold, KB=variant.kb, INTERP=False)
     opts = {"num_warps": variant.num_warps or 4, "num_stages": variant.num_stages}
     if variant.maxnreg:
         opts["maxnreg"] = variant.maxnreg

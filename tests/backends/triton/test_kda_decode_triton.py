@@ -29,12 +29,11 @@ from kda.testing import CaseSpec, bits_equal, clone_args, compare_step, make_cas
 INTERP = kd.interpreter_enabled()
 WRITTEN = ("out", "state", "conv_state", "v_record", "kg_record")
 VARIANTS = ("item", "vsplit2", "vsplit4", "persistent", "item_w16", "chunked", "chunked_bv16",
-            "chunked_w2_hold", "chunked_k4", "chunked_w2_k4", "chunked_w2_gf")
+            "chunked_w2_hold", "chunked_k4", "chunked_w2_k4")
 # on the GPU also the other pipeline depths (the interpreter does not pipeline)
 if not INTERP:
     VARIANTS += ("chunked_s3", "chunked_s4", "chunked_bv16_s3", "chunked_w2", "chunked_w2_s3",
-                 "chunked_w8_bv64", "chunked_bv16_k4", "chunked_w2_s3_k4", "chunked_w2_s3_gf",
-                 "chunked_bv16_gf")
+                 "chunked_w8_bv64", "chunked_bv16_k4", "chunked_w2_s3_k4")
 
 
 @pytest.fixture(scope="module")
