@@ -1,7 +1,7 @@
 """How ``auto`` orders the backends for a configuration: a small table from measurements.
 
 On a CUDA device the order comes from :data:`MEASURED`, derived from
-``docs/results/2026-11-29-h200-7d8087f/bench-h200.json`` (NVIDIA H200, H=32, softplus gate, SD
+``docs/results/2026-11-29-h200-0145d86/bench-h200.json`` (NVIDIA H200, H=32, softplus gate, SD
 conv layout, all requests live, 8 GiB pool, CUDA graphs of 8 steps): for each measured T, the
 GPU backends ranked by the geometric mean over R in {1, 8, 32, 128, 512} of the median step
 time. A configuration with an unmeasured T uses the nearest measured T. Backends the table
@@ -22,7 +22,7 @@ import torch
 from kda.config import KdaConfig
 
 #: The measurement the table comes from.
-SOURCE = "docs/results/2026-11-29-h200-7d8087f/bench-h200.json"
+SOURCE = "docs/results/2026-11-29-h200-0145d86/bench-h200.json"
 #: T -> our backends, fastest first (geometric mean of the step time over R, H=32).
 MEASURED: Dict[int, Tuple[str, ...]] = {
     1: ("cutedsl_wide", "cutedsl", "cuda", "triton"),
