@@ -14,10 +14,15 @@ CPU against the PyTorch reference, with checks a GPU would not give:
 * a shared-memory read of bytes with a pending ``cp.async`` (not yet waited for) is an error;
 * ``bar.sync``, shuffles and ``mma.sync`` with a partially active warp / CTA are errors;
 * Int32 arithmetic that leaves the int32 range on an active lane is an error (32-bit offset
-  overflow).
+  overflow);
+* a shared-memory race between the threads of a CTA within one barrier epoch (a byte one
+  thread writes, a cp.async included, read or written by another thread with no barrier in
+  between, or written after another thread read it), on the staging regions (state page,
+  operand rows, window, staged f_b rows; see ``CTA.check_races``).
 
-What it cannot check: real concurrency (lockstep execution satisfies every barrier), the
-compiler, and approximate transcendentals (numpy computes them exactly). ``mma.sync`` is
+What it cannot check: other concurrency (lockstep execution satisfies every barrier; races
+on the per-item compute buffers, which the race check does not cover), the compiler, and
+approximate transcendentals (numpy computes them exactly). ``mma.sync`` is
 emulated as an exact float64 dot product plus C, rounded once.
 """
 
@@ -35,6 +40,7 @@ import numpy as np
 import torch
 
 NT = 256
+D_ROWS = 128     # f_b rows of a head
 _I32 = (-(1 << 31), (1 << 31) - 1)
 
 
@@ -285,7 +291,80 @@ class CTA:
         self.queue = []          # issued, not yet committed
         self.groups = []         # committed groups, oldest first
         self.gmem = gmem
-        self.barriers = 0
+        self.barriers = 0        # also the barrier epoch of the race check
+        # Race check (see _note_read / _note_write): per shared byte, the thread that last
+        # wrote it (a cp.async: when it completed) and in which epoch, and who read it in
+        # which epoch (-2: several threads).
+        self.w_thread = np.full(smem_bytes, -1, np.int32)
+        self.w_epoch = np.full(smem_bytes, -1, np.int64)
+        self.r_thread = np.full(smem_bytes, -1, np.int32)
+        self.r_epoch = np.full(smem_bytes, -1, np.int64)
+        self.checked = np.zeros(smem_bytes, bool)   # bytes the race check covers (check_races)
+
+    def check_races(self, start, end):
+        """Cover shared bytes [start, end) by the race check."""
+        self.checked[start:end] = True
+
+    # Race check, on the bytes given to check_races (run() gives the staging regions: the state
+    # page, the operand rows and window, the staged f_b rows; not the per-item compute
+    # buffers, where the epilogue's loads for tokens t >= T read past CO into neighbouring
+    # buffers and discard the values, which this check cannot tell from a racing read).
+    # Between two CTA barriers (one epoch) the threads of a CTA run in any order on a GPU, so
+    # a shared byte that one thread writes may not be read or written by another thread in the
+    # same epoch, nor written after another thread read it in that epoch. A cp.async counts
+    # as a write from its issue (other threads' earlier reads in the epoch race with it) and
+    # lands for its issuing thread when that thread waits for it; other threads see it only
+    # after the next barrier. The lockstep execution would hide all of these, so they are
+    # checked here instead.
+    @staticmethod
+    def _flat(idx, lanes):
+        return idx.ravel(), np.repeat(lanes, idx.shape[1])
+
+    def _race(self, what, kind, b, l, other):
+        i = int(np.argmax(kind))
+        raise EmulationError(f"{what}: shared-memory race at byte {int(b[i])}: thread {int(l[i])} "
+                             f"against thread {int(other[i])} (-2: several) in the same barrier "
+                             f"epoch {self.barriers}")
+
+    def _note_read(self, idx, lanes, what):
+        b, l = self._flat(idx, lanes)
+        keep = self.checked[b]
+        if not keep.any():
+            return
+        b, l = b[keep], l[keep]
+        wt = self.w_thread[b]
+        raw = (self.w_epoch[b] == self.barriers) & (wt >= 0) & (wt != l)
+        if raw.any():
+            self._race(what + " (read after another thread's write)", raw, b, l, wt)
+        order = np.argsort(b, kind="stable")
+        bs, ls = b[order], l[order]
+        ub, start = np.unique(bs, return_index=True)
+        lo = np.minimum.reduceat(ls, start)
+        hi = np.maximum.reduceat(ls, start)
+        new = np.where(lo == hi, lo, -2)
+        same = self.r_epoch[ub] == self.barriers
+        self.r_thread[ub] = np.where(same & (self.r_thread[ub] != new), -2, new)
+        self.r_epoch[ub] = self.barriers
+
+    def _note_write(self, idx, lanes, what, complete):
+        b, l = self._flat(idx, lanes)
+        keep = self.checked[b]
+        if not keep.any():
+            return
+        b, l = b[keep], l[keep]
+        rt = self.r_thread[b]
+        war = (self.r_epoch[b] == self.barriers) & (rt != -1) & (rt != l)
+        if war.any():
+            self._race(what + " (write after another thread's read)", war, b, l, rt)
+        wt = self.w_thread[b]
+        waw = (self.w_epoch[b] == self.barriers) & (wt >= 0) & (wt != l)
+        if waw.any():
+            self._race(what + " (write after another thread's write)", waw, b, l, wt)
+        if len(np.unique(b)) != len(b):
+            raise EmulationError(f"{what}: several threads write one shared byte at once")
+        if complete:
+            self.w_thread[b] = l
+            self.w_epoch[b] = self.barriers
 
     def _check(self, addr, size, mask, what):
         if (mask & ((addr < 0) | (addr + size > self.smem.size))).any():
@@ -304,6 +383,7 @@ class CTA:
         idx = addr[mask][:, None] + np.arange(size)[None, :]
         if self.pending[idx].any():
             raise EmulationError(f"{what}: shared read of bytes whose cp.async was not waited for")
+        self._note_read(idx, np.nonzero(mask)[0], what)
         out[mask] = self.smem[idx]
         return out
 
@@ -317,6 +397,7 @@ class CTA:
         idx = addr[mask][:, None] + np.arange(size)[None, :]
         if self.pending[idx].any():
             raise EmulationError(f"{what}: shared write over a pending cp.async")
+        self._note_write(idx, np.nonzero(mask)[0], what, complete=True)
         self.smem[idx] = data[mask]
 
     def cp_async(self, saddr, gptr, nbytes, mask):
@@ -329,8 +410,10 @@ class CTA:
         idx = saddr[mask][:, None] + np.arange(nbytes)[None, :]
         if self.pending[idx].any():
             raise EmulationError("cp.async over a pending cp.async")
+        lanes = np.nonzero(mask)[0]
+        self._note_write(idx, lanes, "cp.async", complete=False)
         self.pending[idx] = True
-        self.queue.append((idx, data[mask]))
+        self.queue.append((idx, data[mask], lanes))
 
     def commit(self):
         self.groups.append(self.queue)
@@ -339,9 +422,13 @@ class CTA:
     def wait_group(self, n):
         """Complete all but the n most recently committed groups (uncommitted copies stay)."""
         while len(self.groups) > n:
-            for idx, data in self.groups.pop(0):
+            for idx, data, lanes in self.groups.pop(0):
                 self.smem[idx] = data
                 self.pending[idx] = False
+                b, l = self._flat(idx, lanes)     # visible to its issuing thread from now on
+                keep = self.checked[b]
+                self.w_thread[b[keep]] = l[keep]
+                self.w_epoch[b[keep]] = self.barriers
 
     def wait_all(self):
         """cp.async.wait_all = commit_group + wait_group 0."""
@@ -896,6 +983,9 @@ def run(kind: str, cfg, args, ncta: int = None, pdl: bool = True, prefetch: int 
     total_bar = 0
     for b in range(grid):
         _State.cta = CTA(b, plan.total, gmem)
+        _State.cta.check_races(plan.ST, plan.CQ)          # state page, x / og rows, window
+        if plan.FB >= 0:
+            _State.cta.check_races(plan.FB, plan.FB + D_ROWS * plan.FB_ROW)
         _State.active = [np.ones(NT, bool)]
         with np.errstate(all="ignore"):     # garbage lanes (t >= T etc.) may hold NaN
             obj.kernel(*ptrs, *scalars)

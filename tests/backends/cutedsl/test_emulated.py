@@ -117,3 +117,39 @@ def test_emulator_catches_bad_access():
         mem.load(emulator.Ptr(base + 16 * np.arange(emulator.NT), 16), 16, ok, "beyond the end")
     with pytest.raises(emulator.EmulationError):
         mem.load(emulator.Ptr(base + 2, 4), 4, ok, "misaligned")
+
+
+def test_emulator_catches_races():
+    """Sanity of the race check: within one barrier epoch, a shared byte written by one
+    thread may not be read or written by another, nor written (a cp.async included) after
+    another thread read it; a barrier in between, or the same thread, is fine."""
+    import numpy as np
+
+    NT = emulator.NT
+    cta = emulator.CTA(0, 4 * NT, emulator.GlobalMemory())
+    cta.check_races(0, 4 * NT)
+    own = 4 * np.arange(NT)                       # each thread its own word
+    other = 4 * ((np.arange(NT) + 1) % NT)        # its neighbour's word
+    ones = np.ones(NT, bool)
+    word = np.zeros((NT, 4), np.uint8)
+    saved = emulator._State.active
+    emulator._State.active = [ones]
+    try:
+        cta.sstore(own, word, ones, "write own")
+        cta.sload(own, 4, ones, "read own")              # same thread: fine
+        with pytest.raises(emulator.EmulationError, match="read after another thread's write"):
+            cta.sload(other, 4, ones, "read neighbour's")
+        cta.barriers += 1                                # bar.sync
+        cta.sload(other, 4, ones, "read neighbour's after a barrier")
+        with pytest.raises(emulator.EmulationError, match="write after another thread's read"):
+            cta.sstore(own, word, ones, "overwrite what the neighbour read")
+        cta.barriers += 1
+        mem = emulator.GlobalMemory()
+        src = torch.zeros(4 * NT, dtype=torch.float32)
+        base = mem.register(src, "src")
+        cta.gmem = mem
+        cta.sload(other, 4, ones, "read neighbour's")
+        with pytest.raises(emulator.EmulationError, match="write after another thread's read"):
+            cta.cp_async(own, emulator.Ptr(base + 16 * np.arange(NT), 4), 4, ones)
+    finally:
+        emulator._State.active = saved
