@@ -502,8 +502,8 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
 
   // ---- prologue: first item ----
   // Items are walked head-major (item = h * R + r): consecutive items of a CTA share the head,
-  // so its conv taps / biases are staged once per head. (The f_b rows are re-read every item;
-  // the L1 hit rate measured ~3%: two CTAs' heads per SM do not fit next to 2 x 84 KB smem.)
+  // so its conv taps / biases are staged once per head, and at T=1 (FB) its f_b rows too. (At
+  // T >= 2 the f_b fragments are re-read from L2 every item; the L1 hit rate measured ~3%.)
   const int R = p.num_requests;
   // Everything below may read what the predecessor kernel wrote (slot ids, windows, pages,
   // operands): wait for it first. Only the norm weight (a model weight) is read before.

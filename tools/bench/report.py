@@ -65,7 +65,8 @@ def main(argv: List[str]) -> int:
     paths = [a for a in argv if not a.startswith("--")]
     if not paths:
         print("usage: python3 -m tools.bench.report [--check] docs/results/<run>/bench-<tag>.json "
-              "[more.json ...]\n(the README's table names the JSON it was generated from)",
+              "[more.json ...]\nrewrites README.md's performance table in place from the JSONs "
+              "(--check: only compare); the table names the JSON it was generated from",
               file=sys.stderr)
         return 2
     root = os.environ.get("BUILD_WORKSPACE_DIRECTORY") or os.getcwd()
