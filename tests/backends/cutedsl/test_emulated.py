@@ -91,6 +91,29 @@ def test_emulated_stream_fb_smem_bit_identical_to_wide(spec, ncta, fb_smem):
         assert bits_equal(getattr(a1, buf), getattr(a2, buf)), buf
 
 
+@pytest.mark.parametrize("ncta", [1, 2, 3])
+def test_emulated_stream_fb_smem_dead_items_at_head_boundaries(ncta):
+    """Head-major order with f_b staged per head: the first and the last request dead, so every
+    head boundary of a CTA's range has a dead item on each side (the rows must still be
+    restaged for the next live item's head); the wide kernel's bits and the reference."""
+    spec = CaseSpec(KdaConfig(num_heads=3, T=1, window=3, gate_mode=1), R=4, null_frac=0.0,
+                    seed=14)
+    cfg = spec.cfg
+    a1 = make_case(spec, "cpu")
+    a1.state_indices[0] = 0
+    a1.state_indices[-1] = -1
+    a2 = clone_args(a1)
+    before = clone_args(a1)
+    expected = clone_args(a1)
+    reference_step(cfg, expected)
+    emulator.run("wide", cfg, a1)
+    emulator.run("stream", cfg, a2, ncta=ncta, fb_smem=True)
+    errors = compare_step(a2, expected, before)
+    assert not errors, "\n".join(errors)
+    for buf in ("out", "state", "conv_state", "v_record", "kg_record"):
+        assert bits_equal(getattr(a1, buf), getattr(a2, buf)), buf
+
+
 def test_emulated_chained_steps():
     spec = CaseSpec(KdaConfig(num_heads=2, T=2, window=4), R=3, seed=12)
     cfg = spec.cfg
