@@ -133,6 +133,20 @@ def prefetch_distance_from_env(name: str, default: int) -> int:
     return int(raw)
 
 
+def flag_from_env(name: str, default: bool) -> bool:
+    """A 0/1 switch from the environment variable ``name`` (``default`` when unset or empty).
+
+    Raises:
+      ValueError: the value is neither ``0`` nor ``1`` (the message names the variable).
+    """
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    if v not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
 #: Largest ``items_per_cta`` the streamed kernels accept (0 = persistent grid).
 MAX_ITEMS_PER_CTA = 4096
 

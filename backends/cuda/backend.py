@@ -31,7 +31,7 @@ from typing import List, Optional
 
 import torch
 
-from kda.backend import (Backend, StepFn, gpu_reason, items_per_cta_from_env,
+from kda.backend import (Backend, StepFn, flag_from_env, gpu_reason, items_per_cta_from_env,
                          kernel_config_reasons, prefetch_distance_from_env)
 from kda.config import KdaArgs, KdaConfig
 
@@ -66,20 +66,6 @@ SCHEDULES = ("dynamic", "static")
 #: / 256 / 512, T=1) 45.8 / 164.4 / 313.5 / 613.3 us against 48.9 / 171.8 / 330.1 / 649.0
 #: (6.4 / 4.3 / 5.0 / 5.5% faster; the repeats agreed within 0.3%).
 FB_SMEM = True
-
-
-def fb_smem_from_env(default: bool) -> bool:
-    """``$KDA_CUDA_FB_SMEM`` (``1`` or ``0``), else ``default``.
-
-    Raises:
-      ValueError: the variable holds anything else.
-    """
-    v = os.environ.get("KDA_CUDA_FB_SMEM", "").strip()
-    if not v:
-        return default
-    if v not in ("0", "1"):
-        raise ValueError(f"KDA_CUDA_FB_SMEM must be 0 or 1, got {v!r}")
-    return v == "1"
 
 
 def schedule_from_env(default: str) -> str:
@@ -139,7 +125,7 @@ class CudaBackend(Backend):
         pfd = prefetch_distance_from_env("KDA_CUDA_PREFETCH", PREFETCH_DISTANCE)
         ipc = items_per_cta_from_env("KDA_CUDA_ITEMS_PER_CTA", ITEMS_PER_CTA.get(T, 0))
         dynamic = schedule_from_env(SCHEDULE.get(T, "dynamic")) == "dynamic"
-        fb_smem = T == 1 and fb_smem_from_env(FB_SMEM)
+        fb_smem = T == 1 and flag_from_env("KDA_CUDA_FB_SMEM", FB_SMEM)
         # the dynamic schedule's counter pairs, one per CUDA stream (zero when made, left at
         # zero by every launch)
         counters: Optional[dict] = {} if dynamic else None

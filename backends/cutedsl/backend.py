@@ -44,7 +44,7 @@ from typing import List, Optional
 
 import torch
 
-from kda.backend import (Backend, StepFn, gpu_reason, items_per_cta_from_env,
+from kda.backend import (Backend, StepFn, flag_from_env, gpu_reason, items_per_cta_from_env,
                          kernel_config_reasons, prefetch_distance_from_env, stream_grid)
 from kda.config import KdaArgs, KdaConfig
 
@@ -112,20 +112,6 @@ ITEMS_PER_CTA = {1: 4, 2: 2}
 #: The CUDA kernel gains 4-6% from the same staging; this kernel already ran the gate (and
 #: its f_b loads) before waiting for the item's staging, which the staged rows must follow.
 FB_SMEM = False
-
-
-def fb_smem() -> bool:
-    """``$KDA_CUTEDSL_FB_SMEM`` (``1`` or ``0``), else :data:`FB_SMEM`.
-
-    Raises:
-      ValueError: the variable holds anything else.
-    """
-    v = os.environ.get("KDA_CUTEDSL_FB_SMEM", "").strip()
-    if not v:
-        return FB_SMEM
-    if v not in ("0", "1"):
-        raise ValueError(f"KDA_CUTEDSL_FB_SMEM must be 0 or 1, got {v!r}")
-    return v == "1"
 
 
 def prefetch_distance() -> int:
@@ -292,7 +278,8 @@ class _CuteDslBackend(Backend):
         stream = self.kind == "stream"
         ks = KernelStatic.from_config(cfg, pdl=pdl, pdl_early=early,
                                       prefetch=prefetch_distance() if stream else 0,
-                                      fb_smem=stream and cfg.T == 1 and fb_smem())
+                                      fb_smem=stream and cfg.T == 1
+                                      and flag_from_env("KDA_CUTEDSL_FB_SMEM", FB_SMEM))
         compiled = cache.get_kernel(self.kind, ks)
         return _Launcher(self.kind, cfg, device, compiled, ks)
 

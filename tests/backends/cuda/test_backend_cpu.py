@@ -2,7 +2,8 @@
 
 import pytest
 
-from backends.cuda.backend import FB_SMEM, SCHEDULE, fb_smem_from_env, schedule_from_env
+from backends.cuda.backend import FB_SMEM, SCHEDULE, schedule_from_env
+from kda.backend import flag_from_env
 
 
 def test_schedule_env_is_checked(monkeypatch):
@@ -23,15 +24,15 @@ def test_default_schedule_by_T():
 
 def test_fb_smem_env_is_checked(monkeypatch):
     monkeypatch.delenv("KDA_CUDA_FB_SMEM", raising=False)
-    assert fb_smem_from_env(True) is True
-    assert fb_smem_from_env(False) is False
+    assert flag_from_env("KDA_CUDA_FB_SMEM", True) is True
+    assert flag_from_env("KDA_CUDA_FB_SMEM", False) is False
     monkeypatch.setenv("KDA_CUDA_FB_SMEM", "0")
-    assert fb_smem_from_env(True) is False
+    assert flag_from_env("KDA_CUDA_FB_SMEM", True) is False
     monkeypatch.setenv("KDA_CUDA_FB_SMEM", " 1 ")
-    assert fb_smem_from_env(False) is True
+    assert flag_from_env("KDA_CUDA_FB_SMEM", False) is True
     monkeypatch.setenv("KDA_CUDA_FB_SMEM", "yes")
     with pytest.raises(ValueError, match="KDA_CUDA_FB_SMEM must be 0 or 1"):
-        fb_smem_from_env(False)
+        flag_from_env("KDA_CUDA_FB_SMEM", False)
 
 
 def test_default_fb_smem():
