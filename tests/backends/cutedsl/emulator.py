@@ -316,9 +316,12 @@ class CTA:
     # lands for its issuing thread when that thread waits for it; other threads see it only
     # after the next barrier. The lockstep execution would hide all of these, so they are
     # checked here instead.
-    @staticmethod
-    def _flat(idx, lanes):
-        return idx.ravel(), np.repeat(lanes, idx.shape[1])
+    def _checked(self, idx, lanes):
+        """(bytes, lanes) of an access ([n, size] byte indices by n lanes), flattened and kept
+        to the bytes the race check covers."""
+        b, l = idx.ravel(), np.repeat(lanes, idx.shape[1])
+        keep = self.checked[b]
+        return b[keep], l[keep]
 
     def _race(self, what, kind, b, l, other):
         i = int(np.argmax(kind))
@@ -327,11 +330,9 @@ class CTA:
                              f"epoch {self.barriers}")
 
     def _note_read(self, idx, lanes, what):
-        b, l = self._flat(idx, lanes)
-        keep = self.checked[b]
-        if not keep.any():
+        b, l = self._checked(idx, lanes)
+        if not b.size:
             return
-        b, l = b[keep], l[keep]
         wt = self.w_thread[b]
         raw = (self.w_epoch[b] == self.barriers) & (wt >= 0) & (wt != l)
         if raw.any():
@@ -347,11 +348,9 @@ class CTA:
         self.r_epoch[ub] = self.barriers
 
     def _note_write(self, idx, lanes, what, complete):
-        b, l = self._flat(idx, lanes)
-        keep = self.checked[b]
-        if not keep.any():
+        b, l = self._checked(idx, lanes)
+        if not b.size:
             return
-        b, l = b[keep], l[keep]
         rt = self.r_thread[b]
         war = (self.r_epoch[b] == self.barriers) & (rt != -1) & (rt != l)
         if war.any():
@@ -425,10 +424,9 @@ class CTA:
             for idx, data, lanes in self.groups.pop(0):
                 self.smem[idx] = data
                 self.pending[idx] = False
-                b, l = self._flat(idx, lanes)     # visible to its issuing thread from now on
-                keep = self.checked[b]
-                self.w_thread[b[keep]] = l[keep]
-                self.w_epoch[b[keep]] = self.barriers
+                b, l = self._checked(idx, lanes)  # visible to its issuing thread from now on
+                self.w_thread[b] = l
+                self.w_epoch[b] = self.barriers
 
     def wait_all(self):
         """cp.async.wait_all = commit_group + wait_group 0."""

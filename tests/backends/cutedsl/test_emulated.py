@@ -77,18 +77,22 @@ def test_emulated_stream_fb_smem_bit_identical_to_wide(spec, ncta, fb_smem):
     kernel's bits for CTAs whose ranges cross heads (the rows are restaged) or not, dead items
     included; with the emulator's check that no shared read touches bytes still in flight
     (the staged rows must have landed and been waited for before the gate reads them)."""
-    cfg = spec.cfg
-    a1 = make_case(spec, "cpu")
-    a2 = clone_args(a1)
-    before = clone_args(a1)
-    expected = clone_args(a1)
+    _stream_matches_reference_and_wide(spec.cfg, make_case(spec, "cpu"), ncta, fb_smem)
+
+
+def _stream_matches_reference_and_wide(cfg, args, ncta, fb_smem):
+    """Run the streamed kernel (``ncta`` CTAs, ``fb_smem``) on ``args`` and the wide kernel on
+    a copy: the stream against the reference, and bit-identical to the wide kernel."""
+    wide = clone_args(args)
+    before = clone_args(args)
+    expected = clone_args(args)
     reference_step(cfg, expected)
-    emulator.run("wide", cfg, a1)
-    emulator.run("stream", cfg, a2, ncta=ncta, fb_smem=fb_smem)
-    errors = compare_step(a2, expected, before)
+    emulator.run("wide", cfg, wide)
+    emulator.run("stream", cfg, args, ncta=ncta, fb_smem=fb_smem)
+    errors = compare_step(args, expected, before)
     assert not errors, "\n".join(errors)
     for buf in ("out", "state", "conv_state", "v_record", "kg_record"):
-        assert bits_equal(getattr(a1, buf), getattr(a2, buf)), buf
+        assert bits_equal(getattr(wide, buf), getattr(args, buf)), buf
 
 
 @pytest.mark.parametrize("ncta", [1, 2, 3])
@@ -98,20 +102,10 @@ def test_emulated_stream_fb_smem_dead_items_at_head_boundaries(ncta):
     restaged for the next live item's head); the wide kernel's bits and the reference."""
     spec = CaseSpec(KdaConfig(num_heads=3, T=1, window=3, gate_mode=1), R=4, null_frac=0.0,
                     seed=14)
-    cfg = spec.cfg
-    a1 = make_case(spec, "cpu")
-    a1.state_indices[0] = 0
-    a1.state_indices[-1] = -1
-    a2 = clone_args(a1)
-    before = clone_args(a1)
-    expected = clone_args(a1)
-    reference_step(cfg, expected)
-    emulator.run("wide", cfg, a1)
-    emulator.run("stream", cfg, a2, ncta=ncta, fb_smem=True)
-    errors = compare_step(a2, expected, before)
-    assert not errors, "\n".join(errors)
-    for buf in ("out", "state", "conv_state", "v_record", "kg_record"):
-        assert bits_equal(getattr(a1, buf), getattr(a2, buf)), buf
+    args = make_case(spec, "cpu")
+    args.state_indices[0] = 0
+    args.state_indices[-1] = -1
+    _stream_matches_reference_and_wide(spec.cfg, args, ncta, True)
 
 
 def test_emulated_chained_steps():
