@@ -574,10 +574,6 @@ class Variant:
       kb: ``chunked`` kernel: 1 = the state chunk is a [bv, 128] tile (one row per warp, 32
         lanes); 4 = a [bv, 4, 32] tile (4 rows per warp, 8 lanes per row, the 4 column
         blocks of a row in one thread: fewer shuffles per row sum, see ``_delta_rule_kb``).
-      group: ``grouped`` kernel (:mod:`backends.triton.kda_decode_grouped`): requests of
-        one head per program at T=1 (their gate projections share one ``tl.dot`` and one
-        read of the head's f_b); T > 1 runs the ``chunked`` kernel with the same bv / warps /
-        stages.
       description: one line for benchmark tables.
     """
 
@@ -594,7 +590,6 @@ class Variant:
     bv: int = 32
     hold: bool = False
     kb: int = 1
-    group: int = 1
     description: str = ""
 
 
@@ -645,18 +640,6 @@ VARIANTS.update({
         VARIANTS[b], name=f"{b}_k4", kb=4,
         description=f"{b} with [{VARIANTS[b].bv}, 4, 32] state tiles (8 lanes per row)")
     for b in ("chunked", "chunked_bv16", "chunked_w2", "chunked_w2_s3")})
-# ``grouped_g<G>``: chunked_w2_s3's program shape for G requests of one head (T=1);
-# ``grouped_w4_g<G>``: chunked's (4 warps, 32-row chunks, 2 stages)
-VARIANTS.update({
-    f"grouped_g{g}": dataclasses.replace(
-        VARIANTS["chunked_w2_s3"], name=f"grouped_g{g}", kernel="grouped", group=g,
-        description=f"T=1: one 2-warp program per head and {g} requests (one gate dot)")
-    for g in (2, 4, 8)})
-VARIANTS.update({
-    f"grouped_w4_g{g}": dataclasses.replace(
-        VARIANTS["chunked"], name=f"grouped_w4_g{g}", kernel="grouped", group=g,
-        description=f"T=1: one 4-warp program per head and {g} requests (one gate dot)")
-    for g in (4, 8)})
 DEFAULT_VARIANT = "auto"
 
 #: ``auto``'s chunked builds, first match wins: (largest T or None = any, least items per SM,
@@ -853,9 +836,6 @@ def build_step(cfg: KdaConfig, device, variant: Optional[str] = None):
     if v.kernel == "chunked":
         from backends.triton.kda_decode_chunked import ChunkedStep
         return ChunkedStep(cfg, device, v)
-    if v.kernel == "grouped":
-        from backends.triton.kda_decode_grouped import GroupedStep
-        return GroupedStep(cfg, device, v)
     return TritonStep(cfg, device, v)
 
 
@@ -882,11 +862,7 @@ def compile_offline(cfg: KdaConfig, variant: str = "item", nv: Optional[int] = N
       (see :func:`resource_usage` for registers and spills).
     """
     v = resolve_variant(variant)
-    if v.kernel == "grouped" and cfg.T == 1:
-        from backends.triton.kda_decode_grouped import compile_grouped_offline
-        return compile_grouped_offline(cfg, v, arch=arch, stride_divisible=stride_divisible,
-                                       **options)
-    if v.kernel in ("chunked", "grouped"):
+    if v.kernel == "chunked":
         from backends.triton.kda_decode_chunked import compile_chunked_offline
         return compile_chunked_offline(cfg, v, arch=arch, stride_divisible=stride_divisible,
                                        **options)

@@ -29,12 +29,11 @@ from kda.testing import CaseSpec, bits_equal, clone_args, compare_step, make_cas
 INTERP = kd.interpreter_enabled()
 WRITTEN = ("out", "state", "conv_state", "v_record", "kg_record")
 VARIANTS = ("item", "vsplit2", "vsplit4", "persistent", "item_w16", "chunked", "chunked_bv16",
-            "chunked_w2_hold", "chunked_k4", "chunked_w2_k4", "grouped_g4", "grouped_w4_g8")
+            "chunked_w2_hold", "chunked_k4", "chunked_w2_k4")
 # on the GPU also the other pipeline depths (the interpreter does not pipeline)
 if not INTERP:
     VARIANTS += ("chunked_s3", "chunked_s4", "chunked_bv16_s3", "chunked_w2", "chunked_w2_s3",
-                 "chunked_w8_bv64", "chunked_bv16_k4", "chunked_w2_s3_k4", "grouped_g2",
-                 "grouped_g8", "grouped_w4_g4")
+                 "chunked_w8_bv64", "chunked_bv16_k4", "chunked_w2_s3_k4")
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +70,6 @@ SPECS = [
     CaseSpec(make_config(1, 5, "DS", gm=1, record=True, bias=True), R=3),
     CaseSpec(make_config(1, 8, "SD", lb=-5.0), R=2, seed=3),
     CaseSpec(make_config(2, 3), R=3, null_frac=1.0),
-    # the grouped kernel (T=1): several groups of requests per head, the last one partial
-    CaseSpec(make_config(2, 1, "SD", gm=1, bias=True, record=True), R=11, null_frac=0.4),
 ]
 
 
