@@ -18,9 +18,6 @@ Environment:
   KDA_CUDA_FB_SMEM=1|0   at T=1, stage each head's f_b rows (32 KiB) in shared memory once
                    per head instead of loading the gate MMA's fragments from L2 for every
                    item (default: FB_SMEM; no effect at T > 1, which has no such build).
-  KDA_CUDA_BULK=1|0   request each item's state page with bulk copies (the copy engine, one
-                   thread, completion on an mbarrier) instead of 16-byte cp.async by every
-                   thread (default: BULK_STATE).
   (The KDA_CUDA_* variables are read when a step is built: kda_decode / KdaDecode keep built
   steps for the process, so a later change needs a new process or a new build().)
   KDA_CACHE_DIR    where the compiled extension is kept (see build.py).
@@ -69,9 +66,6 @@ SCHEDULES = ("dynamic", "static")
 #: / 256 / 512, T=1) 45.8 / 164.4 / 313.5 / 613.3 us against 48.9 / 171.8 / 330.1 / 649.0
 #: (6.4 / 4.3 / 5.0 / 5.5% faster; the repeats agreed within 0.3%).
 FB_SMEM = True
-
-#: Default of ``KDA_CUDA_BULK`` (state pages by bulk copy). Off until measured.
-BULK_STATE = False
 
 
 def schedule_from_env(default: str) -> str:
@@ -132,7 +126,6 @@ class CudaBackend(Backend):
         ipc = items_per_cta_from_env("KDA_CUDA_ITEMS_PER_CTA", ITEMS_PER_CTA.get(T, 0))
         dynamic = schedule_from_env(SCHEDULE.get(T, "dynamic")) == "dynamic"
         fb_smem = T == 1 and flag_from_env("KDA_CUDA_FB_SMEM", FB_SMEM)
-        bulk_state = flag_from_env("KDA_CUDA_BULK", BULK_STATE)
         # the dynamic schedule's counter pairs, one per CUDA stream (zero when made, left at
         # zero by every launch)
         counters: Optional[dict] = {} if dynamic else None
@@ -153,10 +146,9 @@ class CudaBackend(Backend):
             launch(a.x, a.conv_weight, a.conv_bias, a.conv_state, a.f_a, a.f_b, a.beta, a.A_log,
                    a.dt_bias, a.state, a.state_indices, a.num_accepted_tokens, a.output_gate,
                    a.norm_weight, a.out, a.v_record, a.kg_record, H, T, scale, eps, lb, gm,
-                   record, pdl, pfd, ipc, sched(), fb_smem, bulk_state)
+                   record, pdl, pfd, ipc, sched(), fb_smem)
 
         step.fb_smem = fb_smem     # for tests
-        step.bulk_state = bulk_state
         step.counters = counters   # stream handle -> counter pair, for tests (None: static)
         return step
 

@@ -173,8 +173,6 @@ struct __align__(16) Smem {
   Item info[2];                         // items n and n+1 (by parity), derived once from slots
   int params_head;                      // head whose cw / cbias / dtb are staged (-1: none)
   int pf_src;                           // L2 prefetch: slot id (or accepted count) being read
-  int page_phase;                       // bulk_state: parity of the next page's completion
-  unsigned long long page_bar;          // bulk_state: mbarrier the page's bulk copies complete on
 };
 
 __device__ __forceinline__ float bf2f(uint16_t raw) {
@@ -244,39 +242,6 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// Bulk page loads (KdaParams.bulk_state): the copy engine moves the page, one thread issues
-// it, completion is counted in bytes on an mbarrier (PTX ISA: cp.async.bulk, mbarrier).
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, int parity) {
-  asm volatile(
-      "{\n .reg .pred done;\n WAIT:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      " @!done bra WAIT;\n}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void bulk_g2s(void* smem, const void* gmem, unsigned bytes,
-                                         unsigned long long* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-      ::"r"(smem_addr(smem)), "l"(gmem), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-}
-// Named CTA barrier 1 (barrier 0 is __syncthreads): the waiting warp syncs, the others arrive.
-__device__ __forceinline__ void named_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id, int count) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-
 // L2 prefetch (see the design note): thread kPfThread reads item `item`'s slot ids itself,
 // in two halves so that no load is waited for right after it is issued. pf_first: T=1 the
 // source slot, T>1 the accepted count; pf_second (T>1): the source slot from that count.
@@ -343,17 +308,6 @@ __device__ __forceinline__ void issue_state(const KdaParams& p, Smem<T, FB>& sm,
 #pragma unroll
   for (int j = 0; j < 16; ++j)  // chunk (m, c) = (j/4, j%4): row tid/8 + 32m, columns 4*(tid%8 + 8c)..+3
     cp_async16(&sm.state[j * kThreads + tid], base + (j >> 2) * 32 * kD + 32 * (j & 3));
-}
-
-// bulk_state: the item's page as 4 bulk copies of 16 KiB into sm.state, row-major (issued by
-// one thread; completes on sm.page_bar).
-template <int T, bool FB>
-__device__ __forceinline__ void issue_state_bulk(const KdaParams& p, Smem<T, FB>& sm, const Item& it) {
-  const float* page = p.state + static_cast<int64_t>(it.src) * p.state_slot +
-                      static_cast<int64_t>(it.h) * (kD * kD);
-  mbar_expect_tx(&sm.page_bar, kD * kD * 4);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) bulk_g2s(&sm.state[i * 1024], page + i * 4096, 16384, &sm.page_bar);
 }
 
 // cp.async of the item's x (q|k|v slice), output-gate and f_a rows, T tokens.
@@ -540,8 +494,6 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
     sm.item_end = end;
     sm.item_idx[0] = beg;
     sm.item_beg = beg;
-    sm.page_phase = 0;
-    if (p.bulk_state) mbar_init(&sm.page_bar, 1);
   }
   if (tid < kD) {  // norm weight, shared by all heads
     sm.nw[tid] = p.norm_weight_bf16 ? bf2f(static_cast<const uint16_t*>(p.norm_weight)[tid])
@@ -582,12 +534,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       cp_async_commit();
       // The page last, in its own group, as in the loop (E then S): item 0's conv and gate
       // overlap its arrival, the loop waits for it before B2.
-      // (bulk_state: an empty cp.async group, so that the group counts stay the same)
-      if (p.bulk_state) {
-        if (tid == 0) issue_state_bulk<T>(p, sm, first);
-      } else {
-        issue_state<T>(p, sm, first, tid);
-      }
+      issue_state<T>(p, sm, first, tid);
       cp_async_commit();
     }
     cp_async_wait<1>();  // everything of item 0 but its page
@@ -814,37 +761,16 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
     float4 S[4][4];  // [m][c]: row tid/8 + 32m, columns 4*(tid%8 + 8c)..+3
     // ---- state page: staging -> registers (each thread reads only the chunks it copied) ----
     if (live) {
-      if (p.bulk_state) {
-        // row-major page: the thread's rows tid/8 + 32m, float4 columns tid%8 + 8c (a quarter
-        // warp reads 128 contiguous bytes: no bank conflicts)
-        mbar_wait(&sm.page_bar, sm.page_phase);
 #pragma unroll
-        for (int m = 0; m < 4; ++m)
+      for (int m = 0; m < 4; ++m)
 #pragma unroll
-          for (int c = 0; c < 4; ++c) S[m][c] = sm.state[((tid >> 3) + 32 * m) * 32 + (tid & 7) + 8 * c];
-      } else {
-#pragma unroll
-        for (int m = 0; m < 4; ++m)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) S[m][c] = sm.state[(m * 4 + c) * kThreads + tid];
-      }
+        for (int c = 0; c < 4; ++c) S[m][c] = sm.state[(m * 4 + c) * kThreads + tid];
     }
     // ---- prefetch item n+1, part S: the state page, each thread into the chunks it has just
     // read itself (so no barrier before), and before the norms and the decay below, so that
     // the page is in flight for their duration too ----
     if (next_live) {
-      if (p.bulk_state) {
-        // The copy engine writes the whole buffer: warp 0 waits until every warp has read its
-        // part of item n's page (named barrier 1), then thread 0 issues item n+1's.
-        if (warp == 0) {
-          named_sync(1, kThreads);
-          if (tid == 0) issue_state_bulk<T>(p, sm, nxt);
-        } else {
-          named_arrive(1, kThreads);
-        }
-      } else {
-        issue_state<T>(p, sm, nxt, tid);
-      }
+      issue_state<T>(p, sm, nxt, tid);
       cp_async_commit();
     }
     if (PF) pf_page(p, PF_ITEM, sm.pf_src);
@@ -885,7 +811,6 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
     }
     __syncthreads();  // B3: normalised q, k, alpha visible
     if (tid == 0 && next_live) sm.params_head = nxt.h;  // all threads read it before B3
-    if (tid == 0 && live) sm.page_phase ^= 1;           // likewise (bulk_state)
 
     if (live) {
       // ---- recurrence ----

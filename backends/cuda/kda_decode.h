@@ -70,10 +70,6 @@ typedef struct KdaParams {
   // the MMA fragments from L2 for every item (T=1 only; 0 = off). Pays off when a CTA's
   // consecutive items share the head (the static schedule's head-major ranges).
   int fb_smem;
-  // 1 = request each item's 64 KiB state page with bulk copies (cp.async.bulk, the copy
-  // engine; 4 x 16 KiB by one thread, completion on an mbarrier) into a row-major staging
-  // buffer, instead of 16 cp.async of 16 bytes per thread (0 = off).
-  int bulk_state;
 } KdaParams;
 
 // Launches one decode step on `stream`. Returns the launch's error code (cudaSuccess when

@@ -202,31 +202,6 @@ FB_CASES = [CaseSpec(make_config(32, 1), R=128, null_frac=0.1),
             CaseSpec(make_config(3, 1), R=1)]
 
 
-def _switch_agrees(spec, env, attr, monkeypatch):
-    """Steps built with the 0/1 switch ``env`` off and on (``attr`` of the built step says
-    which): three back-to-back steps on one pool each; the "on" build against the reference,
-    and bit-identical to the "off" build in every buffer."""
-    cfg = spec.cfg
-    a0 = make_case(spec, DEV)
-    before = clone_args(a0)
-    expected = clone_args(a0)
-    a1 = clone_args(a0)
-    monkeypatch.setenv(env, "0")
-    s0 = _step(cfg)
-    monkeypatch.setenv(env, "1")
-    s1 = _step(cfg)
-    assert (getattr(s0, attr), getattr(s1, attr)) == (False, True)
-    for _ in range(3):
-        s0(a0)
-        s1(a1)
-        reference_step(cfg, expected)
-    torch.cuda.synchronize()
-    errors = compare_step(a1, expected, before)
-    assert not errors, "\n".join(errors)
-    for name in ("out", "state", "conv_state", "v_record", "kg_record"):
-        assert bits_equal(getattr(a0, name), getattr(a1, name)), name
-
-
 @pytest.mark.parametrize("schedule", ["static", "dynamic"])
 @pytest.mark.parametrize("spec", FB_CASES, ids=lambda s: s.id)
 def test_fb_smem(spec, schedule, monkeypatch):
@@ -236,26 +211,25 @@ def test_fb_smem(spec, schedule, monkeypatch):
     heads between most consecutive items, so the rows are restaged there), three back-to-back
     steps on one pool, null slots, bias and records included."""
     monkeypatch.setenv("KDA_CUDA_SCHEDULE", schedule)
-    _switch_agrees(spec, "KDA_CUDA_FB_SMEM", "fb_smem", monkeypatch)
-
-
-# T=1 cases of FB_CASES (run with f_b staged, the default) and T > 1 ones: dead items between
-# live ones (the page's mbarrier phase advances only for live items), records, aliasing writes
-BULK_CASES = FB_CASES[:2] + FB_CASES[3:] + [
-    CaseSpec(make_config(8, 5, "DS", gm=1), R=128, null_frac=0.3),
-    CaseSpec(make_config(16, 2, "SD", record=True, bias=True), R=64, null_frac=0.2),
-    CaseSpec(make_config(2, 8, "DS", lb=-5.0, cs32=True), R=150, null_frac=0.5, padded=True)]
-
-
-@pytest.mark.parametrize("schedule", ["static", "dynamic"])
-@pytest.mark.parametrize("spec", BULK_CASES, ids=lambda s: s.id)
-def test_bulk_state(spec, schedule, monkeypatch):
-    """State pages requested by bulk copies into a row-major buffer (KDA_CUDA_BULK=1: one
-    thread, completion on an mbarrier, the buffer reused only after every warp read its part)
-    against the reference and bit-identical to the per-thread cp.async build, under both
-    schedules, three back-to-back steps on one pool."""
-    monkeypatch.setenv("KDA_CUDA_SCHEDULE", schedule)
-    _switch_agrees(spec, "KDA_CUDA_BULK", "bulk_state", monkeypatch)
+    cfg = spec.cfg
+    a0 = make_case(spec, DEV)
+    before = clone_args(a0)
+    expected = clone_args(a0)
+    a1 = clone_args(a0)
+    monkeypatch.setenv("KDA_CUDA_FB_SMEM", "0")
+    s0 = _step(cfg)
+    monkeypatch.setenv("KDA_CUDA_FB_SMEM", "1")
+    s1 = _step(cfg)
+    assert (s0.fb_smem, s1.fb_smem) == (False, True)
+    for _ in range(3):
+        s0(a0)
+        s1(a1)
+        reference_step(cfg, expected)
+    torch.cuda.synchronize()
+    errors = compare_step(a1, expected, before)
+    assert not errors, "\n".join(errors)
+    for name in ("out", "state", "conv_state", "v_record", "kg_record"):
+        assert bits_equal(getattr(a0, name), getattr(a1, name)), name
 
 
 def test_dynamic_schedule_on_two_streams(monkeypatch):
