@@ -223,8 +223,14 @@ class KdaDecode:
 
     @property
     def backend_name(self) -> str:
-        """The name of the backend this object runs."""
+        """The name of the backend this object runs ("auto" when ``auto``'s choice depends
+        on the batch size: see :meth:`backend_for`)."""
         return self.backend.name
+
+    def backend_for(self, batch: int) -> str:
+        """The name of the backend a call with ``batch`` requests runs."""
+        pick = getattr(self.backend, "backend_for", None)
+        return pick(batch) if pick is not None else self.backend.name
 
     def __call__(self, x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias,
                  state, state_indices, output_gate, norm_weight, *, num_accepted_tokens=None,

@@ -9,7 +9,9 @@ How a call's backend is chosen, first match wins:
 2. the absl flag ``--kda_backend`` (defined in :mod:`kda.flags`) when it was given;
 3. the environment variable ``KDA_BACKEND``;
 4. ``auto``: the first backend of :func:`kda.auto.auto_order` that is available here and
-   supports the configuration.
+   supports the configuration, per measured batch size; where that differs between batch
+   sizes, a :class:`kda.auto.BatchAuto` whose step runs, per call, the backend chosen for the
+   call's batch size.
 
 An explicit name that cannot serve the call raises :class:`KdaBackendError` with every
 reason; an unknown name raises listing the valid names. The backend actually used for each
@@ -147,16 +149,23 @@ def resolve(cfg: KdaConfig, device: torch.device, explicit: Optional[str] = None
         raise KdaBackendError(f"unknown KDA backend {name!r} (from {source}); valid names: "
                               f"{', '.join(CHOICES)}")
     if name == "auto":
-        from kda.auto import auto_order
-        tried = []
-        for cand in auto_order(cfg, device):
-            why = unsupported_reasons(cand, cfg, device)
-            if not why:
-                backend = get_backend(cand)
-                _log_once(name, source, backend, cfg, device)
-                return backend
-            tried.append(f"{cand}: {'; '.join(why)}")
-        raise KdaBackendError(f"no KDA backend can serve {cfg.short()} on {device}: " + " | ".join(tried))
+        from kda.auto import BatchAuto, auto_order, batch_sizes
+        picks = {}
+        for batch in (batch_sizes(cfg) if device.type == "cuda" else [None]):
+            tried = []
+            for cand in auto_order(cfg, device, batch):
+                why = unsupported_reasons(cand, cfg, device)
+                if not why:
+                    picks[batch] = get_backend(cand)
+                    break
+                tried.append(f"{cand}: {'; '.join(why)}")
+            else:
+                raise KdaBackendError(f"no KDA backend can serve {cfg.short()} on {device}: "
+                                      + " | ".join(tried))
+        chosen = {b.name: b for b in picks.values()}
+        backend = next(iter(chosen.values())) if len(chosen) == 1 else BatchAuto(picks)
+        _log_once(name, source, backend, cfg, device)
+        return backend
     why = unsupported_reasons(name, cfg, device)
     if why:
         raise KdaBackendError(f"KDA backend {name!r} (from {source}) cannot serve {cfg.short()} on "
@@ -172,5 +181,6 @@ def _log_once(requested: str, source: str, backend: Backend, cfg: KdaConfig,
     if key in _logged:
         return
     _logged.add(key)
+    shown = backend.name if backend.name != "auto" else f"auto ({backend.description})"
     logging.info("KDA decode backend: %s (requested %s via %s) for %s on %s",
-                 backend.name, requested, source, cfg.short(), device)
+                 shown, requested, source, cfg.short(), device)

@@ -183,6 +183,9 @@ if want serve; then
      --check_against=reference --num_requests=16 --max_batch=8 --spec_tokens=2
   has cutedsl_wide && bg serve-wide python3 -m tools.serve.serve --kda_backend=cutedsl_wide \
      --check_against=reference --num_requests=16 --max_batch=8
+  # auto switches backend with the batch size (buckets 1..64 cross R=16)
+  has cuda && has cutedsl_wide && bg serve-auto python3 -m tools.serve.serve --kda_backend=auto \
+     --check_against=reference --num_requests=96 --max_batch=64 --arrival_rate=6
 fi
 if want bigmem; then
   bg bigmem $PYT tests/conformance -m bigmem --kda-backends="${GPU// /,}" --kda-require-backends

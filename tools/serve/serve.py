@@ -18,6 +18,7 @@ to ``$KDA_CACHE_DIR`` (default ``~/.cache/kda``) and used.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import os
@@ -229,6 +230,7 @@ def main(argv):
 
     active: Dict[int, Request] = {}
     step_ms: List[float] = []
+    steps_by_backend: collections.Counter = collections.Counter()
     accepted_tokens = 0
     max_err = {"abs": 0.0, "rel": 0.0}
     step_check_fail = []
@@ -257,6 +259,7 @@ def main(argv):
             R = len(reqs)
             Rp = _bucket(R, FLAGS.max_batch)
             padded_rows += (Rp - R) * T
+            steps_by_backend[layer.op.backend_for(Rp)] += 1
             rows = [r.slots for r in reqs] + [[[0, -1][i % 2]] * T for i in range(Rp - R)]
             idx = torch.tensor(rows, dtype=torch.int32, device=device)
             state_indices = idx[:, 0].contiguous() if T == 1 else idx
@@ -316,6 +319,8 @@ def main(argv):
     tab.add_row("tokens per step (T)", str(T))
     tab.add_row("accepted tokens", str(accepted_tokens))
     tab.add_row("padded (null-slot) rows, all zero", str(padded_rows))
+    tab.add_row("decode steps per backend (auto: by batch size)",
+                ", ".join(f"{b} {n}" for b, n in sorted(steps_by_backend.items())))
     tab.add_row("layer step latency median / p90 (ms)",
                 f"{statistics.median(step_ms):.3f} / {sorted(step_ms)[int(0.9 * (len(step_ms) - 1))]:.3f}")
     tab.add_row("accepted tokens / s (layer steps)", f"{accepted_tokens / (sum(step_ms) / 1e3):.1f}")
