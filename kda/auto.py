@@ -5,18 +5,22 @@ On a CUDA device the order comes from :data:`MEASURED`, derived from
 ``docs/results/2026-11-29-h200-0145d86/bench-h200.json`` (NVIDIA H200, H=32, softplus gate, SD
 conv layout, all requests live, 8 GiB pool, CUDA graphs of 8 steps): for each measured T and
 batch size R in {1, 8, 32, 128, 512}, the GPU backends ranked by median step time. A call
-uses the row of the nearest measured T and, within it, of the measured R nearest to its own
-batch size on a log scale (ties: the smaller R). In that run the one-CTA-per-item
-``cutedsl_wide`` was fastest at R <= 8 and the persistent ``cuda`` kernel at R >= 32, at
-every T (at R=512 T=1 by 5.5%: 609.5 against 644.9 us). Backends a row does not rank follow
-in the fixed order :data:`GPU_FALLBACK`; the registry skips whichever is unavailable or
-cannot serve the configuration. ``tests/kda/test_auto.py`` recomputes every row from the
-JSON, so the table cannot drift from its measurement.
+uses the row of the nearest measured T and, within it, of the measured R nearest (on a log
+scale; ties: the smaller R) to its own work in the table's units, ``R * H / 32`` (the kernels
+scale with the R*H items, and the table was measured at H=32). In that run the
+one-CTA-per-item ``cutedsl_wide`` was fastest at R <= 8 and the persistent ``cuda`` kernel at
+R >= 32, at every T (R=512 T=1: ``cuda`` 609.5 us, runner-up ``cutedsl`` 629.1,
+``cutedsl_wide`` 644.9), so ``auto`` runs ``cutedsl_wide`` up to 512 items (16 requests at
+H=32, 128 at H=4) and ``cuda`` above. Backends a row does not rank follow in the fixed order
+:data:`GPU_FALLBACK`; the registry skips whichever is unavailable or cannot serve the
+configuration. ``tests/kda/test_auto.py`` recomputes every row from the JSON, so the table
+cannot drift from its measurement.
 
-So under ``auto`` the kernel that runs can depend on the batch size; backends agree with the
-reference within the contract's tolerances but not bit for bit with each other, so a request's
-results can differ in the last bits between batch sizes. Pin a backend (``backend=``,
-``--kda_backend``, ``$KDA_BACKEND``) where that matters.
+So under ``auto`` the kernel that runs can depend on the batch size. ``cutedsl`` and
+``cutedsl_wide`` are bit-identical, the others agree with the reference within the
+contract's tolerances but not bit for bit with each other, so a request's results can differ
+in the last bits between batch sizes. Pin a backend (``backend=``, ``--kda_backend``,
+``$KDA_BACKEND``) where that matters.
 
 On the CPU only the reference runs at a useful speed (the Triton interpreter is for tests),
 so ``auto`` picks it.
@@ -53,6 +57,8 @@ MEASURED: Dict[int, Dict[int, Tuple[str, ...]]] = {
         128: ("cuda", "cutedsl_wide", "cutedsl", "triton"),
         512: ("cuda", "cutedsl_wide", "cutedsl", "triton")},
 }
+#: Heads of the measurement: a call's batch counts as ``R * H / TABLE_HEADS`` requests.
+TABLE_HEADS = 32
 #: Fixed fallback order on a CUDA device for backends the table does not rank.
 GPU_FALLBACK = ("cuda", "cutedsl", "cutedsl_wide", "triton", "reference")
 #: Order on the CPU.
@@ -64,11 +70,22 @@ def _nearest(values, x: float, log: bool) -> int:
     return min(values, key=key)
 
 
+def _row(cfg: KdaConfig) -> Dict[int, Tuple[str, ...]]:
+    return MEASURED[_nearest(MEASURED, cfg.T, log=False)]
+
+
+def table_batch(cfg: KdaConfig, batch: int) -> int:
+    """The measured R whose ranking a call with ``batch`` requests of ``cfg`` uses."""
+    work = max(int(batch), 1) * cfg.num_heads / TABLE_HEADS
+    return _nearest(_row(cfg), work, log=True)
+
+
 def auto_order(cfg: KdaConfig, device: torch.device, batch: Optional[int] = None) -> List[str]:
     """Backend names to try, best first, for ``cfg`` on ``device`` at ``batch`` requests.
 
     Args:
-      cfg: the configuration (its T picks the row: the nearest measured T).
+      cfg: the configuration (its T picks the row: the nearest measured T; with its H the
+        batch is scaled to the table's H, see :func:`table_batch`).
       device: a CPU device gets :data:`CPU_ORDER`.
       batch: the number of requests R (>= 1); None = the table's largest measured R.
 
@@ -77,59 +94,121 @@ def auto_order(cfg: KdaConfig, device: torch.device, batch: Optional[int] = None
     """
     if device.type != "cuda":
         return list(CPU_ORDER)
-    rows = MEASURED[_nearest(MEASURED, cfg.T, log=False)]
-    r = max(rows) if batch is None else _nearest(rows, max(int(batch), 1), log=True)
-    order = list(rows[r])
+    return table_order(cfg, max(_row(cfg)) if batch is None else table_batch(cfg, batch))
+
+
+def table_order(cfg: KdaConfig, table_r: int) -> List[str]:
+    """Every GPU backend name once, best first, at the measured R ``table_r`` (table units,
+    one of :func:`batch_sizes`) of ``cfg``'s row."""
+    order = list(_row(cfg)[table_r])
     return order + [n for n in GPU_FALLBACK if n not in order]
 
 
+def _last_batch(cfg: KdaConfig, table_r: int) -> int:
+    """The largest batch size whose :func:`table_batch` is at most ``table_r``."""
+    lo, hi = 1, 1 << 30
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if table_batch(cfg, mid) <= table_r:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def batch_sizes(cfg: KdaConfig) -> List[int]:
-    """The measured batch sizes of ``cfg``'s row (ascending): :func:`auto_order` changes only
-    at the geometric midpoints between them."""
-    return sorted(MEASURED[_nearest(MEASURED, cfg.T, log=False)])
+    """The measured batch sizes of ``cfg``'s row (ascending), in the table's units."""
+    return sorted(_row(cfg))
 
 
 class BatchAuto(Backend):
-    """``auto`` when its choice differs between batch sizes: the step it builds holds the
-    step of every backend chosen for some measured R and runs, per call, the one chosen for
-    the measured R nearest to the call's (as :func:`auto_order`). The choice reads only the
-    host-side shape ``state_indices.shape[0]``, so a CUDA graph captured at one batch size
-    replays the kernel chosen for it; every candidate is built (compiled) when ``auto`` is
-    built, never during a call.
+    """``auto`` when its first choice differs between batch sizes: the step it builds holds
+    the step of the backend chosen for every measured R and runs, per call, the one chosen
+    for the call's batch (:func:`table_batch`). The choice reads only the host-side shape
+    ``state_indices.shape[0]``, so a CUDA graph captured at one batch size replays the kernel
+    chosen for it; every chosen backend is built (compiled) when ``auto`` is built, never
+    during a call, through the same step cache as explicit choices (:func:`kda.op._step_fn`).
+    A candidate whose build fails is logged and skipped: that R falls back to the next
+    candidate of its order.
 
     Args:
-      picks: measured R -> the backend (already checked to serve the configuration).
+      cfg: the configuration the candidates were checked for.
+      candidates: measured R -> the backends that can serve ``cfg`` here, best first.
+
+    Raises (build):
+      KdaBackendError: no candidate of some measured R builds (chained to the last error).
     """
 
     name = "auto"
     device_types = ("cuda",)
 
-    def __init__(self, picks: Dict[int, Backend]):
-        self.picks = dict(sorted(picks.items()))
+    def __init__(self, cfg: KdaConfig, candidates: Dict[int, List[Backend]]):
+        self.cfg = cfg
+        self.candidates = {r: list(c) for r, c in sorted(candidates.items())}
+        segments = []   # [first choice, last batch size it serves (None: every larger)]
+        rows = list(self.candidates)
+        for i, r in enumerate(rows):
+            last = _last_batch(cfg, r) if i + 1 < len(rows) else None
+            if segments and segments[-1][0] == self.candidates[r][0].name:
+                segments[-1][1] = last
+            else:
+                segments.append([self.candidates[r][0].name, last])
         self.description = "by batch size: " + ", ".join(
-            f"R~{r}: {b.name}" for r, b in self.picks.items())
+            f"{n} for R <= {last}" if last is not None else f"{n} above"
+            for n, last in segments)
+        #: distinguishes plans in the step cache (kda.op), which is keyed by it
+        self.cache_key = ("auto",) + tuple((r, tuple(b.name for b in c))
+                                           for r, c in self.candidates.items())
 
     def probe(self) -> Optional[str]:
         return None
 
     def backend_for(self, batch: int) -> str:
-        """The backend name a call with ``batch`` requests runs."""
-        return self.picks[_nearest(self.picks, max(int(batch), 1), log=True)].name
+        """The backend name planned for a call with ``batch`` requests (the built step's
+        ``backend_for`` says what runs, after any fallback)."""
+        return self.candidates[table_batch(self.cfg, batch)][0].name
 
     def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:
-        built: Dict[str, StepFn] = {}
-        for b in self.picks.values():
-            if b.name not in built:
-                built[b.name] = b.build(cfg, device)
+        from absl import logging
+        from kda.op import _step_fn
+        from kda.registry import KdaBackendError
+
+        steps: Dict[str, StepFn] = {}
+        failed: Dict[str, BaseException] = {}
+        chosen: Dict[int, str] = {}
+        for r, cands in self.candidates.items():
+            for b in cands:
+                if b.name in failed:
+                    continue
+                if b.name not in steps:
+                    try:
+                        steps[b.name] = _step_fn(b, cfg, device)
+                    except Exception as e:  # noqa: BLE001 - any build failure: next candidate
+                        failed[b.name] = e
+                        logging.warning("KDA auto: backend %s failed to build for %s on %s "
+                                        "(%s: %s); batches ~%d use the next candidate", b.name,
+                                        cfg.short(), device, type(e).__name__, e, r)
+                        continue
+                chosen[r] = b.name
+                break
+            else:
+                last = next(reversed(failed.values()), None)
+                raise KdaBackendError(
+                    f"auto: no KDA backend builds for {cfg.short()} on {device} at table batch "
+                    f"{r}: " + "; ".join(f"{n}: {type(e).__name__}: {e}" for n, e in failed.items())
+                ) from last
         by_batch: Dict[int, StepFn] = {}
+
+        def backend_for(batch: int) -> str:
+            return chosen[table_batch(cfg, batch)]
 
         def step(args: KdaArgs) -> None:
             R = args.state_indices.shape[0]
             fn = by_batch.get(R)
             if fn is None:
-                fn = by_batch[R] = built[self.backend_for(R)]
+                fn = by_batch[R] = steps[backend_for(R)]
             fn(args)
 
-        step.backend_for = self.backend_for   # for tools and tests
-        step.steps = built
+        step.backend_for = backend_for   # for KdaDecode.backend_for, tools and tests
+        step.steps = steps
         return step

@@ -18,12 +18,12 @@ from kda.backend import StepFn
 from kda.config import KdaArgs, KdaConfig
 from kda.validate import KdaArgumentError, config_from_args, validate_args, validate_config
 
-_build_lock = threading.Lock()
+_build_lock = threading.RLock()   # auto's build builds its candidates through _step_fn
 _steps: Dict[Tuple[str, KdaConfig, str], StepFn] = {}
 
 
 def _step_fn(backend, cfg: KdaConfig, device: torch.device) -> StepFn:
-    key = (backend.name, cfg, str(device))
+    key = (getattr(backend, "cache_key", backend.name), cfg, str(device))
     fn = _steps.get(key)
     if fn is None:
         with _build_lock:
@@ -229,7 +229,7 @@ class KdaDecode:
 
     def backend_for(self, batch: int) -> str:
         """The name of the backend a call with ``batch`` requests runs."""
-        pick = getattr(self.backend, "backend_for", None)
+        pick = getattr(self._step, "backend_for", None)
         return pick(batch) if pick is not None else self.backend.name
 
     def __call__(self, x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias,

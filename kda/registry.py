@@ -149,21 +149,23 @@ def resolve(cfg: KdaConfig, device: torch.device, explicit: Optional[str] = None
         raise KdaBackendError(f"unknown KDA backend {name!r} (from {source}); valid names: "
                               f"{', '.join(CHOICES)}")
     if name == "auto":
-        from kda.auto import BatchAuto, auto_order, batch_sizes
-        picks = {}
-        for batch in (batch_sizes(cfg) if device.type == "cuda" else [None]):
-            tried = []
-            for cand in auto_order(cfg, device, batch):
+        from kda.auto import CPU_ORDER, BatchAuto, batch_sizes, table_order
+        candidates = {}
+        for table_r in (batch_sizes(cfg) if device.type == "cuda" else [None]):
+            ok, tried = [], []
+            for cand in (table_order(cfg, table_r) if table_r else CPU_ORDER):
                 why = unsupported_reasons(cand, cfg, device)
-                if not why:
-                    picks[batch] = get_backend(cand)
-                    break
-                tried.append(f"{cand}: {'; '.join(why)}")
-            else:
+                if why:
+                    tried.append(f"{cand}: {'; '.join(why)}")
+                else:
+                    ok.append(get_backend(cand))
+            if not ok:
                 raise KdaBackendError(f"no KDA backend can serve {cfg.short()} on {device}: "
                                       + " | ".join(tried))
-        chosen = {b.name: b for b in picks.values()}
-        backend = next(iter(chosen.values())) if len(chosen) == 1 else BatchAuto(picks)
+            candidates[table_r] = ok
+        firsts = {c[0].name: c[0] for c in candidates.values()}
+        backend = (next(iter(firsts.values())) if len(firsts) == 1
+                   else BatchAuto(cfg, candidates))
         _log_once(name, source, backend, cfg, device)
         return backend
     why = unsupported_reasons(name, cfg, device)

@@ -32,7 +32,7 @@ def test_table_matches_its_measurement():
 def test_orders():
     assert auto.auto_order(KdaConfig(num_heads=4), torch.device("cpu")) == ["reference"]
     for T in (1, 3, 8):
-        cfg = KdaConfig(num_heads=4, T=T, window=T + 2)
+        cfg = KdaConfig(num_heads=32, T=T, window=T + 2)
         for batch in (None, 1, 7, 16, 17, 100, 4096):
             order = auto.auto_order(cfg, torch.device("cuda"), batch)
             assert sorted(order) == sorted(registry.BACKEND_NAMES)
@@ -44,42 +44,108 @@ def test_orders():
 
 
 class _Fake(Backend):
-    def __init__(self, name, runs):
-        self.name, self.description, self._runs = name, "fake", runs
+    def __init__(self, name, runs, builds, fail=False):
+        self.name, self.description = name, "fake"
+        self._runs, self._builds, self._fail = runs, builds, fail
 
     def probe(self):
         return None
 
     def build(self, cfg, device):
+        self._builds.append(self.name)
+        if self._fail:
+            raise RuntimeError(f"{self.name} does not compile here")
         return lambda args: self._runs.append((self.name, args.state_indices.shape[0]))
 
 
-def _resolved_on_fake_gpu(monkeypatch, serves):
-    runs = []
-    fakes = {n: _Fake(n, runs) for n in registry.BACKEND_NAMES}
-    monkeypatch.setattr(registry, "get_backend", lambda n: fakes[n])
-    monkeypatch.setattr(registry, "unsupported_reasons",
-                        lambda n, cfg, dev: [] if n in serves else ["not here"])
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """registry.resolve on a pretend CUDA device whose backends are fakes: returns
+    make(serves=..., fail=...) -> (runs, builds) logs; op's step cache starts empty."""
+    from kda import op
+    monkeypatch.setattr(op, "_steps", {})
     monkeypatch.delenv("KDA_BACKEND", raising=False)
-    return registry.resolve(KdaConfig(num_heads=4), torch.device("cuda")), runs
+    runs, builds = [], []
+
+    def make(serves=registry.BACKEND_NAMES, fail=()):
+        fakes = {n: _Fake(n, runs, builds, n in fail) for n in registry.BACKEND_NAMES}
+        monkeypatch.setattr(registry, "get_backend", lambda n: fakes[n])
+        monkeypatch.setattr(registry, "unsupported_reasons",
+                            lambda n, cfg, dev: [] if n in serves else ["not here"])
+        return runs, builds
+    return make
 
 
-def test_batch_dependent_choice_dispatches_per_call(monkeypatch):
-    backend, runs = _resolved_on_fake_gpu(monkeypatch, set(registry.BACKEND_NAMES))
+def _args(R):
+    return SimpleNamespace(state_indices=torch.zeros(R, 1))
+
+
+def test_batch_dependent_choice_dispatches_per_call(fake_gpu):
+    runs, builds = fake_gpu()
+    cfg = KdaConfig(num_heads=32)
+    backend = registry.resolve(cfg, torch.device("cuda"))
     assert isinstance(backend, auto.BatchAuto) and backend.name == "auto"
-    assert {r: b.name for r, b in backend.picks.items()} == {
+    assert {r: c[0].name for r, c in backend.candidates.items()} == {
         1: "cutedsl_wide", 8: "cutedsl_wide", 32: "cuda", 128: "cuda", 512: "cuda"}
-    step = backend.build(KdaConfig(num_heads=4), torch.device("cuda"))
+    step = backend.build(cfg, torch.device("cuda"))
+    assert sorted(builds) == ["cuda", "cutedsl_wide"]           # both built up front, once
     for R in (1, 16, 17, 300, 16):
-        step(SimpleNamespace(state_indices=torch.zeros(R, 1)))
+        step(_args(R))
     assert runs == [("cutedsl_wide", 1), ("cutedsl_wide", 16), ("cuda", 17), ("cuda", 300),
                     ("cutedsl_wide", 16)]
     assert [step.backend_for(R) for R in (1, 16, 17)] == ["cutedsl_wide", "cutedsl_wide", "cuda"]
 
 
-def test_one_choice_for_every_batch_is_that_backend(monkeypatch):
+def test_batch_counts_in_items_of_the_table(fake_gpu):
+    """The table was measured at H=32: at H=4 a batch of 128 requests is 512 items, like 16
+    requests at H=32."""
+    fake_gpu()
+    cfg = KdaConfig(num_heads=4)
+    assert auto.auto_order(cfg, torch.device("cuda"), 128)[0] == "cutedsl_wide"
+    assert auto.auto_order(cfg, torch.device("cuda"), 129)[0] == "cuda"
+    backend = registry.resolve(cfg, torch.device("cuda"))
+    assert [backend.backend_for(R) for R in (128, 129)] == ["cutedsl_wide", "cuda"]
+    assert backend.description == "by batch size: cutedsl_wide for R <= 128, cuda above"
+
+
+def test_a_candidate_that_fails_to_build_falls_back(fake_gpu, caplog):
+    runs, builds = fake_gpu(fail={"cuda"})
+    cfg = KdaConfig(num_heads=32)
+    step = registry.resolve(cfg, torch.device("cuda")).build(cfg, torch.device("cuda"))
+    assert builds.count("cuda") == 1                          # tried once, not per batch size
+    step(_args(64))
+    assert runs == [("cutedsl", 64)] and step.backend_for(64) == "cutedsl"   # R=32/128's next
+    assert step.backend_for(4) == "cutedsl_wide"
+
+
+def test_nothing_builds_raises(fake_gpu):
+    fake_gpu(serves={"cuda", "triton"}, fail={"cuda", "triton"})
+    cfg = KdaConfig(num_heads=32)
+    backend = registry.resolve(cfg, torch.device("cuda"))
+    with pytest.raises(registry.KdaBackendError, match="no KDA backend builds"):
+        backend.build(cfg, torch.device("cuda"))
+
+
+def test_kda_decode_shares_candidate_steps_and_names_them(fake_gpu, monkeypatch):
+    """Through the public class: the candidates are built through the shared step cache (an
+    explicit choice of the same backend reuses the build), and backend_for names what runs."""
+    import kda
+    _, builds = fake_gpu()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = KdaConfig(num_heads=32)
+    step = kda.KdaDecode(cfg, device="cuda:0")
+    explicit = kda.KdaDecode(cfg, device="cuda:0", backend="cuda")
+    assert step.backend_name == "auto" and explicit.backend_name == "cuda"
+    assert sorted(builds) == ["cuda", "cutedsl_wide"]
+    assert explicit._step is step._step.steps["cuda"]
+    assert [step.backend_for(R) for R in (8, 64)] == ["cutedsl_wide", "cuda"]
+    assert explicit.backend_for(8) == "cuda"
+
+
+def test_one_choice_for_every_batch_is_that_backend(fake_gpu):
     # without cutedsl_wide and cuda: cutedsl is first at every measured R
-    backend, _ = _resolved_on_fake_gpu(monkeypatch, {"cutedsl", "triton", "reference"})
+    fake_gpu(serves={"cutedsl", "triton", "reference"})
+    backend = registry.resolve(KdaConfig(num_heads=4), torch.device("cuda"))
     assert backend.name == "cutedsl" and not isinstance(backend, auto.BatchAuto)
 
 
@@ -115,6 +181,7 @@ def test_auto_on_the_gpu_switches_backend_by_batch_and_captures_graphs(monkeypat
             torch.cuda.synchronize()
             errors = compare_step(args, expected, before)
             assert not errors, f"R={R} graph={graph}: " + "\n".join(errors)
-    avail = {n for n, why, _ in registry.status() if why is None}
-    if {"cutedsl_wide", "cuda"} <= avail:
+    if torch.cuda.get_device_capability(dev) == (9, 0):    # both candidates serve sm_90
+        why = {n: w for n, w, _ in registry.status() if n in ("cutedsl_wide", "cuda")}
+        assert not any(why.values()), why
         assert isinstance(backend, auto.BatchAuto) and used == {"cutedsl_wide", "cuda"}
