@@ -157,12 +157,12 @@ def test_auto_on_the_gpu_switches_backend_by_batch_and_captures_graphs(monkeypat
     from kda.testing import CaseSpec, clone_args, compare_step, make_case, make_config
 
     monkeypatch.delenv("KDA_BACKEND", raising=False)
-    cfg = make_config(4, 1)
+    cfg = make_config(8, 1)          # H=8: cutedsl_wide up to 64 requests (512 items)
     dev = torch.device("cuda")
     backend = registry.resolve(cfg, dev)
     step = backend.build(cfg, dev)
     used = set()
-    for R in (4, 64):
+    for R in (4, 96):
         used.add(getattr(step, "backend_for", lambda r: backend.name)(R))
         for graph in (False, True):
             args = make_case(CaseSpec(cfg, R=R, seed=R + graph), dev)
