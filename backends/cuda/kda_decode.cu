@@ -867,6 +867,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
             a[m][1] = fmaf(s.w, qq.w, a[m][1]);
           }
         }
+        float ov[4];
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
           float o = a[m][0] + a[m][1];
@@ -877,6 +878,20 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
             sm.o[t][row0 + 32 * m] = o;
             if (rec) p.v_record[sm.woff[t] + row0 + 32 * m] = u[m];
           }
+          ov[m] = o;
+        }
+        if (p.fused_norm) {
+          // sum of bf16(o)^2 over this thread's 4 rows (every lane of a row holds the same),
+          // then over the warp's 4 rows (lanes 0, 8, 16, 24)
+          float osq = 0.f;
+#pragma unroll
+          for (int m = 0; m < 4; ++m) {
+            const float ob = bf16r(ov[m]);
+            osq = fmaf(ob, ob, osq);
+          }
+          osq += __shfl_xor_sync(0xffffffffu, osq, 8);
+          osq += __shfl_xor_sync(0xffffffffu, osq, 16);
+          if (lane == 0) (&sm.red[t][0][0])[warp] = osq;
         }
         // State after token t (T=1: to the source slot; T>1: to state_indices[r, t], skipped
         // where that id is not in (0, slots)); record mode writes no state. Each warp store
@@ -891,9 +906,23 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
               *reinterpret_cast<float4*>(base + m * 32 * kD + 32 * c) = S[m][c];
         }
       }
-      __syncthreads();  // B4: o complete
+      __syncthreads();  // B4: o complete (fused_norm: and the 8 warps' sums of squares)
 
       // ---- epilogue: gated RMSNorm over the 128 o values of each token ----
+      if (p.fused_norm) {
+        if (tid < kD) {
+          const float* red = &sm.red[0][0][0];
+#pragma unroll
+          for (int t = 0; t < T; ++t) {
+            const float ob = bf16r(sm.o[t][tid]);
+            const float* r8 = red + t * 8;
+            const float tot = (((r8[0] + r8[1]) + (r8[2] + r8[3])) + ((r8[4] + r8[5]) + (r8[6] + r8[7])));
+            const float rstd = rsqrtf(tot * (1.0f / kD) + p.norm_eps);
+            const float y = ((ob * rstd) * sm.nw[tid]) * sm.ogs[t][tid];
+            out[(ROW0 + t) * p.out_row + H_CUR * kD + tid] = __float2bfloat16_rn(y);
+          }
+        }
+      } else {
       if (tid < kD) {
 #pragma unroll
         for (int t = 0; t < T; ++t) {
@@ -914,6 +943,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
           const float y = ((ob * rstd) * sm.nw[tid]) * sm.ogs[t][tid];
           orow[t * p.out_row] = __float2bfloat16_rn(y);
         }
+      }
       }
     }
 #undef CUR
