@@ -126,7 +126,6 @@ class CudaBackend(Backend):
         ipc = items_per_cta_from_env("KDA_CUDA_ITEMS_PER_CTA", ITEMS_PER_CTA.get(T, 0))
         dynamic = schedule_from_env(SCHEDULE.get(T, "dynamic")) == "dynamic"
         fb_smem = T == 1 and flag_from_env("KDA_CUDA_FB_SMEM", FB_SMEM)
-        fused_norm = flag_from_env("KDA_CUDA_FUSED_NORM", False)
         # the dynamic schedule's counter pairs, one per CUDA stream (zero when made, left at
         # zero by every launch)
         counters: Optional[dict] = {} if dynamic else None
@@ -147,7 +146,7 @@ class CudaBackend(Backend):
             launch(a.x, a.conv_weight, a.conv_bias, a.conv_state, a.f_a, a.f_b, a.beta, a.A_log,
                    a.dt_bias, a.state, a.state_indices, a.num_accepted_tokens, a.output_gate,
                    a.norm_weight, a.out, a.v_record, a.kg_record, H, T, scale, eps, lb, gm,
-                   record, pdl, pfd, ipc, sched(), fb_smem, fused_norm)
+                   record, pdl, pfd, ipc, sched(), fb_smem)
 
         step.fb_smem = fb_smem     # for tests
         step.counters = counters   # stream handle -> counter pair, for tests (None: static)

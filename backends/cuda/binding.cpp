@@ -31,7 +31,7 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
           int64_t num_heads, int64_t T, double scale, double norm_eps,
           c10::optional<double> lower_bound, int64_t gate_mode, bool record, bool use_pdl,
           int64_t prefetch_distance, int64_t items_per_cta,
-          const c10::optional<at::Tensor>& sched, bool fb_smem, bool fused_norm) {
+          const c10::optional<at::Tensor>& sched, bool fb_smem) {
   TORCH_CHECK(x.is_cuda(), "kda cuda: tensors must be on a CUDA device");
   for (const auto* t : {&conv_weight, &conv_state, &f_a, &f_b, &beta, &A_log, &dt_bias, &state,
                         &state_indices, &output_gate, &norm_weight, &out}) {
@@ -118,7 +118,6 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
   p.items_per_cta = static_cast<int>(items_per_cta);
   TORCH_CHECK(!fb_smem || T == 1, "kda cuda: fb_smem serves T=1 only, got T=", T);
   p.fb_smem = fb_smem ? 1 : 0;
-  p.fused_norm = fused_norm ? 1 : 0;
   p.sched = nullptr;
   if (sched.has_value()) {
     const at::Tensor& c = *sched;
@@ -146,8 +145,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("kg_record"), py::arg("num_heads"), py::arg("T"), py::arg("scale"),
         py::arg("norm_eps"), py::arg("lower_bound"), py::arg("gate_mode"), py::arg("record"),
         py::arg("use_pdl"), py::arg("prefetch_distance"), py::arg("items_per_cta"),
-        py::arg("sched") = py::none(), py::arg("fb_smem") = false,
-        py::arg("fused_norm") = false);
+        py::arg("sched") = py::none(), py::arg("fb_smem") = false);
   m.def("smem_bytes", &kda_decode_smem_bytes,
         "Dynamic shared memory per CTA for T tokens, with f_b staged in shared memory or not",
         py::arg("T"), py::arg("fb_smem") = 0);

@@ -24,8 +24,8 @@
 //   address arithmetic costs no registers). All: state page smem -> registers, then issue
 //   S(n+1) into the chunks just read (each thread its own: no barrier needed). Warps 0-3:
 //   L2-normalise q, k. Warps 4-7: decay alpha from the raw gate (accurate expf/log1pf). B3.
-//   Recurrence for T tokens on the register-resident page, 16-byte state stores per token;
-//   B4; gated RMSNorm epilogue (warp sums, B5, bf16 out).
+//   Recurrence for T tokens on the register-resident page, 16-byte state stores per token,
+//   per-warp sums of bf16(o)^2 for the RMSNorm; B4; gated RMSNorm epilogue (bf16 out).
 //   (S(n+1) was issued after B3, behind the norms and the decay, until the sixth session:
 //   requesting it before them measured on the H200 (749d079, same sweep, step times) 1.5% /
 //   1.0% faster at R = 128 / 512, T=1, 2.9% / 3.3% / 1.4% at R = 32 / 128 / 512, T=5, and
@@ -159,7 +159,8 @@ struct __align__(16) Smem {
   float alpha[T][kD];                   // per-key decay
   float o[T][kD];                       // recurrence output
   float ogs[T][kD];                     // sigmoid(output gate)
-  float red[T][4][2];                   // warp partial sums
+  float red[T][4][2];                   // warp partial sums: q^2, k^2 by warp 0-3 (conv);
+                                        // after B3 bf16(o)^2 by warp 0-7, [t][w/2][w%2]
   float beta[T];
   uint32_t beta_word[2][kMaxT];         // 4-byte words holding beta[n, h] (by item parity)
   float nw[kD];                         // norm weight
@@ -880,9 +881,11 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
           }
           ov[m] = o;
         }
-        if (p.fused_norm) {
-          // sum of bf16(o)^2 over this thread's 4 rows (every lane of a row holds the same),
-          // then over the warp's 4 rows (lanes 0, 8, 16, 24)
+        {
+          // The gated RMSNorm's sum of bf16(o)^2, formed here so that the epilogue needs one
+          // barrier (B4): over this thread's 4 rows (every lane of a row holds the same o),
+          // then over the warp's 4 rows (lanes 0, 8, 16, 24); one partial per warp in sm.red
+          // (free since B3: the q/k partial sums were read before it).
           float osq = 0.f;
 #pragma unroll
           for (int m = 0; m < 4; ++m) {
@@ -906,44 +909,23 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
               *reinterpret_cast<float4*>(base + m * 32 * kD + 32 * c) = S[m][c];
         }
       }
-      __syncthreads();  // B4: o complete (fused_norm: and the 8 warps' sums of squares)
+      __syncthreads();  // B4: o and the 8 warps' sums of squares complete
 
       // ---- epilogue: gated RMSNorm over the 128 o values of each token ----
-      if (p.fused_norm) {
-        if (tid < kD) {
-          const float* red = &sm.red[0][0][0];
-#pragma unroll
-          for (int t = 0; t < T; ++t) {
-            const float ob = bf16r(sm.o[t][tid]);
-            const float* r8 = red + t * 8;
-            const float tot = (((r8[0] + r8[1]) + (r8[2] + r8[3])) + ((r8[4] + r8[5]) + (r8[6] + r8[7])));
-            const float rstd = rsqrtf(tot * (1.0f / kD) + p.norm_eps);
-            const float y = ((ob * rstd) * sm.nw[tid]) * sm.ogs[t][tid];
-            out[(ROW0 + t) * p.out_row + H_CUR * kD + tid] = __float2bfloat16_rn(y);
-          }
-        }
-      } else {
+      // (Until the seventh session the sums of squares were formed here, by warps 0-3 over
+      // o[tid], with a second barrier; the H200 measured the fused form 0.3-1.1% faster in
+      // every cell of c2cb4cd's sweep, R = 32 / 128 / 512, T = 1 and 5.)
       if (tid < kD) {
+        const float* red = &sm.red[0][0][0];
 #pragma unroll
         for (int t = 0; t < T; ++t) {
           const float ob = bf16r(sm.o[t][tid]);
-          const float sum = warp_sum(ob * ob);
-          if (lane == 0) sm.red[t][warp][0] = sum;
-        }
-      }
-      // Output address before B5: after it, sm.slots[n & 1] may be refilled for item n+2.
-      __nv_bfloat16* orow = out + ROW0 * p.out_row + H_CUR * kD + tid;
-      __syncthreads();  // B5
-      if (tid < kD) {
-#pragma unroll
-        for (int t = 0; t < T; ++t) {
-          const float ob = bf16r(sm.o[t][tid]);
-          const float tot = ((sm.red[t][0][0] + sm.red[t][1][0]) + sm.red[t][2][0]) + sm.red[t][3][0];
+          const float* r8 = red + t * 8;
+          const float tot = ((r8[0] + r8[1]) + (r8[2] + r8[3])) + ((r8[4] + r8[5]) + (r8[6] + r8[7]));
           const float rstd = rsqrtf(tot * (1.0f / kD) + p.norm_eps);
           const float y = ((ob * rstd) * sm.nw[tid]) * sm.ogs[t][tid];
-          orow[t * p.out_row] = __float2bfloat16_rn(y);
+          out[(ROW0 + t) * p.out_row + H_CUR * kD + tid] = __float2bfloat16_rn(y);
         }
-      }
       }
     }
 #undef CUR

@@ -70,9 +70,6 @@ typedef struct KdaParams {
   // the MMA fragments from L2 for every item (T=1 only; 0 = off). Pays off when a CTA's
   // consecutive items share the head (the static schedule's head-major ranges).
   int fb_smem;
-  // 1 = the gated RMSNorm's sums of squares are formed in the recurrence (per warp, from the
-  // threads holding o), so the epilogue needs one CTA barrier instead of two (0 = off).
-  int fused_norm;
 } KdaParams;
 
 // Launches one decode step on `stream`. Returns the launch's error code (cudaSuccess when

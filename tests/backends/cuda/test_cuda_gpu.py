@@ -317,20 +317,3 @@ def test_public_entry_point():
     errors = compare_step(args, expected, before)
     assert not errors, "\n".join(errors)
 
-
-@pytest.mark.parametrize("spec", FB_CASES + [CaseSpec(make_config(8, 5, "DS", gm=1), R=128, null_frac=0.3),
-                                             CaseSpec(make_config(2, 8, "SD", record=True), R=40)],
-                         ids=lambda s: s.id)
-def test_fused_norm(spec, monkeypatch):
-    """KDA_CUDA_FUSED_NORM=1 (the RMSNorm's sums of squares formed in the recurrence, one
-    epilogue barrier): three back-to-back steps against the reference."""
-    monkeypatch.setenv("KDA_CUDA_FUSED_NORM", "1")
-    a = make_case(spec, DEV)
-    before, expected = clone_args(a), clone_args(a)
-    step = _step(spec.cfg)
-    for _ in range(3):
-        step(a)
-        reference_step(spec.cfg, expected)
-    torch.cuda.synchronize()
-    errors = compare_step(a, expected, before)
-    assert not errors, "\n".join(errors)
