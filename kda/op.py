@@ -228,7 +228,14 @@ class KdaDecode:
         return self.backend.name
 
     def backend_for(self, batch: int) -> str:
-        """The name of the backend a call with ``batch`` requests runs."""
+        """The name of the backend a call with ``batch`` requests runs.
+
+        Raises:
+          KdaArgumentError: ``batch`` is not an int >= 1.
+        """
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise KdaArgumentError("batch", f"expected an int >= 1, got {type(batch).__name__} "
+                                            f"{batch!r}")
         pick = getattr(self._step, "backend_for", None)
         return pick(batch) if pick is not None else self.backend.name
 

@@ -222,8 +222,9 @@ WRITTEN = ("out", "state", "conv_state", "v_record", "kg_record")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    itype = {torch.float32: torch.int32, torch.bfloat16: torch.int16,
-             torch.float64: torch.int64}[t.dtype]
+    if not t.is_floating_point():
+        return t.contiguous()
+    itype = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
     return t.contiguous().view(itype)
 
 

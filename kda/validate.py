@@ -80,6 +80,27 @@ def conv_layout_of(conv_state: torch.Tensor) -> Optional[str]:
     return None
 
 
+def check_scalar_types(scale, norm_eps, lower_bound, gate_mode) -> None:
+    """The call's scalars are host numbers of the right kind: ``scale`` (None allowed),
+    ``norm_eps`` and ``lower_bound`` (None allowed) real numbers, ``gate_mode`` an int (not a
+    bool). Values are checked by :func:`validate_config`.
+
+    Raises:
+      KdaArgumentError: named after the offending scalar.
+    """
+    for name, val, optional in (("scale", scale, True), ("norm_eps", norm_eps, False),
+                                ("lower_bound", lower_bound, True)):
+        if val is None and optional:
+            continue
+        # numbers.Real: Python and numpy scalars alike (a 0-d tensor would be a device value)
+        if isinstance(val, bool) or not isinstance(val, numbers.Real):
+            raise KdaArgumentError(name, f"expected a float{' or None' if optional else ''}, got "
+                                         f"{type(val).__name__} {val!r}")
+    if isinstance(gate_mode, bool) or not isinstance(gate_mode, numbers.Integral):
+        raise KdaArgumentError("gate_mode", f"expected the int 0 or 1, got {type(gate_mode).__name__} "
+                                            f"{gate_mode!r}")
+
+
 def config_from_args(x, conv_weight, conv_bias, conv_state, state_indices, A_log,
                      norm_weight, *, lower_bound=None, gate_mode=0, record=False,
                      scale=None, norm_eps=1e-5) -> KdaConfig:
@@ -109,13 +130,7 @@ def config_from_args(x, conv_weight, conv_bias, conv_state, state_indices, A_log
                                              f"dim-first strides [s, L, 1] (DS), got {list(conv_state.stride())}")
     if scale is None:
         scale = D ** -0.5
-    for name, val in (("scale", scale), ("norm_eps", norm_eps), ("lower_bound", lower_bound)):
-        # numbers.Real: Python and numpy scalars alike (a 0-d tensor would be a device value)
-        if val is not None and (isinstance(val, bool) or not isinstance(val, numbers.Real)):
-            raise KdaArgumentError(name, f"expected a float, got {type(val).__name__} {val!r}")
-    if isinstance(gate_mode, bool) or not isinstance(gate_mode, numbers.Integral):
-        raise KdaArgumentError("gate_mode", f"expected the int 0 or 1, got {type(gate_mode).__name__} "
-                                            f"{gate_mode!r}")
+    check_scalar_types(scale, norm_eps, lower_bound, gate_mode)
     gate_mode = int(gate_mode)
     return KdaConfig(
         num_heads=H, T=T, window=conv_state.shape[2], conv_layout=layout,
@@ -140,6 +155,8 @@ def validate_config(cfg: KdaConfig) -> None:
         unknown layout, lower_bound outside [-5, 0), gate_mode not 0/1, a non-finite or
         non-positive scale / norm_eps, unsupported dtypes.
     """
+    if not isinstance(cfg, KdaConfig):
+        raise KdaArgumentError("cfg", f"expected a kda.KdaConfig, got {type(cfg).__name__}")
     for name, arg in (("num_heads", "A_log"), ("T", "state_indices"), ("window", "conv_state"),
                       ("gate_mode", "gate_mode")):
         val = getattr(cfg, name)
@@ -191,8 +208,9 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
         raise KdaArgumentError("x", f"expected a 2-D tensor [N, 3*dim], got shape {list(x.shape)}")
     if x.shape[1] != 3 * dim:
         if x.shape[1] % (3 * D) == 0:
-            raise KdaArgumentError("x", f"expected {3 * dim} channels (3 x H={H} heads x D={D}, H from "
-                                        f"A_log), got {x.shape[1]} (= {x.shape[1] // (3 * D)} heads)")
+            raise KdaArgumentError("x", f"expected {3 * dim} channels (3 x H={H} heads x D={D}; H is "
+                                        f"the configuration's, which kda_decode takes from A_log), "
+                                        f"got {x.shape[1]} (= {x.shape[1] // (3 * D)} heads)")
         raise KdaArgumentError("x", f"expected 3*H*D = {3 * dim} channels with head dim D = {D}, "
                                     f"got {x.shape[1]}")
     si = args.state_indices
@@ -206,8 +224,10 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
     R = si.shape[0]
     N = R * T
     if x.shape[0] != N:
+        hint = (" (a speculative verify with T > 1 tokens passes state_indices as [R, T])"
+                if T == 1 and R and x.shape[0] % R == 0 and x.shape[0] > R else "")
         raise KdaArgumentError("x", f"expected N = R*T = {N} rows (R = {R} from state_indices, T = {T}), "
-                                    f"got {x.shape[0]}")
+                                    f"got {x.shape[0]}{hint}")
     _check_tensor("x", x, (torch.bfloat16,), (N, 3 * dim), dev)
     _check_rows("x", x)
     _check_tensor("state_indices", si, (torch.int32,), (R,) if T == 1 else (R, T), dev)

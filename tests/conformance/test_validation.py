@@ -265,3 +265,28 @@ def test_numpy_scalars_are_accepted():
                    backend="reference")
     kda.kda_decode(**_kwargs(b), lower_bound=-1.0, gate_mode=1, backend="reference")
     assert bits_equal(a.out, b.out) and bits_equal(a.state, b.state)
+
+
+def test_config_and_batch_arguments_are_checked():
+    """KdaDecode takes a KdaConfig; backend_for takes a batch size >= 1; x with R*T rows but a
+    1-D state_indices points at the [R, T] form (found by a new-user trial)."""
+    with pytest.raises(KdaArgumentError) as ei:
+        kda.KdaDecode({"num_heads": 2}, device="cpu", backend="reference")
+    assert ei.value.arg == "cfg"
+    step = kda.KdaDecode(CFG1, device="cpu", backend="reference")
+    for bad in (0, -3, 1.5, True):
+        with pytest.raises(KdaArgumentError) as ei:
+            step.backend_for(bad)
+        assert ei.value.arg == "batch"
+    assert step.backend_for(7) == "reference"
+    a = make_case(CaseSpec(CFG2, R=3), torch.device("cpu"))
+    with pytest.raises(KdaArgumentError) as ei:
+        kda.kda_decode(**_kwargs(a, state_indices=a.state_indices[:, 0].contiguous()),
+                       backend="reference")
+    assert ei.value.arg == "x" and "[R, T]" in str(ei.value)
+
+
+def test_bits_equal_takes_every_float_width():
+    for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        t = torch.tensor([1.0, float("nan"), -0.0], dtype=dt)
+        assert bits_equal(t, t.clone()) and not bits_equal(t, t.abs())

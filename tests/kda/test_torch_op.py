@@ -95,3 +95,20 @@ def test_compiled_graph_calls_the_op_in_place():
     assert "kda.decode.default(" in code
     for line in code.splitlines():
         assert not any(w in line for w in ("clone", "copy_(")), line
+
+
+def test_custom_op_refuses_scalars_of_the_wrong_kind_before_writing():
+    """The op's schema converts scalars (int(), float()); what kda_decode refuses must be
+    refused before that conversion, naming the argument (found by a new-user trial)."""
+    import pytest
+    from kda.validate import KdaArgumentError
+    cfg = KdaConfig(num_heads=2, T=1, window=3)
+    a = make_case(CaseSpec(cfg, R=3, seed=6))
+    before = clone_args(a)
+    for over, arg in (({"gate_mode": 1.5}, "gate_mode"), ({"gate_mode": True}, "gate_mode"),
+                      ({"scale": "a"}, "scale"), ({"norm_eps": None}, "norm_eps")):
+        with pytest.raises(KdaArgumentError) as ei:
+            kda.torch_op.decode(*_args(a), out=a.out, backend="reference", **over)
+        assert ei.value.arg == arg, over
+    for name in ("state", "conv_state", "out"):
+        assert bits_equal(getattr(a, name), getattr(before, name)), name
