@@ -104,6 +104,14 @@ def table_order(cfg: KdaConfig, table_r: int) -> List[str]:
     return order + [n for n in GPU_FALLBACK if n not in order]
 
 
+def plan(cfg: KdaConfig, device: torch.device) -> Dict[Optional[int], List[str]]:
+    """Every order ``auto`` may need for ``cfg`` on ``device``: on a CUDA device measured R
+    (table units) -> :func:`table_order`; on the CPU ``{None: CPU_ORDER}``."""
+    if device.type != "cuda":
+        return {None: list(CPU_ORDER)}
+    return {r: table_order(cfg, r) for r in batch_sizes(cfg)}
+
+
 def _last_batch(cfg: KdaConfig, table_r: int) -> int:
     """The largest batch size whose :func:`table_batch` is at most ``table_r``."""
     lo, hi = 1, 1 << 30
@@ -162,11 +170,6 @@ class BatchAuto(Backend):
 
     def probe(self) -> Optional[str]:
         return None
-
-    def backend_for(self, batch: int) -> str:
-        """The backend name planned for a call with ``batch`` requests (the built step's
-        ``backend_for`` says what runs, after any fallback)."""
-        return self.candidates[table_batch(self.cfg, batch)][0].name
 
     def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:
         from absl import logging

@@ -149,11 +149,11 @@ def resolve(cfg: KdaConfig, device: torch.device, explicit: Optional[str] = None
         raise KdaBackendError(f"unknown KDA backend {name!r} (from {source}); valid names: "
                               f"{', '.join(CHOICES)}")
     if name == "auto":
-        from kda.auto import CPU_ORDER, BatchAuto, batch_sizes, table_order
+        from kda.auto import BatchAuto, plan
         candidates = {}
-        for table_r in (batch_sizes(cfg) if device.type == "cuda" else [None]):
+        for table_r, order in plan(cfg, device).items():
             ok, tried = [], []
-            for cand in (table_order(cfg, table_r) if table_r else CPU_ORDER):
+            for cand in order:
                 why = unsupported_reasons(cand, cfg, device)
                 if why:
                     tried.append(f"{cand}: {'; '.join(why)}")
@@ -183,6 +183,10 @@ def _log_once(requested: str, source: str, backend: Backend, cfg: KdaConfig,
     if key in _logged:
         return
     _logged.add(key)
-    shown = backend.name if backend.name != "auto" else f"auto ({backend.description})"
     logging.info("KDA decode backend: %s (requested %s via %s) for %s on %s",
-                 shown, requested, source, cfg.short(), device)
+                 describe(backend), requested, source, cfg.short(), device)
+
+
+def describe(backend: Backend) -> str:
+    """The backend's name, with the plan for ``auto`` when it depends on the batch size."""
+    return backend.name if backend.name != "auto" else f"auto ({backend.description})"

@@ -104,7 +104,8 @@ def test_batch_counts_in_items_of_the_table(fake_gpu):
     assert auto.auto_order(cfg, torch.device("cuda"), 128)[0] == "cutedsl_wide"
     assert auto.auto_order(cfg, torch.device("cuda"), 129)[0] == "cuda"
     backend = registry.resolve(cfg, torch.device("cuda"))
-    assert [backend.backend_for(R) for R in (128, 129)] == ["cutedsl_wide", "cuda"]
+    step = backend.build(cfg, torch.device("cuda"))
+    assert [step.backend_for(R) for R in (128, 129)] == ["cutedsl_wide", "cuda"]
     assert backend.description == "by batch size: cutedsl_wide for R <= 128, cuda above"
 
 

@@ -195,10 +195,7 @@ def main(argv):
     console.print(f"[bold]KDA layer[/] {label} parameters from {path}: hidden={layer.hidden}, "
                   f"heads [{FLAGS.tp_rank * H}, {(FLAGS.tp_rank + 1) * H}) of "
                   f"{params['A_log'].numel()}, {cfg.short()}")
-    shown = layer.op.backend_name
-    if shown == "auto":
-        shown += f" ({layer.op.backend.description})"
-    console.print(f"[bold]backend[/] {shown} (requested {requested} via {source}) "
+    console.print(f"[bold]backend[/] {registry.describe(layer.op.backend)} (requested {requested} via {source}) "
                   f"on {device}" + (f"; every step also checked against {check_op.backend_name}"
                                     if check_op else ""))
 

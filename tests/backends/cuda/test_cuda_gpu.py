@@ -316,4 +316,3 @@ def test_public_entry_point():
     assert out.data_ptr() == args.out.data_ptr()
     errors = compare_step(args, expected, before)
     assert not errors, "\n".join(errors)
-
