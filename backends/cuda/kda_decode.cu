@@ -868,7 +868,11 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
             a[m][1] = fmaf(s.w, qq.w, a[m][1]);
           }
         }
-        float ov[4];
+        // The gated RMSNorm's sum of bf16(o)^2 is formed here, so that the epilogue needs one
+        // barrier (B4): over this thread's 4 rows (every lane of a row holds the same o), then
+        // over the warp's 4 rows (lanes 0, 8, 16, 24); one partial per warp in sm.red (free
+        // since B3: the q/k partial sums were read before it).
+        float osq = 0.f;
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
           float o = a[m][0] + a[m][1];
@@ -879,23 +883,12 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
             sm.o[t][row0 + 32 * m] = o;
             if (rec) p.v_record[sm.woff[t] + row0 + 32 * m] = u[m];
           }
-          ov[m] = o;
+          const float ob = bf16r(o);
+          osq = fmaf(ob, ob, osq);
         }
-        {
-          // The gated RMSNorm's sum of bf16(o)^2, formed here so that the epilogue needs one
-          // barrier (B4): over this thread's 4 rows (every lane of a row holds the same o),
-          // then over the warp's 4 rows (lanes 0, 8, 16, 24); one partial per warp in sm.red
-          // (free since B3: the q/k partial sums were read before it).
-          float osq = 0.f;
-#pragma unroll
-          for (int m = 0; m < 4; ++m) {
-            const float ob = bf16r(ov[m]);
-            osq = fmaf(ob, ob, osq);
-          }
-          osq += __shfl_xor_sync(0xffffffffu, osq, 8);
-          osq += __shfl_xor_sync(0xffffffffu, osq, 16);
-          if (lane == 0) (&sm.red[t][0][0])[warp] = osq;
-        }
+        osq += __shfl_xor_sync(0xffffffffu, osq, 8);
+        osq += __shfl_xor_sync(0xffffffffu, osq, 16);
+        if (lane == 0) (&sm.red[t][0][0])[warp] = osq;
         // State after token t (T=1: to the source slot; T>1: to state_indices[r, t], skipped
         // where that id is not in (0, slots)); record mode writes no state. Each warp store
         // covers 4 rows x 128 contiguous bytes.
