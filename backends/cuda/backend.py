@@ -18,6 +18,10 @@ Environment:
   KDA_CUDA_FB_SMEM=1|0   at T=1, stage each head's f_b rows (32 KiB) in shared memory once
                    per head instead of loading the gate MMA's fragments from L2 for every
                    item (default: FB_SMEM; no effect at T > 1, which has no such build).
+  KDA_CUDA_EARLY_PARAMS=1|0   request the first item's head parameters (model weights) before
+                   the kernel's griddepcontrol.wait (default: EARLY_PARAMS).
+  KDA_CUDA_EARLY_TRIGGER=1|0   let a PDL successor be scheduled right after the wait instead
+                   of at each CTA's end (default: EARLY_TRIGGER).
   (The KDA_CUDA_* variables are read when a step is built: kda_decode / KdaDecode keep built
   steps for the process, so a later change needs a new process or a new build().)
   KDA_CACHE_DIR    where the compiled extension is kept (see build.py).
@@ -66,6 +70,10 @@ SCHEDULES = ("dynamic", "static")
 #: / 256 / 512, T=1) 45.8 / 164.4 / 313.5 / 613.3 us against 48.9 / 171.8 / 330.1 / 649.0
 #: (6.4 / 4.3 / 5.0 / 5.5% faster; the repeats agreed within 0.3%).
 FB_SMEM = True
+
+#: Defaults of ``KDA_CUDA_EARLY_PARAMS`` and ``KDA_CUDA_EARLY_TRIGGER`` (see kda_decode.h).
+EARLY_PARAMS = False
+EARLY_TRIGGER = False
 
 
 def schedule_from_env(default: str) -> str:
@@ -126,6 +134,8 @@ class CudaBackend(Backend):
         ipc = items_per_cta_from_env("KDA_CUDA_ITEMS_PER_CTA", ITEMS_PER_CTA.get(T, 0))
         dynamic = schedule_from_env(SCHEDULE.get(T, "dynamic")) == "dynamic"
         fb_smem = T == 1 and flag_from_env("KDA_CUDA_FB_SMEM", FB_SMEM)
+        early_params = flag_from_env("KDA_CUDA_EARLY_PARAMS", EARLY_PARAMS)
+        early_trigger = flag_from_env("KDA_CUDA_EARLY_TRIGGER", EARLY_TRIGGER)
         # the dynamic schedule's counter pairs, one per CUDA stream (zero when made, left at
         # zero by every launch)
         counters: Optional[dict] = {} if dynamic else None
@@ -146,9 +156,13 @@ class CudaBackend(Backend):
             launch(a.x, a.conv_weight, a.conv_bias, a.conv_state, a.f_a, a.f_b, a.beta, a.A_log,
                    a.dt_bias, a.state, a.state_indices, a.num_accepted_tokens, a.output_gate,
                    a.norm_weight, a.out, a.v_record, a.kg_record, H, T, scale, eps, lb, gm,
-                   record, pdl, pfd, ipc, sched(), fb_smem)
+                   record, pdl, pfd, ipc, sched(), fb_smem, early_params, early_trigger,
+                   step.trace)
 
         step.fb_smem = fb_smem     # for tests
+        # KDA_CUDA_TRACE=1 builds: an int64 CUDA tensor the next launches write per-CTA
+        # timestamps into (tools/gpu/cuda_trace.py); None = none
+        step.trace = None
         step.counters = counters   # stream handle -> counter pair, for tests (None: static)
         return step
 

@@ -31,7 +31,8 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
           int64_t num_heads, int64_t T, double scale, double norm_eps,
           c10::optional<double> lower_bound, int64_t gate_mode, bool record, bool use_pdl,
           int64_t prefetch_distance, int64_t items_per_cta,
-          const c10::optional<at::Tensor>& sched, bool fb_smem) {
+          const c10::optional<at::Tensor>& sched, bool fb_smem, bool early_params,
+          bool early_trigger, const c10::optional<at::Tensor>& trace) {
   TORCH_CHECK(x.is_cuda(), "kda cuda: tensors must be on a CUDA device");
   for (const auto* t : {&conv_weight, &conv_state, &f_a, &f_b, &beta, &A_log, &dt_bias, &state,
                         &state_indices, &output_gate, &norm_weight, &out}) {
@@ -128,6 +129,20 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
     p.sched = c.data_ptr<int32_t>();
   }
 
+  p.early_params = early_params ? 1 : 0;
+  p.early_trigger = early_trigger ? 1 : 0;
+#ifdef KDA_TRACE
+  p.trace = nullptr;
+  if (trace.has_value()) {
+    check_cuda(*trace, x, "trace");
+    TORCH_CHECK(trace->scalar_type() == at::kLong && trace->is_contiguous(),
+                "kda cuda: trace must be a contiguous int64 tensor");
+    p.trace = reinterpret_cast<long long*>(trace->data_ptr<int64_t>());
+  }
+#else
+  TORCH_CHECK(!trace.has_value(), "kda cuda: trace needs a build with KDA_CUDA_TRACE=1");
+#endif
+
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaError_t err = kda_decode_launch(&p, at::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, "kda cuda: launch failed: ", cudaGetErrorString(err));
@@ -145,7 +160,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("kg_record"), py::arg("num_heads"), py::arg("T"), py::arg("scale"),
         py::arg("norm_eps"), py::arg("lower_bound"), py::arg("gate_mode"), py::arg("record"),
         py::arg("use_pdl"), py::arg("prefetch_distance"), py::arg("items_per_cta"),
-        py::arg("sched") = py::none(), py::arg("fb_smem") = false);
+        py::arg("sched") = py::none(), py::arg("fb_smem") = false,
+        py::arg("early_params") = false, py::arg("early_trigger") = false,
+        py::arg("trace") = py::none());
   m.def("smem_bytes", &kda_decode_smem_bytes,
         "Dynamic shared memory per CTA for T tokens, with f_b staged in shared memory or not",
         py::arg("T"), py::arg("fb_smem") = 0);

@@ -471,12 +471,49 @@ __device__ __forceinline__ float beta_value(const KdaParams& p, const Smem<T, FB
   return bf2f(static_cast<uint16_t>((b & 2) ? (w >> 16) : (w & 0xffffu)));
 }
 
+#ifdef KDA_TRACE
+// Debugging builds (KDA_TRACE): thread 0 of CTA b < kTraceCtas writes p.trace[b * kTraceStride
+// + slot]: 0 / 1 globaltimer (ns) at entry / exit, 2 the SM id, 3 / 4 / 5 / 6 clock64 at entry /
+// after griddepcontrol.wait / the loop's start / exit, 7 the iterations walked; iteration n <
+// kTraceItems: 8 + 4n + {0: top (its operands arrived), 1: after B2 (its page arrived), 2: after
+// B3, 3: its end}, clock64. tools/gpu/cuda_trace.py reads them.
+constexpr int kTraceCtas = 1024, kTraceStride = 256, kTraceItems = 62;
+__device__ __forceinline__ long long global_timer() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ int sm_id() {
+  int s;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+  return s;
+}
+#define TRACE(slot, value)                                                       \
+  do {                                                                           \
+    if (p.trace != nullptr && tid == 0 && blockIdx.x < kTraceCtas)               \
+      p.trace[static_cast<int64_t>(blockIdx.x) * kTraceStride + (slot)] = (value); \
+  } while (0)
+#define TRACE_ITEM(n, k)                                       \
+  do {                                                         \
+    if ((n) < kTraceItems) TRACE(8 + 4 * (n) + (k), clock64()); \
+  } while (0)
+#else
+#define TRACE(slot, value) \
+  do {                     \
+  } while (0)
+#define TRACE_ITEM(n, k) \
+  do {                   \
+  } while (0)
+#endif
+
 template <int T, bool FB>
 __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_constant__ KdaParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Smem<T, FB>& sm = *reinterpret_cast<Smem<T, FB>*>(smem_raw);
 
   const int tid = threadIdx.x;
+  TRACE(0, global_timer());
+  TRACE(3, clock64());
   const int warp = tid >> 5, lane = tid & 31;
   const int H = p.num_heads;
   const int dim = H * kD;
@@ -506,22 +543,37 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
   // so its conv taps / biases are staged once per head, and at T=1 (FB) its f_b rows too. (At
   // T >= 2 the f_b fragments are re-read from L2 every item; the L1 hit rate measured ~3%.)
   const int R = p.num_requests;
-  // Everything below may read what the predecessor kernel wrote (slot ids, windows, pages,
-  // operands): wait for it first. Only the norm weight (a model weight) is read before.
+  // With p.early_params the first item's head parameters (model weights, like the norm
+  // weight) are requested before the wait, so that they may arrive while the predecessor
+  // drains.
+  if (p.early_params) {
+    issue_params<T>(p, sm, beg / R, tid);
+    cp_async_commit();
+  }
+  // Everything else below may read what the predecessor kernel wrote (slot ids, windows,
+  // pages, operands): wait for it first.
   grid_dependency_wait();
-  issue_slots<T>(p, sm, 0, beg % R, tid);
-  cp_async_commit();
-  cp_async_wait<0>();
+  TRACE(4, clock64());
+  // p.early_trigger: a PDL successor may be scheduled from now on; its griddepcontrol.wait
+  // still waits for this whole grid and its memory.
+  if (p.early_trigger) trigger_dependents();
+  // The first slot row by plain loads (not cp.async: the wait for it would include the early
+  // parameters' group).
+  {
+    const int64_t row = static_cast<int64_t>(beg % R) * p.idx_row;
+    if (tid < T) sm.slots[0][tid] = __ldcg(p.state_indices + row + tid);
+    if (T > 1 && tid == kMaxT) sm.slots[0][8] = __ldcg(p.num_accepted + beg % R);
+  }
   __syncthreads();
   {
     const Item first = item_at<T>(p, sm, 0, beg % R, beg / R);
     if (tid == 0) {
       sm.info[0] = first;
-      sm.params_head = first.src > 0 ? first.h : -1;
+      sm.params_head = p.early_params ? first.h : first.src > 0 ? first.h : -1;
     }
     if (first.src > 0) {
       issue_window<T>(p, sm, first, tid);
-      issue_params<T>(p, sm, first.h, tid);
+      if (!p.early_params) issue_params<T>(p, sm, first.h, tid);
       cp_async_commit();
     }
     // L2 prefetch of the pages of items beg+1 .. beg+d-1 (the loop prefetches n+d from n).
@@ -541,6 +593,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
     cp_async_wait<1>();  // everything of item 0 but its page
     __syncthreads();     // sm.info[0], sm.item_idx[0], item 0's operands
   }
+  TRACE(5, clock64());
 
   // n counts this CTA's iterations; its item's index is sm.item_idx[n & 1], (r, h) in
   // sm.info[n & 1]. Every buffer kept per item parity is kept per iteration parity.
@@ -549,6 +602,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
     // order one iteration ago; wait for E only, so that the conv and gate below overlap the
     // page's arrival.
     cp_async_wait<1>();
+    TRACE_ITEM(n, 0);
     // The next item (static: the range's next; dynamic: from the counter, by thread 0 for
     // warp 0), its index parked for everyone (read after B2), and its slot row (group L),
     // needed when it is prefetched below.
@@ -743,6 +797,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
     if (T > 1 && PF) sm.pf_src = pf_second(p, T, PF_ITEM, sm.pf_src);
     cp_async_wait<0>();  // item n's state page (S) and item n+1's slot row (L)
     __syncthreads();     // B2: conv outputs, partial sums, raw gate visible; slots of n+1 visible
+    TRACE_ITEM(n, 1);
 
     // ---- prefetch item n+1, part E: operands, window, parameters, beta (their buffers are
     // free: the conv and gate are done). Issued before the page moves into registers. ----
@@ -811,6 +866,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       }
     }
     __syncthreads();  // B3: normalised q, k, alpha visible
+    TRACE_ITEM(n, 2);
     if (tid == 0 && next_live) sm.params_head = nxt.h;  // all threads read it before B3
 
     if (live) {
@@ -921,6 +977,8 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
         }
       }
     }
+    TRACE_ITEM(n, 3);
+    TRACE(7, n + 1);
 #undef CUR
 #undef H_CUR
 #undef PF_ITEM
@@ -940,8 +998,13 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
   }
   // Dependents may be scheduled once every CTA got here (they read nothing we write before
   // their griddepcontrol.wait, which waits for this whole grid and its memory).
-  __threadfence();
-  trigger_dependents();
+  if (!p.early_trigger) {
+    __threadfence();
+    trigger_dependents();
+  }
+  TRACE(6, clock64());
+  TRACE(1, global_timer());
+  TRACE(2, sm_id());
 }
 
 template <int T, bool FB = false>

@@ -70,6 +70,19 @@ typedef struct KdaParams {
   // the MMA fragments from L2 for every item (T=1 only; 0 = off). Pays off when a CTA's
   // consecutive items share the head (the static schedule's head-major ranges).
   int fb_smem;
+  // 1 = issue the first item's head parameters (conv taps / bias, dt_bias; f_b rows when
+  // fb_smem) before griddepcontrol.wait: they are model weights, which no predecessor writes
+  // (as the norm weight, always read before it). 0 = after the wait, with the item's window.
+  int early_params;
+  // 1 = griddepcontrol.launch_dependents right after griddepcontrol.wait (a dependent's own
+  // wait still waits for this whole grid and its memory), so that a PDL successor's CTAs can
+  // start as this grid's CTAs retire; 0 = at the end of each CTA.
+  int early_trigger;
+#ifdef KDA_TRACE
+  // Debugging builds only (build.py with KDA_CUDA_TRACE=1): per CTA kTraceStride timestamps,
+  // see kda_decode.cu; nullptr = none.
+  long long* trace;
+#endif
 } KdaParams;
 
 // Launches one decode step on `stream`. Returns the launch's error code (cudaSuccess when

@@ -15,6 +15,10 @@
 #            (default 1,5), the peers in $KDA_SWEEP_PEERS (default none, e.g. touch,touch_rows32)
 #            -> sweep/bench-<label>.json and a fraction-of-floor table.
 #            Labels must be unique; values may not contain ',' or ':' (use separate entries).
+#   trace    alone: tools/bench/cuda_trace.py (the cuda kernel's per-CTA timestamps, trace
+#            build) once per entry of $KDA_TRACE (same "label:VAR=value,..." form as the sweep)
+#            at R in $KDA_TRACE_BATCHES (default 32,128,512), T in $KDA_TRACE_TOKENS (default
+#            1,5) -> trace/trace-<label>-R<R>-T<T>.npz, logs/trace-<label>.log
 #   hot      alone: the benchmark with --hot_state (every request of a step on one slot, so the
 #            state stays in L2: the kernels' compute / latency bound) for $KDA_HOT_BACKENDS
 #            (default all), R 128 and 512, T 1 and 5 -> $OUT/bench-hot-h200.json
@@ -38,7 +42,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/kda-gpu-out}
 L=$OUT/logs
-rm -f "$L/_rc"; rm -rf "$OUT/sweep"    # no stale stage results or sweep JSONs of an earlier run
+rm -f "$L/_rc"; rm -rf "$OUT/sweep" "$OUT/trace"    # no stale stage results or sweep JSONs of an earlier run
 mkdir -p "$L"
 export COLUMNS=${COLUMNS:-250} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 KDA_CACHE_DIR=${KDA_CACHE_DIR:-/tmp/kda-cache}
 # The device's copy of the tree may carry a stale .git (seen: a JSON naming an older commit):
@@ -60,7 +64,7 @@ finish() {
   # one archive (logs, sweep JSONs): the device tool returns only a few files per run; the
   # loose copies are removed only once the archive is written
   tar czf "$OUT/logs.tgz" -C "$OUT" logs $( [ -d "$OUT/sweep" ] && echo sweep ) \
-    && rm -rf "$L" "$OUT/sweep"
+    $( [ -d "$OUT/trace" ] && echo trace ) && rm -rf "$L" "$OUT/sweep" "$OUT/trace"
   cat "$OUT/summary.txt"
 }
 trap finish EXIT
@@ -134,6 +138,19 @@ print(f"{'label':14s} {'backend':24s} " + " ".join(f"R{r}T{t}".rjust(8) for r, t
 for (label, b), v in sorted(rows.items()):
     print(f"{label:14s} {b:24s} " + " ".join(f"{v.get(k, float('nan')):8.3f}" for k in cells))
 PY
+fi
+
+if want trace; then
+  mkdir -p "$OUT/trace"
+  for entry in ${KDA_TRACE:-base:KDA_X=0}; do          # label:VAR=value,VAR=value
+    t0=$SECONDS
+    IFS=: read -r label assigns extra <<< "$entry"
+    env ${assigns//,/ } timeout "$(left)" python3 -m tools.bench.cuda_trace \
+      --batches="${KDA_TRACE_BATCHES:-32,128,512}" --tokens="${KDA_TRACE_TOKENS:-1,5}" \
+      --out_dir="$OUT/trace" --tag="$label" > "$L/trace-$label.log" 2>&1
+    echo "trace-$label rc=$? $((SECONDS - t0))s" >> "$L/_rc"
+    { echo "== trace $label"; grep -E "^== |^ *step|^  med" "$L/trace-$label.log"; } >> "$OUT/summary.txt"
+  done
 fi
 
 if want hot; then       # alone: every request on one slot per set (state in L2): compute bound

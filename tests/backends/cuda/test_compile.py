@@ -6,7 +6,8 @@ instantiation (and the T=1 one with f_b staged in shared memory, ``fb_smem``): n
 stores or loads, no stack frame (no local memory), and that two 256-thread CTAs fit on one SM
 from the reported registers and the dynamic shared memory (read from the object itself
 through a small host probe, so no number is duplicated here).
-Skipped when nvcc is not on PATH. Takes about 15 s on two cores.
+Also compiles the debugging build (``-DKDA_TRACE``). Skipped when nvcc is not on PATH. Takes
+about 30 s on two cores.
 """
 
 import os
@@ -117,6 +118,13 @@ def test_two_ctas_per_sm(compiled, T, fb):
     per_cta = smem[T, fb] + r["smem"] + SMEM_RESERVED_PER_CTA
     assert CTAS_PER_SM * per_cta <= SMEM_PER_SM, (
         f"T={T} fb_smem={fb}: {per_cta} bytes of shared memory per CTA")
+
+
+def test_trace_build_compiles(tmp_path):
+    """The debugging build (``KDA_CUDA_TRACE=1``, tools/bench/cuda_trace.py) compiles too."""
+    cmd = [NVCC, "-c", *build.CUDA_FLAGS, "-DKDA_TRACE", str(SRC), "-o", str(tmp_path / "t.o")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, f"nvcc failed:\n{' '.join(cmd)}\n{res.stderr}"
 
 
 if __name__ == "__main__":

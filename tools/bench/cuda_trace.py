@@ -1,0 +1,146 @@
+"""Where a ``cuda`` step's time goes: per-CTA timestamps from the kernel's trace build.
+
+Builds the CUDA extension with ``KDA_CUDA_TRACE=1`` (its own cache directory; the kernel's
+thread 0 then writes globaltimer / clock64 stamps at entry, after griddepcontrol.wait, at the
+item loop's start, at four points of every item and at exit, see ``kda_decode.cu``), runs
+``--steps`` steps back to back on the benchmark's workload (queued behind a sleep kernel, so
+the device runs them without host gaps, PDL as configured), and prints per step and over
+the steps after the first: the kernel's span, the gap after its predecessor, how far CTAs
+start and end apart, and the median phase times of an item. The ``KDA_CUDA_*`` knobs of
+``backends/cuda/backend.py`` apply as in any run.
+
+    python3 -m tools.bench.cuda_trace --batches=32,128 --tokens=1,5 --out_dir=/tmp/trace
+
+Writes ``trace-[<tag>-]R<R>-T<T>.npz`` (the raw stamps: [steps, CTAs, columns] int64) to
+``--out_dir`` if given. Needs an sm_90 GPU and nvcc.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+from typing import List
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("batches", ["32", "128", "512"], "R values")
+flags.DEFINE_list("tokens", ["1"], "T values")
+flags.DEFINE_integer("heads", 32, "H")
+flags.DEFINE_integer("steps", 8, "steps traced back to back (one slot set each)")
+flags.DEFINE_float("pool_gib", 8.0, "state pool size in GiB")
+flags.DEFINE_string("out_dir", "", "where to write the raw stamps (npz); default: print only")
+flags.DEFINE_string("tag", "", "file name tag: trace-<tag>-R<R>-T<T>.npz")
+
+CTAS, STRIDE, ITEMS = 1024, 256, 62  # kTraceCtas, kTraceStride, kTraceItems of kda_decode.cu
+
+
+def _med(xs: List[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def analyse(tr) -> List[dict]:
+    """Per step: phase figures in microseconds from the stamps ``tr`` [steps, CTAs, STRIDE]."""
+    rows = []
+    prev_end = None
+    for k in range(tr.shape[0]):
+        s = tr[k]
+        live = [b for b in range(s.shape[0]) if s[b, 0] != 0]
+        ent = {b: int(s[b, 0]) for b in live}
+        ext = {b: int(s[b, 1]) for b in live}
+        t0, t1 = min(ent.values()), max(ext.values())
+        ghz = {b: (int(s[b, 6]) - int(s[b, 3])) / max(1, ext[b] - ent[b]) for b in live}
+
+        def us(b, c0, c1):
+            return (int(s[b, c1]) - int(s[b, c0])) / ghz[b] / 1e3
+
+        def at(b, c):  # microseconds from the kernel's first CTA entry to clock column c
+            return (ent[b] - t0) / 1e3 + us(b, 3, c)
+
+        top, b2, b3, end, gap = [], [], [], [], []
+        first_b2, last_end = [], []
+        for b in live:
+            n_it = min(int(s[b, 7]), ITEMS)
+            if n_it <= 0:
+                continue
+            first_b2.append(at(b, 9))
+            last_end.append(at(b, 8 + 4 * (n_it - 1) + 3))
+            for n in range(n_it):
+                c = 8 + 4 * n
+                top.append(us(b, c, c + 1))        # top -> B2: gate, conv, page wait
+                b2.append(us(b, c + 1, c + 2))     # B2 -> B3: page to registers, norms, decay
+                b3.append(us(b, c + 2, c + 3))     # B3 -> end: recurrence, stores, RMSNorm
+                if n + 1 < n_it:
+                    gap.append(us(b, c + 3, c + 4))  # end -> next top: operands wait
+        rows.append(dict(
+            step=k, ctas=len(live), span=(t1 - t0) / 1e3,
+            after_prev=(t0 - prev_end) / 1e3 if prev_end is not None else float("nan"),
+            entry_spread=(max(ent.values()) - t0) / 1e3,
+            wait=_med([us(b, 3, 4) for b in live]), prologue=_med([us(b, 4, 5) for b in live]),
+            first_page=_med(first_b2), first_page_max=max(first_b2) if first_b2 else float("nan"),
+            item_top_b2=_med(top), item_b2_b3=_med(b2), item_b3_end=_med(b3),
+            item_next=_med(gap), items=_med([float(s[b, 7]) for b in live]),
+            last_end_min=min(last_end) if last_end else float("nan"), last_end_med=_med(last_end),
+            exit_min=(min(ext.values()) - t0) / 1e3, exit_max=(t1 - t0) / 1e3,
+            ghz=_med(list(ghz.values()))))
+        prev_end = t1
+    return rows
+
+
+COLS = [("span", "span"), ("after_prev", "gap"), ("entry_spread", "entries"), ("wait", "wait"),
+        ("prologue", "prolog"), ("first_page", "page0"), ("first_page_max", "page0max"),
+        ("item_top_b2", "top>B2"), ("item_b2_b3", "B2>B3"), ("item_b3_end", "B3>end"),
+        ("item_next", "end>top"), ("items", "items"), ("last_end_min", "lastmin"),
+        ("last_end_med", "lastmed"), ("exit_min", "exitmin"), ("exit_max", "exitmax"),
+        ("ghz", "GHz")]
+
+
+def main(argv):
+    del argv
+    os.environ["KDA_CUDA_TRACE"] = "1"
+    import numpy as np
+    import torch
+
+    from backends.cuda.backend import BACKEND
+    from kda.config import KdaConfig
+    from tools.bench.harness import Workload
+
+    dev = torch.device("cuda")
+    print("knobs:", {k: v for k, v in sorted(os.environ.items()) if k.startswith("KDA_CUDA_")})
+    for T in map(int, FLAGS.tokens):
+        cfg = KdaConfig(num_heads=FLAGS.heads, T=T)
+        for R in map(int, FLAGS.batches):
+            wl = Workload(cfg, R, dev, FLAGS.pool_gib, sets=FLAGS.steps)
+            step = BACKEND.build(cfg, dev)
+            tr = torch.zeros(FLAGS.steps, CTAS, STRIDE, dtype=torch.int64, device=dev)
+            for i in range(2 * FLAGS.steps):     # warm up (and build) without the trace
+                step(wl.args_for(i % FLAGS.steps))
+            torch.cuda.synchronize()
+            torch.cuda._sleep(50_000_000)       # the host queues every step meanwhile
+            for i in range(FLAGS.steps):
+                step.trace = tr[i]
+                step(wl.args_for(i))
+            step.trace = None
+            torch.cuda.synchronize()
+            t = tr.cpu().numpy()
+            rows = analyse(t)
+            print(f"\n== H={FLAGS.heads} R={R} T={T}: microseconds (phase figures are medians "
+                  f"over CTAs and items)")
+            print(f"{'step':>5s} " + " ".join(f"{h:>8s}" for _, h in COLS))
+            for r in rows:
+                print(f"{r['step']:5d} " + " ".join(f"{r[c]:8.2f}" for c, _ in COLS))
+            steady = rows[1:]
+            print("  med " + " ".join(f"{_med([r[c] for r in steady]):8.2f}" for c, _ in COLS))
+            if FLAGS.out_dir:
+                os.makedirs(FLAGS.out_dir, exist_ok=True)
+                used = 8 + 4 * ITEMS
+                np.savez_compressed(os.path.join(FLAGS.out_dir, f"trace-{FLAGS.tag + '-' if FLAGS.tag else ''}R{R}-T{T}.npz"),
+                                    stamps=t[:, :max(r["ctas"] for r in rows), :used])
+            del wl
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(app.run(main))
