@@ -15,6 +15,9 @@ Environment:
                    share one; graphs captured on one stream share that stream's pair, so do
                    not replay two of them at the same time); static = contiguous ranges
                    fixed at launch.
+  KDA_CUDA_STATIC_FRACTION=f   with the dynamic schedule: each CTA first walks a contiguous
+                   range of floor(f * items / CTAs) items, then takes items from the counter
+                   (f in [0, 1]; default by T: STATIC_FRACTION).
   KDA_CUDA_FB_SMEM=1|0   at T=1, stage each head's f_b rows (32 KiB) in shared memory once
                    per head instead of loading the gate MMA's fragments from L2 for every
                    item (default: FB_SMEM; no effect at T > 1, which has no such build).
@@ -65,6 +68,10 @@ SCHEDULE: dict = {1: "static"}
 
 SCHEDULES = ("dynamic", "static")
 
+#: Default static fraction of the dynamic schedule by T (``KDA_CUDA_STATIC_FRACTION``
+#: overrides; T not listed: 0, every item after a CTA's first from the counter).
+STATIC_FRACTION: dict = {}
+
 #: Default of ``KDA_CUDA_FB_SMEM`` (the T=1 kernel with f_b staged in shared memory). On: on
 #: the H200 (e1356bb, H=32, two interleaved pairs of sweep entries, step times at R = 32 / 128
 #: / 256 / 512, T=1) 45.8 / 164.4 / 313.5 / 613.3 us against 48.9 / 171.8 / 330.1 / 649.0
@@ -86,6 +93,24 @@ def schedule_from_env(default: str) -> str:
     if v not in SCHEDULES:
         raise ValueError(f"KDA_CUDA_SCHEDULE must be one of {SCHEDULES}, got {v!r}")
     return v
+
+
+def static_fraction_from_env(default: float) -> float:
+    """``$KDA_CUDA_STATIC_FRACTION`` (a number in [0, 1]), else ``default``.
+
+    Raises:
+      ValueError: the variable holds anything else.
+    """
+    v = os.environ.get("KDA_CUDA_STATIC_FRACTION", "").strip()
+    if not v:
+        return default
+    try:
+        f = float(v)
+    except ValueError:
+        f = float("nan")
+    if not 0.0 <= f <= 1.0:
+        raise ValueError(f"KDA_CUDA_STATIC_FRACTION must be a number in [0, 1], got {v!r}")
+    return f
 
 
 class CudaBackend(Backend):
@@ -133,6 +158,7 @@ class CudaBackend(Backend):
         pfd = prefetch_distance_from_env("KDA_CUDA_PREFETCH", PREFETCH_DISTANCE)
         ipc = items_per_cta_from_env("KDA_CUDA_ITEMS_PER_CTA", ITEMS_PER_CTA.get(T, 0))
         dynamic = schedule_from_env(SCHEDULE.get(T, "dynamic")) == "dynamic"
+        static_fraction = static_fraction_from_env(STATIC_FRACTION.get(T, 0.0)) if dynamic else 0.0
         fb_smem = T == 1 and flag_from_env("KDA_CUDA_FB_SMEM", FB_SMEM)
         early_params = flag_from_env("KDA_CUDA_EARLY_PARAMS", EARLY_PARAMS)
         early_trigger = flag_from_env("KDA_CUDA_EARLY_TRIGGER", EARLY_TRIGGER)
@@ -157,13 +183,14 @@ class CudaBackend(Backend):
                    a.dt_bias, a.state, a.state_indices, a.num_accepted_tokens, a.output_gate,
                    a.norm_weight, a.out, a.v_record, a.kg_record, H, T, scale, eps, lb, gm,
                    record, pdl, pfd, ipc, sched(), fb_smem, early_params, early_trigger,
-                   step.trace)
+                   step.trace, static_fraction)
 
         step.fb_smem = fb_smem     # for tests
         # KDA_CUDA_TRACE=1 builds: an int64 CUDA tensor the next launches write per-CTA
         # timestamps into (tools/gpu/cuda_trace.py); None = none
         step.trace = None
         step.counters = counters   # stream handle -> counter pair, for tests (None: static)
+        step.static_fraction = static_fraction
         return step
 
 

@@ -66,6 +66,9 @@
 // counters. Measured on the H200 (1b62e9a, step times): 0.6-0.9% slower at T=1 (the next
 // item's slot row waits for the atomic, and consecutive items rarely share a head), 3-4%
 // faster at T >= 2 (R >= 128); the backend's default is static at T=1, dynamic above.
+// KdaParams.static_fraction f (with sched): CTA b first walks the contiguous range [b*S,
+// (b+1)*S), S = floor(f * items / CTAs), and only then takes items from the counter (which
+// starts at CTAs * S): head-major locality for most items, balance for the rest.
 //
 // Shared memory per CTA: 64 KiB state staging laid out [16 chunk][256 thread][4 floats]
 // (each thread reads back only what it copied: no barrier needed for the page itself, no bank
@@ -170,6 +173,7 @@ struct __align__(16) Smem {
                                         // its range's end; dynamic: R * H); kept out of registers
   int item_idx[2];                      // item index of iterations n and n+1 (by parity)
   int item_beg;                         // static schedule: item of iteration 0
+  int static_end;                       // dynamic schedule: end of the CTA's static range
   int slots[2][12];                     // state_indices row [0, T) and num_accepted [8], by parity of iteration
   Item info[2];                         // items n and n+1 (by parity), derived once from slots
   int params_head;                      // head whose cw / cbias / dtb are staged (-1: none)
@@ -522,8 +526,12 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
   // Static schedule: CTA b walks the contiguous range [beg, end). Dynamic (p.sched): CTA b
   // starts with item b and takes every next item from an atomic counter, so CTAs finish within
   // about one item of each other whatever their items cost (see the design note).
+  // With p.static_items = S > 0 the dynamic schedule first walks the contiguous range
+  // [b*S, (b+1)*S) and takes items from the counter only after it (the counter's items start
+  // at G*S); S = 0 behaves as S = 1 (the range is item b alone).
   const bool dynamic = p.sched != nullptr;
-  const int beg = dynamic ? static_cast<int>(blockIdx.x)
+  const int S1 = max(p.static_items, 1);
+  const int beg = dynamic ? static_cast<int>(blockIdx.x) * S1
                           : static_cast<int>((static_cast<int64_t>(blockIdx.x) * num_items) / G);
   const int end = dynamic ? num_items
                           : static_cast<int>((static_cast<int64_t>(blockIdx.x + 1) * num_items) / G);
@@ -532,6 +540,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
     sm.item_end = end;
     sm.item_idx[0] = beg;
     sm.item_beg = beg;
+    sm.static_end = dynamic ? beg + S1 : end;
   }
   if (tid < kD) {  // norm weight, shared by all heads
     sm.nw[tid] = p.norm_weight_bf16 ? bf2f(static_cast<const uint16_t*>(p.norm_weight)[tid])
@@ -608,7 +617,10 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
     // needed when it is prefetched below.
     if (warp == 0) {
       int nx = 0;
-      if (lane == 0) nx = dynamic ? G + atomicAdd(p.sched, 1) : sm.item_idx[n & 1] + 1;
+      if (lane == 0) {
+        nx = sm.item_idx[n & 1] + 1;
+        if (dynamic && nx >= sm.static_end) nx = G * S1 + atomicAdd(p.sched, 1);
+      }
       nx = __shfl_sync(0xffffffffu, nx, 0);
       if (lane == 0) sm.item_idx[(n + 1) & 1] = nx;
       if (nx < sm.item_end) issue_slots<T>(p, sm, n + 1, nx % R, tid);
@@ -1043,6 +1055,8 @@ cudaError_t launch_t(const KdaParams& p, cudaStream_t stream) {
     if (want > grid) grid = want;
   }
   if (items < grid) grid = items;
+  KdaParams q = p;
+  q.static_items = p.sched != nullptr ? static_cast<int>(p.static_fraction * static_cast<double>(items) / grid) : 0;
 
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
@@ -1054,7 +1068,7 @@ cudaError_t launch_t(const KdaParams& p, cudaStream_t stream) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = p.use_pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kda_decode_kernel<T, FB>, p);
+  return cudaLaunchKernelEx(&cfg, kda_decode_kernel<T, FB>, q);
 }
 
 }  // namespace
@@ -1070,6 +1084,7 @@ extern "C" cudaError_t kda_decode_launch(const KdaParams* params, cudaStream_t s
   if (p->T > 1 && p->num_accepted == nullptr) return cudaErrorInvalidValue;
   if (p->prefetch_distance < 0 || p->prefetch_distance > 64) return cudaErrorInvalidValue;
   if (p->items_per_cta < 0) return cudaErrorInvalidValue;
+  if (!(p->static_fraction >= 0.f && p->static_fraction <= 1.f)) return cudaErrorInvalidValue;
   if (p->fb_smem != 0 && (p->fb_smem != 1 || p->T != 1)) return cudaErrorInvalidValue;
   if (p->record && (p->v_record == nullptr || p->kg_record == nullptr)) return cudaErrorInvalidValue;
   switch (p->T) {

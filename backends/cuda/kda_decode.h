@@ -66,6 +66,12 @@ typedef struct KdaParams {
   // static contiguous item ranges. One counter pair must not serve two launches that run at
   // the same time (e.g. on two streams).
   int* sched;
+  // With sched: the fraction f in [0, 1] of the items walked in static contiguous ranges
+  // before the counter's: CTA b first walks [b*S, (b+1)*S), S = floor(f * items / CTAs), then
+  // takes items from counter 0 (which hands out items CTAs*S onwards). 0 = from the second
+  // item on (CTA b starts with item b).
+  float static_fraction;
+  int static_items;  // S (filled by the launcher)
   // 1 = stage the head's f_b rows (32 KiB) in shared memory once per head instead of reading
   // the MMA fragments from L2 for every item (T=1 only; 0 = off). Pays off when a CTA's
   // consecutive items share the head (the static schedule's head-major ranges).

@@ -109,7 +109,7 @@ def main(argv):
     dev = torch.device("cuda")
     print("knobs:", {k: v for k, v in sorted(os.environ.items()) if k.startswith("KDA_CUDA_")})
     for T in map(int, FLAGS.tokens):
-        cfg = KdaConfig(num_heads=FLAGS.heads, T=T)
+        cfg = KdaConfig(num_heads=FLAGS.heads, T=T, window=T + 2)
         for R in map(int, FLAGS.batches):
             wl = Workload(cfg, R, dev, FLAGS.pool_gib, sets=FLAGS.steps)
             step = BACKEND.build(cfg, dev)

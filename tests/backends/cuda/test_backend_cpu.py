@@ -2,7 +2,7 @@
 
 import pytest
 
-from backends.cuda.backend import FB_SMEM, SCHEDULE, schedule_from_env
+from backends.cuda.backend import FB_SMEM, SCHEDULE, schedule_from_env, static_fraction_from_env
 from kda.backend import flag_from_env
 
 
@@ -38,3 +38,14 @@ def test_fb_smem_env_is_checked(monkeypatch):
 def test_default_fb_smem():
     """On (docs/results/2026-11-29-h200-e1356bb: 4-6% faster at T=1)."""
     assert FB_SMEM is True
+
+
+def test_static_fraction_env_is_checked(monkeypatch):
+    monkeypatch.delenv("KDA_CUDA_STATIC_FRACTION", raising=False)
+    assert static_fraction_from_env(0.25) == 0.25
+    monkeypatch.setenv("KDA_CUDA_STATIC_FRACTION", " 0.8 ")
+    assert static_fraction_from_env(0.0) == 0.8
+    for bad in ("1.5", "-0.1", "nan", "half"):
+        monkeypatch.setenv("KDA_CUDA_STATIC_FRACTION", bad)
+        with pytest.raises(ValueError, match="KDA_CUDA_STATIC_FRACTION must be a number in"):
+            static_fraction_from_env(0.0)

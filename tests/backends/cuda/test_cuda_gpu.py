@@ -167,18 +167,22 @@ def test_grid_size_changes_nothing(spec, items_per_cta, monkeypatch):
                                   CaseSpec(make_config(16, 2, "SD", record=True), R=64),
                                   CaseSpec(make_config(3, 1), R=1)],
                          ids=lambda s: s.id)
-def test_schedules_agree(spec, monkeypatch):
-    """The dynamic schedule (CTAs take items from an atomic counter) only moves items between
-    CTAs: three back-to-back steps on one pool give bit-identical results to the static
-    ranges, null slots and records included, and leave the counters at zero (the last CTA
-    resets them, so the next launch starts from item 0)."""
+@pytest.mark.parametrize("static_fraction", ["0", "0.5", "1"])
+def test_schedules_agree(spec, static_fraction, monkeypatch):
+    """The dynamic schedule (CTAs take items from an atomic counter, after a static range of
+    KDA_CUDA_STATIC_FRACTION of their share) only moves items between CTAs: three
+    back-to-back steps on one pool give bit-identical results to the static ranges, null
+    slots and records included, and leave the counters at zero (the last CTA resets them, so
+    the next launch starts from item 0)."""
     a0 = make_case(spec, DEV)
     a1 = clone_args(a0)
     monkeypatch.setenv("KDA_CUDA_SCHEDULE", "static")
     s0 = _step(spec.cfg)
     assert s0.counters is None
     monkeypatch.setenv("KDA_CUDA_SCHEDULE", "dynamic")
+    monkeypatch.setenv("KDA_CUDA_STATIC_FRACTION", static_fraction)
     s1 = _step(spec.cfg)
+    assert s1.static_fraction == float(static_fraction)
     for _ in range(3):
         s0(a0)
     for _ in range(3):
@@ -202,15 +206,18 @@ FB_CASES = [CaseSpec(make_config(32, 1), R=128, null_frac=0.1),
             CaseSpec(make_config(3, 1), R=1)]
 
 
-@pytest.mark.parametrize("schedule", ["static", "dynamic"])
+@pytest.mark.parametrize("schedule", ["static", "dynamic", "dynamic:0.8"])
 @pytest.mark.parametrize("spec", FB_CASES, ids=lambda s: s.id)
 def test_fb_smem(spec, schedule, monkeypatch):
     """The T=1 build that stages each head's f_b rows in shared memory (KDA_CUDA_FB_SMEM=1;
     the conv bias then comes from global memory) against the reference, and bit-identical to
     the build that loads the fragments from L2, under both schedules (the dynamic one changes
     heads between most consecutive items, so the rows are restaged there), three back-to-back
-    steps on one pool, null slots, bias and records included."""
+    steps on one pool, null slots, bias and records included. ("dynamic:f": the dynamic
+    schedule after static ranges of fraction f.)"""
+    schedule, _, fraction = schedule.partition(":")
     monkeypatch.setenv("KDA_CUDA_SCHEDULE", schedule)
+    monkeypatch.setenv("KDA_CUDA_STATIC_FRACTION", fraction or "0")
     cfg = spec.cfg
     a0 = make_case(spec, DEV)
     before = clone_args(a0)
