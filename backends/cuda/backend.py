@@ -63,14 +63,20 @@ ITEMS_PER_CTA: dict = {}
 #: dynamic against static at R = 32 / 128 / 256 / 512): T=1 0.6-0.9% slower (173.2 against
 #: 172.1 us at R=128: the next item's slot row waits for the atomic, and consecutive items
 #: rarely share a head), T=2 3.6-3.9% faster from R=128 (244.0 against 252.7 us), T=5 2.7-4.0%
-#: faster (480.9 against 500.2 us at R=128; 1.9% at R=32).
-SCHEDULE: dict = {1: "static"}
+#: faster (480.9 against 500.2 us at R=128; 1.9% at R=32). Since the eighth session dynamic at
+#: T=1 too, after static ranges (STATIC_FRACTION).
+SCHEDULE: dict = {}
 
 SCHEDULES = ("dynamic", "static")
 
 #: Default static fraction of the dynamic schedule by T (``KDA_CUDA_STATIC_FRACTION``
-#: overrides; T not listed: 0, every item after a CTA's first from the counter).
-STATIC_FRACTION: dict = {}
+#: overrides; T not listed: 0, every item after a CTA's first from the counter). On the H200
+#: (8155583, H=32, step times at R = 32 / 128 / 512, two repeats) T=1 with f = 0.8: 46.6 / 156.7
+#: / 595.5 us against 46.4 / 162.1 / 607.8 with the static ranges (the SMs run at different
+#: speeds, so static ranges end up to 12% apart; the counter evens that out) and with the head-
+#: major locality (f_b staged per head) kept for most items; f = 0.6 / 0.9 within 0.5% of it.
+#: T=5: f = 0.8 1.3% slower than f = 0 at R=128 (475.6 against 469.5 us).
+STATIC_FRACTION: dict = {1: 0.8}
 
 #: Default of ``KDA_CUDA_FB_SMEM`` (the T=1 kernel with f_b staged in shared memory). On: on
 #: the H200 (e1356bb, H=32, two interleaved pairs of sweep entries, step times at R = 32 / 128

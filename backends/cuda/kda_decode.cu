@@ -65,10 +65,15 @@
 // item's slot row is still requested one item ahead); the last CTA to finish resets the
 // counters. Measured on the H200 (1b62e9a, step times): 0.6-0.9% slower at T=1 (the next
 // item's slot row waits for the atomic, and consecutive items rarely share a head), 3-4%
-// faster at T >= 2 (R >= 128); the backend's default is static at T=1, dynamic above.
+// faster at T >= 2 (R >= 128).
 // KdaParams.static_fraction f (with sched): CTA b first walks the contiguous range [b*S,
 // (b+1)*S), S = floor(f * items / CTAs), and only then takes items from the counter (which
-// starts at CTAs * S): head-major locality for most items, balance for the rest.
+// starts at CTAs * S): head-major locality for most items, balance for the rest. A per-CTA
+// trace (8155583, tools/bench/cuda_trace.py) showed why the static ranges lose: the SMs run
+// at different speeds (per-item time per SM 8.8-9.6 us at R=512 T=1, the same SMs slow from
+// step to step), so equal ranges ended up to 12% apart. f = 0.8 at T=1 measured 3.3% / 2.0%
+// faster at R = 128 / 512 than the static ranges (and at T=5 1.3% slower than f = 0). The
+// backend's default: dynamic at every T, f = 0.8 at T=1, 0 above.
 //
 // Shared memory per CTA: 64 KiB state staging laid out [16 chunk][256 thread][4 floats]
 // (each thread reads back only what it copied: no barrier needed for the page itself, no bank

@@ -11,7 +11,7 @@ start and end apart, and the median phase times of an item. The ``KDA_CUDA_*`` k
 
     python3 -m tools.bench.cuda_trace --batches=32,128 --tokens=1,5 --out_dir=/tmp/trace
 
-Writes ``trace-[<tag>-]R<R>-T<T>.npz`` (the raw stamps: [steps, CTAs, columns] int64) to
+Writes ``trace-[<tag>-]R<R>-T<T>.npz`` (the stamps, :func:`compact` form) to
 ``--out_dir`` if given. Needs an sm_90 GPU and nvcc.
 """
 
@@ -40,13 +40,31 @@ def _med(xs: List[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def compact(tr):
+    """The stamps [steps, CTAs, STRIDE] as int32 [steps, CTAs that ran, columns used]:
+    globaltimer columns relative to the first step's first entry (+1 ns), clock64 columns relative to the
+    CTA's own entry clock (``analyse`` reads either form)."""
+    import numpy as np
+
+    ctas = int((tr[:, :, 1] != 0).sum(axis=1).max())
+    used = min(STRIDE, 8 + 4 * int(min(ITEMS, tr[:, :, 7].max())))
+    t = tr[:, :ctas, :used].astype(np.int64)
+    first = np.where(t[:, :, 1] != 0, t[:, :, 0], np.iinfo(np.int64).max).min()
+    out = t.copy()
+    for j in (0, 1):
+        out[:, :, j] = np.where(t[:, :, 1] != 0, t[:, :, j] - first + 1, 0)
+    for j in [3, 4, 5, 6] + list(range(8, used)):
+        out[:, :, j] = np.where(t[:, :, j] != 0, t[:, :, j] - t[:, :, 3], 0)
+    return out.astype(np.int32)
+
+
 def analyse(tr) -> List[dict]:
     """Per step: phase figures in microseconds from the stamps ``tr`` [steps, CTAs, STRIDE]."""
     rows = []
     prev_end = None
     for k in range(tr.shape[0]):
         s = tr[k]
-        live = [b for b in range(s.shape[0]) if s[b, 0] != 0]
+        live = [b for b in range(s.shape[0]) if s[b, 1] != 0]
         ent = {b: int(s[b, 0]) for b in live}
         ext = {b: int(s[b, 1]) for b in live}
         t0, t1 = min(ent.values()), max(ext.values())
@@ -134,9 +152,8 @@ def main(argv):
             print("  med " + " ".join(f"{_med([r[c] for r in steady]):8.2f}" for c, _ in COLS))
             if FLAGS.out_dir:
                 os.makedirs(FLAGS.out_dir, exist_ok=True)
-                used = 8 + 4 * ITEMS
                 np.savez_compressed(os.path.join(FLAGS.out_dir, f"trace-{FLAGS.tag + '-' if FLAGS.tag else ''}R{R}-T{T}.npz"),
-                                    stamps=t[:, :max(r["ctas"] for r in rows), :used])
+                                    stamps=compact(t))
             del wl
             torch.cuda.empty_cache()
     return 0

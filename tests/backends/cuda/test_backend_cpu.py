@@ -2,7 +2,8 @@
 
 import pytest
 
-from backends.cuda.backend import FB_SMEM, SCHEDULE, schedule_from_env, static_fraction_from_env
+from backends.cuda.backend import (FB_SMEM, SCHEDULE, STATIC_FRACTION, schedule_from_env,
+                                   static_fraction_from_env)
 from kda.backend import flag_from_env
 
 
@@ -17,9 +18,11 @@ def test_schedule_env_is_checked(monkeypatch):
 
 
 def test_default_schedule_by_T():
-    """Static at T=1, dynamic above (docs/results/2026-11-29-h200-1b62e9a)."""
-    assert SCHEDULE.get(1, "dynamic") == "static"
-    assert all(SCHEDULE.get(t, "dynamic") == "dynamic" for t in range(2, 9))
+    """Dynamic everywhere (docs/results/2026-11-29-h200-1b62e9a for T >= 2); at T=1 after
+    static ranges of 0.8 of each CTA's share (docs/results/2026-11-29-h200-8155583)."""
+    assert all(SCHEDULE.get(t, "dynamic") == "dynamic" for t in range(1, 9))
+    assert STATIC_FRACTION.get(1, 0.0) == 0.8
+    assert all(STATIC_FRACTION.get(t, 0.0) == 0.0 for t in range(2, 9))
 
 
 def test_fb_smem_env_is_checked(monkeypatch):
