@@ -23,8 +23,6 @@ Environment:
                    item (default: FB_SMEM; no effect at T > 1, which has no such build).
   KDA_CUDA_EARLY_PARAMS=1|0   request the first item's head parameters (model weights) before
                    the kernel's griddepcontrol.wait (default: EARLY_PARAMS).
-  KDA_CUDA_PAGE0_LATE=1|0   request a CTA's first state page only after its first item's
-                   operands have landed (default: PAGE0_LATE).
   KDA_CUDA_EARLY_TRIGGER=1|0   let a PDL successor be scheduled right after the wait instead
                    of at each CTA's end (default: EARLY_TRIGGER).
   (The KDA_CUDA_* variables are read when a step is built: kda_decode / KdaDecode keep built
@@ -89,9 +87,6 @@ FB_SMEM = True
 #: Defaults of ``KDA_CUDA_EARLY_PARAMS`` and ``KDA_CUDA_EARLY_TRIGGER`` (see kda_decode.h).
 EARLY_PARAMS = False
 EARLY_TRIGGER = False
-
-#: Default of ``KDA_CUDA_PAGE0_LATE`` (see kda_decode.h).
-PAGE0_LATE = False
 
 
 def schedule_from_env(default: str) -> str:
@@ -173,7 +168,6 @@ class CudaBackend(Backend):
         fb_smem = T == 1 and flag_from_env("KDA_CUDA_FB_SMEM", FB_SMEM)
         early_params = flag_from_env("KDA_CUDA_EARLY_PARAMS", EARLY_PARAMS)
         early_trigger = flag_from_env("KDA_CUDA_EARLY_TRIGGER", EARLY_TRIGGER)
-        page0_late = flag_from_env("KDA_CUDA_PAGE0_LATE", PAGE0_LATE)
         # the dynamic schedule's counter pairs, one per CUDA stream (zero when made, left at
         # zero by every launch)
         counters: Optional[dict] = {} if dynamic else None
@@ -195,7 +189,7 @@ class CudaBackend(Backend):
                    a.dt_bias, a.state, a.state_indices, a.num_accepted_tokens, a.output_gate,
                    a.norm_weight, a.out, a.v_record, a.kg_record, H, T, scale, eps, lb, gm,
                    record, pdl, pfd, ipc, sched(), fb_smem, early_params, early_trigger,
-                   step.trace, static_fraction, page0_late)
+                   step.trace, static_fraction)
 
         step.fb_smem = fb_smem     # for tests
         # KDA_CUDA_TRACE=1 builds: an int64 CUDA tensor the next launches write per-CTA

@@ -599,9 +599,6 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       issue_operands<T>(p, sm, first, tid);
       issue_beta<T>(p, sm, first, 0, tid);
       cp_async_commit();
-      // p.page0_late: the page only once this thread's operand copies have landed, so that
-      // they do not queue behind every CTA's first page.
-      if (p.page0_late) cp_async_wait<0>();
       // The page last, in its own group, as in the loop (E then S): item 0's conv and gate
       // overlap its arrival, the loop waits for it before B2.
       issue_state<T>(p, sm, first, tid);

@@ -84,9 +84,6 @@ typedef struct KdaParams {
   // wait still waits for this whole grid and its memory), so that a PDL successor's CTAs can
   // start as this grid's CTAs retire; 0 = at the end of each CTA.
   int early_trigger;
-  // 1 = request the first item's state page only after its operands, window and parameters
-  // have landed (each thread: after its own copies); 0 = right behind them.
-  int page0_late;
 #ifdef KDA_TRACE
   // Debugging builds only (build.py with KDA_CUDA_TRACE=1): per CTA kTraceStride timestamps,
   // see kda_decode.cu; nullptr = none.
