@@ -484,9 +484,11 @@ __device__ __forceinline__ float beta_value(const KdaParams& p, const Smem<T, FB
 // Debugging builds (KDA_TRACE): thread 0 of CTA b < kTraceCtas writes p.trace[b * kTraceStride
 // + slot]: 0 / 1 globaltimer (ns) at entry / exit, 2 the SM id, 3 / 4 / 5 / 6 clock64 at entry /
 // after griddepcontrol.wait / the loop's start / exit, 7 the iterations walked; iteration n <
-// kTraceItems: 8 + 4n + {0: top (its operands arrived), 1: after B2 (its page arrived), 2: after
-// B3, 3: its end}, clock64. tools/gpu/cuda_trace.py reads them.
-constexpr int kTraceCtas = 1024, kTraceStride = 256, kTraceItems = 62;
+// kTraceItems: 8 + 8n + {0: top (its operands arrived), 1: after B1, 2: gate and conv done,
+// 3: after B2 (its page arrived), 4: after B3, 5: recurrence done, 6: after B4, 7: its end},
+// clock64. tools/bench/cuda_trace.py reads them.
+constexpr int kTraceCtas = 1024, kTraceStride = 512, kTracePoints = 8;
+constexpr int kTraceItems = (kTraceStride - 8) / kTracePoints;
 __device__ __forceinline__ long long global_timer() {
   long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -504,7 +506,7 @@ __device__ __forceinline__ int sm_id() {
   } while (0)
 #define TRACE_ITEM(n, k)                                       \
   do {                                                         \
-    if ((n) < kTraceItems) TRACE(8 + 4 * (n) + (k), clock64()); \
+    if ((n) < kTraceItems) TRACE(8 + kTracePoints * (n) + (k), clock64()); \
   } while (0)
 #else
 #define TRACE(slot, value) \
@@ -688,6 +690,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       if (!FB) load_afr();
       if (tid < T) sm.beta[tid] = sigmoidf_fast(beta_value<T>(p, sm, CUR, n, tid));
       __syncthreads();  // B1: operands, window, parameters (FB: f_b rows), beta visible
+      TRACE_ITEM(n, 1);
       if (FB) load_afr();
 
       const bool rec = p.record != 0;
@@ -812,9 +815,10 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
     // parameters may overwrite sm.dtb.
     const float dtb_f = (live && tid >= kD) ? sm.dtb[tid - kD] : 0.f;
     if (T > 1 && PF) sm.pf_src = pf_second(p, T, PF_ITEM, sm.pf_src);
+    TRACE_ITEM(n, 2);
     cp_async_wait<0>();  // item n's state page (S) and item n+1's slot row (L)
     __syncthreads();     // B2: conv outputs, partial sums, raw gate visible; slots of n+1 visible
-    TRACE_ITEM(n, 1);
+    TRACE_ITEM(n, 3);
 
     // ---- prefetch item n+1, part E: operands, window, parameters, beta (their buffers are
     // free: the conv and gate are done). Issued before the page moves into registers. ----
@@ -883,7 +887,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       }
     }
     __syncthreads();  // B3: normalised q, k, alpha visible
-    TRACE_ITEM(n, 2);
+    TRACE_ITEM(n, 4);
     if (tid == 0 && next_live) sm.params_head = nxt.h;  // all threads read it before B3
 
     if (live) {
@@ -975,7 +979,9 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
               *reinterpret_cast<float4*>(base + m * 32 * kD + 32 * c) = S[m][c];
         }
       }
+      TRACE_ITEM(n, 5);
       __syncthreads();  // B4: o and the 8 warps' sums of squares complete
+      TRACE_ITEM(n, 6);
 
       // ---- epilogue: gated RMSNorm over the 128 o values of each token ----
       // (Until the seventh session the sums of squares were formed here, by warps 0-3 over
@@ -994,7 +1000,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
         }
       }
     }
-    TRACE_ITEM(n, 3);
+    TRACE_ITEM(n, 7);
     TRACE(7, n + 1);
 #undef CUR
 #undef H_CUR

@@ -33,7 +33,14 @@ flags.DEFINE_float("pool_gib", 8.0, "state pool size in GiB")
 flags.DEFINE_string("out_dir", "", "where to write the raw stamps (npz); default: print only")
 flags.DEFINE_string("tag", "", "file name tag: trace-<tag>-R<R>-T<T>.npz")
 
-CTAS, STRIDE, ITEMS = 1024, 256, 62  # kTraceCtas, kTraceStride, kTraceItems of kda_decode.cu
+# kTraceCtas, kTraceStride, kTracePoints of kda_decode.cu; item n's points are columns
+# 8 + POINTS * n + k, k in POINT_NAMES order
+CTAS, STRIDE, POINTS = 1024, 512, 8
+ITEMS = (STRIDE - 8) // POINTS
+POINT_NAMES = ("top", "B1", "conv", "B2", "B3", "rec", "B4", "end")
+#: per-item phases reported: (column title, from point, to point)
+PHASES = (("top>B1", 0, 1), ("B1>conv", 1, 2), ("conv>B2", 2, 3), ("B2>B3", 3, 4),
+          ("B3>rec", 4, 5), ("rec>B4", 5, 6), ("B4>end", 6, 7))
 
 
 def _med(xs: List[float]) -> float:
@@ -47,7 +54,7 @@ def compact(tr):
     import numpy as np
 
     ctas = int((tr[:, :, 1] != 0).sum(axis=1).max())
-    used = min(STRIDE, 8 + 4 * int(min(ITEMS, tr[:, :, 7].max())))
+    used = min(STRIDE, 8 + POINTS * int(min(ITEMS, tr[:, :, 7].max())))
     t = tr[:, :ctas, :used].astype(np.int64)
     first = np.where(t[:, :, 1] != 0, t[:, :, 0], np.iinfo(np.int64).max).min()
     out = t.copy()
@@ -76,28 +83,28 @@ def analyse(tr) -> List[dict]:
         def at(b, c):  # microseconds from the kernel's first CTA entry to clock column c
             return (ent[b] - t0) / 1e3 + us(b, 3, c)
 
-        top, b2, b3, end, gap = [], [], [], [], []
-        first_b2, last_end = [], []
+        phase = {name: [] for name, _, _ in PHASES}
+        gap, first_b2, last_end = [], [], []
         for b in live:
             n_it = min(int(s[b, 7]), ITEMS)
             if n_it <= 0:
                 continue
-            first_b2.append(at(b, 9))
-            last_end.append(at(b, 8 + 4 * (n_it - 1) + 3))
+            first_b2.append(at(b, 8 + 3))
+            last_end.append(at(b, 8 + POINTS * (n_it - 1) + 7))
             for n in range(n_it):
-                c = 8 + 4 * n
-                top.append(us(b, c, c + 1))        # top -> B2: gate, conv, page wait
-                b2.append(us(b, c + 1, c + 2))     # B2 -> B3: page to registers, norms, decay
-                b3.append(us(b, c + 2, c + 3))     # B3 -> end: recurrence, stores, RMSNorm
+                c = 8 + POINTS * n
+                for name, k0, k1 in PHASES:   # (dead items skip the live-only points)
+                    if s[b, c + k0] != 0 and s[b, c + k1] != 0:
+                        phase[name].append(us(b, c + k0, c + k1))
                 if n + 1 < n_it:
-                    gap.append(us(b, c + 3, c + 4))  # end -> next top: operands wait
+                    gap.append(us(b, c + 7, c + POINTS))  # end -> next top: operands wait
         rows.append(dict(
             step=k, ctas=len(live), span=(t1 - t0) / 1e3,
             after_prev=(t0 - prev_end) / 1e3 if prev_end is not None else float("nan"),
             entry_spread=(max(ent.values()) - t0) / 1e3,
             wait=_med([us(b, 3, 4) for b in live]), prologue=_med([us(b, 4, 5) for b in live]),
             first_page=_med(first_b2), first_page_max=max(first_b2) if first_b2 else float("nan"),
-            item_top_b2=_med(top), item_b2_b3=_med(b2), item_b3_end=_med(b3),
+            **{name: _med(v) for name, v in phase.items()},
             item_next=_med(gap), items=_med([float(s[b, 7]) for b in live]),
             last_end_min=min(last_end) if last_end else float("nan"), last_end_med=_med(last_end),
             exit_min=(min(ext.values()) - t0) / 1e3, exit_max=(t1 - t0) / 1e3,
@@ -107,9 +114,9 @@ def analyse(tr) -> List[dict]:
 
 
 COLS = [("span", "span"), ("after_prev", "gap"), ("entry_spread", "entries"), ("wait", "wait"),
-        ("prologue", "prolog"), ("first_page", "page0"), ("first_page_max", "page0max"),
-        ("item_top_b2", "top>B2"), ("item_b2_b3", "B2>B3"), ("item_b3_end", "B3>end"),
-        ("item_next", "end>top"), ("items", "items"), ("last_end_min", "lastmin"),
+        ("prologue", "prolog"), ("first_page", "page0"), ("first_page_max", "page0max")]
+COLS += [(name, name) for name, _, _ in PHASES]
+COLS += [("item_next", "end>top"), ("items", "items"), ("last_end_min", "lastmin"),
         ("last_end_med", "lastmed"), ("exit_min", "exitmin"), ("exit_max", "exitmax"),
         ("ghz", "GHz")]
 
