@@ -99,13 +99,18 @@ def test_matches_reference(spec):
                                   CaseSpec(make_config(2, 3, "DS"), R=5, null_frac=0.0)],
                          ids=lambda s: s.id)
 @pytest.mark.parametrize("schedule", ["static", "dynamic"])
-def test_back_to_back_steps(spec, pdl, schedule, monkeypatch):
+@pytest.mark.parametrize("early", ["0", "1"])
+def test_back_to_back_steps(spec, pdl, schedule, early, monkeypatch):
     """Three steps on one pool with no host sync between them, under both item schedules: each
     launch must read the previous launch's pages and windows (everything after its
     griddepcontrol.wait), and the dynamic schedule's counters must be back at zero between
-    launches that follow each other under PDL."""
+    launches that follow each other under PDL. early=1: with KDA_CUDA_EARLY_PARAMS and
+    KDA_CUDA_EARLY_TRIGGER (weights requested before the wait, dependents released right
+    after it)."""
     monkeypatch.setenv("KDA_CUDA_PDL", pdl)
     monkeypatch.setenv("KDA_CUDA_SCHEDULE", schedule)
+    monkeypatch.setenv("KDA_CUDA_EARLY_PARAMS", early)
+    monkeypatch.setenv("KDA_CUDA_EARLY_TRIGGER", early)
     cfg = spec.cfg
     args = make_case(spec, DEV)
     before = clone_args(args)
