@@ -6,9 +6,12 @@ cached on disk; ``python3 -m backends.cuda.build`` compiles it ahead of time.
 Environment:
   KDA_CUDA_PDL=0   launch without programmatic dependent launch (default: on).
   KDA_CUDA_PREFETCH=d   L2-prefetch item n+d's state page during item n (d in 2..8; 0 = off,
-                   the default PREFETCH_DISTANCE; see the design note of kda_decode.cu).
+                   the default PREFETCH_DISTANCE; see the design note of kda_decode.cu). Only
+                   under the static schedule (KDA_CUDA_SCHEDULE=static); ignored otherwise.
   KDA_CUDA_ITEMS_PER_CTA=k   at most k items per CTA: ceil(R*H / k) CTAs, never fewer than
-                   the resident ones (0 = persistent grid; default by T: ITEMS_PER_CTA).
+                   the resident ones (0 = persistent grid; default by T: ITEMS_PER_CTA). With
+                   the dynamic schedule the CTAs that start late still walk their static
+                   ranges after the counter has run out, which lengthens the tail.
   KDA_CUDA_SCHEDULE=dynamic|static   how CTAs get their items (default by T: SCHEDULE):
                    dynamic = each CTA takes its next item from an atomic counter pair that
                    the built step keeps per CUDA stream (launches on different streams never
@@ -25,6 +28,8 @@ Environment:
                    the kernel's griddepcontrol.wait (default: EARLY_PARAMS).
   KDA_CUDA_EARLY_TRIGGER=1|0   let a PDL successor be scheduled right after the wait instead
                    of at each CTA's end (default: EARLY_TRIGGER).
+  KDA_CUDA_TRACE=1   build and load the debugging variant that writes per-CTA timestamps
+                   (build.py; read by tools/bench/cuda_trace.py).
   (The KDA_CUDA_* variables are read when a step is built: kda_decode / KdaDecode keep built
   steps for the process, so a later change needs a new process or a new build().)
   KDA_CACHE_DIR    where the compiled extension is kept (see build.py).
@@ -74,7 +79,8 @@ SCHEDULES = ("dynamic", "static")
 #: (8155583, H=32, step times at R = 32 / 128 / 512, two repeats) T=1 with f = 0.8: 46.6 / 156.7
 #: / 595.5 us against 46.4 / 162.1 / 607.8 with the static ranges (the SMs run at different
 #: speeds, so static ranges end up to 12% apart; the counter evens that out) and with the head-
-#: major locality (f_b staged per head) kept for most items; f = 0.6 / 0.9 within 0.5% of it.
+#: major locality (f_b staged per head) kept for most items; f = 0.9 within 0.3% of it, f = 0.6
+#: 0.4-1.3% slower.
 #: T=5: f = 0.8 1.3% slower than f = 0 at R=128 (475.6 against 469.5 us).
 STATIC_FRACTION: dict = {1: 0.8}
 
@@ -164,7 +170,9 @@ class CudaBackend(Backend):
         pfd = prefetch_distance_from_env("KDA_CUDA_PREFETCH", PREFETCH_DISTANCE)
         ipc = items_per_cta_from_env("KDA_CUDA_ITEMS_PER_CTA", ITEMS_PER_CTA.get(T, 0))
         dynamic = schedule_from_env(SCHEDULE.get(T, "dynamic")) == "dynamic"
-        static_fraction = static_fraction_from_env(STATIC_FRACTION.get(T, 0.0)) if dynamic else 0.0
+        static_fraction = static_fraction_from_env(STATIC_FRACTION.get(T, 0.0))
+        if not dynamic:
+            static_fraction = 0.0
         fb_smem = T == 1 and flag_from_env("KDA_CUDA_FB_SMEM", FB_SMEM)
         early_params = flag_from_env("KDA_CUDA_EARLY_PARAMS", EARLY_PARAMS)
         early_trigger = flag_from_env("KDA_CUDA_EARLY_TRIGGER", EARLY_TRIGGER)
@@ -193,7 +201,7 @@ class CudaBackend(Backend):
 
         step.fb_smem = fb_smem     # for tests
         # KDA_CUDA_TRACE=1 builds: an int64 CUDA tensor the next launches write per-CTA
-        # timestamps into (tools/gpu/cuda_trace.py); None = none
+        # timestamps into (tools/bench/cuda_trace.py); None = none
         step.trace = None
         step.counters = counters   # stream handle -> counter pair, for tests (None: static)
         step.static_fraction = static_fraction

@@ -138,8 +138,10 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
   p.trace = nullptr;
   if (trace.has_value()) {
     check_cuda(*trace, x, "trace");
-    TORCH_CHECK(trace->scalar_type() == at::kLong && trace->is_contiguous(),
-                "kda cuda: trace must be a contiguous int64 tensor");
+    TORCH_CHECK(trace->scalar_type() == at::kLong && trace->is_contiguous() &&
+                    trace->numel() >= static_cast<int64_t>(KDA_TRACE_CTAS) * KDA_TRACE_STRIDE,
+                "kda cuda: trace must be a contiguous int64 tensor of >= ",
+                static_cast<int64_t>(KDA_TRACE_CTAS) * KDA_TRACE_STRIDE, " elements");
     p.trace = reinterpret_cast<long long*>(trace->data_ptr<int64_t>());
   }
 #else

@@ -15,7 +15,7 @@ Ahead-of-time build (e.g. in a container image, or before timing anything)::
 Compiling needs nvcc (CUDA 12.4 or newer, for sm_90a) and ninja; running needs an sm_90 GPU.
 
 ``KDA_CUDA_TRACE=1`` builds (into its own cache directory) the debugging variant whose kernel
-writes per-CTA timestamps into a ``trace`` tensor (``tools/gpu/cuda_trace.py``).
+writes per-CTA timestamps into a ``trace`` tensor (``tools/bench/cuda_trace.py``).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def _flags():
 
     trace = ["-DKDA_TRACE"] if flag_from_env("KDA_CUDA_TRACE", False) else []
     return CUDA_FLAGS + trace, CXX_FLAGS + trace
+
 
 _lock = threading.Lock()
 _module: Optional[ModuleType] = None

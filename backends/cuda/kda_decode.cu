@@ -90,18 +90,21 @@
 // the same reason the staging functions pass tid / strides through opaque() so that ptxas
 // cannot hoist their address arithmetic out of the item loop. No T spills (checked in CI).
 //
-// Programmatic dependent launch: only the norm weight is read before griddepcontrol.wait;
-// the slot ids, windows, pages and operands may all come from the predecessor (slot ids from
-// a server's input preparation, windows and pages from the previous step on the same cache),
+// Programmatic dependent launch: only model weights are read before griddepcontrol.wait (the
+// norm weight; with KdaParams.early_params also the first item's head parameters); the slot
+// ids, windows, pages and operands may all come from the predecessor (slot ids from a
+// server's input preparation, windows and pages from the previous step on the same cache),
 // and launch_dependents alone does not make a primary's writes visible to a dependent
 // (earlier versions read the first item's slot row, page and window before the wait, relying
-// on the trigger's placement below; the H200 measured no difference either way). The first
-// item's page is requested behind its operands, in its own cp.async group, so that item 0's
-// conv and gate overlap its arrival as every later item's do. The trigger for dependents is issued at the end of
-// each CTA, after its last stores and a fence, not right after the wait: an early trigger
-// would let a back-to-back launch of this kernel on the same state pool read a page before
-// this launch has written it (by reasoning: with a small batch all CTAs of both launches are
-// resident at once; not observed). On the H200 the PDL attribute measured no difference.
+// on the trigger's placement; the H200 measured no difference either way). The first item's
+// page is requested behind its operands, in its own cp.async group, so that item 0's conv and
+// gate overlap its arrival as every later item's do. The trigger for dependents is issued at
+// the end of each CTA, after its last stores and a fence; with KdaParams.early_trigger right
+// after the wait. Either is safe for a dependent that reads our outputs only after its own
+// griddepcontrol.wait, which waits for this whole grid and its memory; a dependent that
+// writes, before its wait, a buffer this kernel reads would race with an early trigger (this
+// kernel itself writes nothing before its wait). On the H200 the PDL attribute measured no
+// difference; the early knobs see backend.py.
 //
 // Numerics follow docs/contract.md section 2. Rounding points y, rg, o, out are bf16; all else
 // fp32. Not built with --use_fast_math: the decay alpha = exp(gk) is not rounded and
@@ -487,7 +490,7 @@ __device__ __forceinline__ float beta_value(const KdaParams& p, const Smem<T, FB
 // kTraceItems: 8 + 8n + {0: top (its operands arrived), 1: after B1, 2: gate and conv done,
 // 3: after B2 (its page arrived), 4: after B3, 5: recurrence done, 6: after B4, 7: its end},
 // clock64. tools/bench/cuda_trace.py reads them.
-constexpr int kTraceCtas = 1024, kTraceStride = 512, kTracePoints = 8;
+constexpr int kTraceCtas = KDA_TRACE_CTAS, kTraceStride = KDA_TRACE_STRIDE, kTracePoints = 8;
 constexpr int kTraceItems = (kTraceStride - 8) / kTracePoints;
 __device__ __forceinline__ long long global_timer() {
   long long t;
@@ -626,7 +629,11 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       int nx = 0;
       if (lane == 0) {
         nx = sm.item_idx[n & 1] + 1;
-        if (dynamic && nx >= sm.static_end) nx = G * S1 + atomicAdd(p.sched, 1);
+        // (no counter when the static ranges hold every item, e.g. items <= CTAs: the
+        // atomic's latency would only delay the next slot row; H200 at 670986e: R=8 T=1 17.0
+        // against 16.2 us with the static ranges)
+        if (dynamic && nx >= sm.static_end)
+          nx = G * S1 >= sm.item_end ? sm.item_end : G * S1 + atomicAdd(p.sched, 1);
       }
       nx = __shfl_sync(0xffffffffu, nx, 0);
       if (lane == 0) sm.item_idx[(n + 1) & 1] = nx;
@@ -1067,7 +1074,7 @@ cudaError_t launch_t(const KdaParams& p, cudaStream_t stream) {
   }
   if (items < grid) grid = items;
   KdaParams q = p;
-  q.static_items = p.sched != nullptr ? static_cast<int>(p.static_fraction * static_cast<double>(items) / grid) : 0;
+  q.static_items = p.sched != nullptr ? kda_decode_static_items(items, grid, p.static_fraction) : 0;
 
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
@@ -1127,3 +1134,9 @@ extern "C" size_t kda_decode_smem_bytes(int T, int fb_smem) {
 }
 
 extern "C" int kda_decode_threads(void) { return kThreads; }
+
+extern "C" int kda_decode_static_items(long long items, long long ctas, float static_fraction) {
+  if (ctas < 1 || items < 1) return 0;
+  return static_cast<int>(static_cast<double>(static_fraction) * static_cast<double>(items) /
+                          static_cast<double>(ctas));
+}

@@ -85,11 +85,17 @@ typedef struct KdaParams {
   // start as this grid's CTAs retire; 0 = at the end of each CTA.
   int early_trigger;
 #ifdef KDA_TRACE
-  // Debugging builds only (build.py with KDA_CUDA_TRACE=1): per CTA kTraceStride timestamps,
-  // see kda_decode.cu; nullptr = none.
+  // Debugging builds only (build.py with KDA_CUDA_TRACE=1; this field changes the struct's
+  // layout): KDA_TRACE_STRIDE timestamps for each of the first KDA_TRACE_CTAS CTAs, see
+  // kda_decode.cu; nullptr = none.
   long long* trace;
 #endif
 } KdaParams;
+
+#ifdef KDA_TRACE
+#define KDA_TRACE_CTAS 1024
+#define KDA_TRACE_STRIDE 512
+#endif
 
 // Launches one decode step on `stream`. Returns the launch's error code (cudaSuccess when
 // nothing needs doing, e.g. R == 0). Never synchronizes.
@@ -101,6 +107,10 @@ size_t kda_decode_smem_bytes(int T, int fb_smem);
 
 // Number of threads per CTA.
 int kda_decode_threads(void);
+
+// Items of each CTA's static range under the dynamic schedule: floor(static_fraction * items /
+// ctas) (0 when ctas < 1).
+int kda_decode_static_items(long long items, long long ctas, float static_fraction);
 
 #ifdef __cplusplus
 }

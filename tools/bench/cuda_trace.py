@@ -2,7 +2,8 @@
 
 Builds the CUDA extension with ``KDA_CUDA_TRACE=1`` (its own cache directory; the kernel's
 thread 0 then writes globaltimer / clock64 stamps at entry, after griddepcontrol.wait, at the
-item loop's start, at four points of every item and at exit, see ``kda_decode.cu``), runs
+item loop's start, at eight points of each of a CTA's first 63 items and at exit, see
+``kda_decode.cu``; that build spills 8 bytes at T = 2..6, the production build none), runs
 ``--steps`` steps back to back on the benchmark's workload (queued behind a sleep kernel, so
 the device runs them without host gaps, PDL as configured), and prints per step and over
 the steps after the first: the kernel's span, the gap after its predecessor, how far CTAs
@@ -90,7 +91,8 @@ def analyse(tr) -> List[dict]:
             if n_it <= 0:
                 continue
             first_b2.append(at(b, 8 + 3))
-            last_end.append(at(b, 8 + POINTS * (n_it - 1) + 7))
+            if int(s[b, 7]) <= ITEMS:   # (a CTA past ITEMS items has no stamp of its last)
+                last_end.append(at(b, 8 + POINTS * (n_it - 1) + 7))
             for n in range(n_it):
                 c = 8 + POINTS * n
                 for name, k0, k1 in PHASES:   # (dead items skip the live-only points)

@@ -39,6 +39,11 @@ int main() {
   for (int t = 1; t <= 8; ++t)
     for (int fb = 0; fb <= 1; ++fb) std::printf("smem %d %d %zu\n", t, fb, kda_decode_smem_bytes(t, fb));
   std::printf("threads %d\n", kda_decode_threads());
+  const long long cases[][2] = {{4096, 264}, {16384, 264}, {1280, 264}, {256, 256}, {32, 32}, {5, 0}};
+  const float fractions[] = {0.0f, 0.5f, 0.8f, 1.0f};
+  for (const auto& c : cases)
+    for (float f : fractions)
+      std::printf("static %lld %lld %.2f %d\n", c[0], c[1], f, kda_decode_static_items(c[0], c[1], f));
   return 0;
 }
 """
@@ -65,7 +70,9 @@ def compiled(tmp_path_factory):
     smem = {(int(t), int(fb)): int(b) for t, fb, b in re.findall(r"smem (\d+) (\d+) (\d+)", out)
             if int(b) > 0}
     threads = int(re.search(r"threads (\d+)", out).group(1))
-    return report, smem, threads
+    static = {(int(i), int(c), float(f)): int(s)
+              for i, c, f, s in re.findall(r"static (\d+) (\d+) ([\d.]+) (-?\d+)", out)}
+    return report, smem, threads, static
 
 
 def _parse_ptxas(text: str):
@@ -96,7 +103,7 @@ def _parse_ptxas(text: str):
 
 
 def test_every_T_is_instantiated(compiled):
-    report, smem, threads = compiled
+    report, smem, threads, _ = compiled
     assert sorted(report) == sorted(KERNELS), report.keys()
     assert threads == 256
     assert sorted(smem) == sorted(KERNELS)
@@ -111,13 +118,26 @@ def test_no_local_memory(compiled, T, fb):
 
 @pytest.mark.parametrize("T,fb", KERNELS)
 def test_two_ctas_per_sm(compiled, T, fb):
-    report, smem, threads = compiled
+    report, smem, threads, _ = compiled
     r = report[T, fb]
     regs_per_cta = r["regs"] * threads
     assert CTAS_PER_SM * regs_per_cta <= REGS_PER_SM, f"T={T} fb_smem={fb}: {r['regs']} registers per thread"
     per_cta = smem[T, fb] + r["smem"] + SMEM_RESERVED_PER_CTA
     assert CTAS_PER_SM * per_cta <= SMEM_PER_SM, (
         f"T={T} fb_smem={fb}: {per_cta} bytes of shared memory per CTA")
+
+
+def test_static_range_sizes(compiled):
+    """The launcher's static range per CTA under the dynamic schedule (KdaParams.static_items):
+    floor(f * items / CTAs), 0 without CTAs; the CTAs' ranges never cover more than the items."""
+    static = compiled[3]
+    assert len(static) == 24
+    for (items, ctas, f), s in static.items():
+        want = int(f * items / ctas) if ctas else 0
+        assert s == want, (items, ctas, f, s)
+        assert ctas * s <= items
+    assert static[4096, 264, 0.8] == 12 and static[16384, 264, 0.8] == 49
+    assert static[256, 256, 1.0] == 1 and static[256, 256, 0.8] == 0
 
 
 def test_trace_build_compiles(tmp_path):
