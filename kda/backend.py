@@ -147,6 +147,25 @@ def flag_from_env(name: str, default: bool) -> bool:
     return v == "1"
 
 
+def fraction_from_env(name: str, default: float) -> float:
+    """A number in [0, 1] from the environment variable ``name`` (``default`` when unset or
+    empty).
+
+    Raises:
+      ValueError: anything else (the message names the variable).
+    """
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    try:
+        f = float(v)
+    except ValueError:
+        f = float("nan")
+    if not 0.0 <= f <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")
+    return f
+
+
 #: Largest ``items_per_cta`` the streamed kernels accept (0 = persistent grid).
 MAX_ITEMS_PER_CTA = 4096
 

@@ -43,8 +43,9 @@ from typing import List, Optional
 
 import torch
 
-from kda.backend import (Backend, StepFn, flag_from_env, gpu_reason, items_per_cta_from_env,
-                         kernel_config_reasons, prefetch_distance_from_env)
+from kda.backend import (Backend, StepFn, flag_from_env, fraction_from_env, gpu_reason,
+                         items_per_cta_from_env, kernel_config_reasons,
+                         prefetch_distance_from_env)
 from kda.config import KdaArgs, KdaConfig
 
 #: Tokens per request the kernel is instantiated for.
@@ -113,16 +114,7 @@ def static_fraction_from_env(default: float) -> float:
     Raises:
       ValueError: the variable holds anything else.
     """
-    v = os.environ.get("KDA_CUDA_STATIC_FRACTION", "").strip()
-    if not v:
-        return default
-    try:
-        f = float(v)
-    except ValueError:
-        f = float("nan")
-    if not 0.0 <= f <= 1.0:
-        raise ValueError(f"KDA_CUDA_STATIC_FRACTION must be a number in [0, 1], got {v!r}")
-    return f
+    return fraction_from_env("KDA_CUDA_STATIC_FRACTION", default)
 
 
 class CudaBackend(Backend):
