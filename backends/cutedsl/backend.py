@@ -21,15 +21,7 @@ Environment:
   KDA_CUTEDSL_PREFETCH  streamed kernel: L2-prefetch distance in items (2..8; 0 = off, default).
   KDA_CUTEDSL_ITEMS_PER_CTA  streamed kernel: at most k items per CTA, ceil(R*H / k) CTAs but
                       never fewer than 2 per SM (0 = persistent grid; default by T:
-                      ITEMS_PER_CTA). Static schedule only.
-  KDA_CUTEDSL_SCHEDULE  streamed kernel: "static" (CTAs walk contiguous ranges) or "dynamic"
-                      (a persistent grid; each CTA walks a static range of
-                      KDA_CUTEDSL_STATIC_FRACTION of its share, then takes items from an atomic
-                      counter pair the built step keeps per CUDA stream; graphs captured on one
-                      stream share that stream's pair, so do not replay two of them at once;
-                      no L2 prefetch). Default by T: SCHEDULE.
-  KDA_CUTEDSL_STATIC_FRACTION  the dynamic schedule's static fraction in [0, 1] (default by
-                      T: STATIC_FRACTION).
+                      ITEMS_PER_CTA).
   KDA_CUTEDSL_FB_SMEM  streamed kernel at T=1: "1" walks items head-major and stages each
                       head's f_b rows in shared memory once per head instead of loading the
                       gate MMA's A fragments from L2 for every item; "0" does not (default:
@@ -52,9 +44,8 @@ from typing import List, Optional
 
 import torch
 
-from kda.backend import (Backend, StepFn, flag_from_env, fraction_from_env, gpu_reason,
-                         items_per_cta_from_env, kernel_config_reasons,
-                         prefetch_distance_from_env, stream_grid)
+from kda.backend import (Backend, StepFn, flag_from_env, gpu_reason, items_per_cta_from_env,
+                         kernel_config_reasons, prefetch_distance_from_env, stream_grid)
 from kda.config import KdaArgs, KdaConfig
 
 #: Tokens per request the kernels support (the gate MMA has 8 token columns).
@@ -121,29 +112,6 @@ ITEMS_PER_CTA = {1: 4, 2: 2}
 #: The CUDA kernel gains 4-6% from the same staging; this kernel already ran the gate (and
 #: its f_b loads) before waiting for the item's staging, which the staged rows must follow.
 FB_SMEM = False
-
-#: Default schedule of the streamed kernel by T (``KDA_CUTEDSL_SCHEDULE`` overrides; T not
-#: listed: "static").
-SCHEDULE: dict = {}
-
-#: Default static fraction of the dynamic schedule by T (``KDA_CUTEDSL_STATIC_FRACTION``
-#: overrides; T not listed: 0). As the cuda backend's (measured there).
-STATIC_FRACTION: dict = {1: 0.8}
-
-
-def schedule_for(T: int) -> tuple:
-    """(dynamic, static_fraction) of the streamed kernel at ``T`` from the environment
-    (``KDA_CUTEDSL_SCHEDULE``, ``KDA_CUTEDSL_STATIC_FRACTION``) or the defaults.
-
-    Raises:
-      ValueError: ``KDA_CUTEDSL_SCHEDULE`` is not "static" / "dynamic", or
-        ``KDA_CUTEDSL_STATIC_FRACTION`` is not a number in [0, 1].
-    """
-    v = os.environ.get("KDA_CUTEDSL_SCHEDULE", "").strip().lower() or SCHEDULE.get(T, "static")
-    if v not in ("static", "dynamic"):
-        raise ValueError(f"KDA_CUTEDSL_SCHEDULE must be 'static' or 'dynamic', got {v!r}")
-    f = fraction_from_env("KDA_CUTEDSL_STATIC_FRACTION", STATIC_FRACTION.get(T, 0.0))
-    return v == "dynamic", f
 
 
 def prefetch_distance() -> int:
@@ -221,9 +189,6 @@ class _Launcher:
         idx = {n: i for i, n in enumerate(names)}
         self.i_scalars = idx["R"]
         self.i_stream = idx["stream"]
-        self.i_sched = idx.get("sched")
-        self.i_sitems = idx.get("sitems")
-        self.i_ncta = idx.get("ncta")
         lb = cfg.lower_bound if cfg.lower_bound is not None else 0.0
         self.buf[idx["scale"]] = _f32_bits(cfg.scale)
         self.buf[idx["eps"]] = _f32_bits(cfg.norm_eps)
@@ -234,17 +199,7 @@ class _Launcher:
         self.n_sm = torch.cuda.get_device_properties(self.device_index).multi_processor_count
         self.max_ctas = 2 * self.n_sm
         self.items_per_cta = 0
-        self.dynamic = kind == "stream" and ks.dynamic
-        self.static_fraction = 0.0
-        # the dynamic schedule's counter pairs, one per CUDA stream (zero when made, left at
-        # zero by every launch); stream handle -> tensor
-        self.counters: Optional[dict] = {} if self.dynamic else None
         if kind == "stream":
-            self.buf[self.i_sched] = 0      # static schedule: no counters, no static range
-            self.buf[self.i_sitems] = 0
-        if self.dynamic:
-            self.static_fraction = schedule_for(self.T)[1]
-        elif kind == "stream":
             self.items_per_cta = items_per_cta_from_env("KDA_CUTEDSL_ITEMS_PER_CTA",
                                                         ITEMS_PER_CTA.get(self.T, 1))
         # fast path: the launcher's packed argument array is built once (its entries are the
@@ -283,21 +238,9 @@ class _Launcher:
             a.output_gate.stride(0), a.out.stride(0), a.state.stride(0), a.conv_state.stride(0),
         ]
         self.buf[0:len(vals)] = vals
-        raw = _raw_stream(self.device_index)
         if self.kind == "stream":
-            items = R * self.H
-            if self.dynamic:
-                ncta = min(items, self.max_ctas)
-                c = self.counters.get(raw)
-                if c is None:    # (during a capture: allocated from the graph's pool, kept here)
-                    c = self.counters[raw] = torch.zeros(2, dtype=torch.int32,
-                                                         device=a.x.device)
-                self.buf[self.i_sched] = c.data_ptr()
-                self.buf[self.i_sitems] = int(self.static_fraction * items / ncta)
-            else:
-                ncta = stream_grid(items, self.max_ctas, self.items_per_cta)
-            self.buf[self.i_ncta] = ncta
-        self.buf[self.i_stream] = raw
+            self.buf[self.i_stream - 1] = stream_grid(R * self.H, self.max_ctas, self.items_per_cta)
+        self.buf[self.i_stream] = _raw_stream(self.device_index)
         self._launch()
 
 
@@ -333,13 +276,10 @@ class _CuteDslBackend(Backend):
 
         pdl, early = pdl_mode()
         stream = self.kind == "stream"
-        dynamic = stream and schedule_for(cfg.T)[0]
         ks = KernelStatic.from_config(cfg, pdl=pdl, pdl_early=early,
-                                      prefetch=prefetch_distance() if stream and not dynamic
-                                      else 0,
+                                      prefetch=prefetch_distance() if stream else 0,
                                       fb_smem=stream and cfg.T == 1
-                                      and flag_from_env("KDA_CUTEDSL_FB_SMEM", FB_SMEM),
-                                      dynamic=dynamic)
+                                      and flag_from_env("KDA_CUTEDSL_FB_SMEM", FB_SMEM))
         compiled = cache.get_kernel(self.kind, ks)
         return _Launcher(self.kind, cfg, device, compiled, ks)
 

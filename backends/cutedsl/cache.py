@@ -44,9 +44,8 @@ SCALAR_ARGS = (
     ("og_rs", "i32"), ("out_rs", "i32"), ("state_ss", "i64"), ("cs_ss", "i64"),
     ("scale", "f32"), ("eps", "f32"), ("lb", "f32"),
 )
-#: The streamed kernel takes after the common scalars the address of its schedule counters
-#: (dynamic schedule; 0 otherwise), its static range per CTA and its CTA count.
-STREAM_EXTRA = (("sched", "i64"), ("sitems", "i32"), ("ncta", "i32"))
+#: The streamed kernel takes its CTA count after the common scalars.
+STREAM_EXTRA = (("ncta", "i32"),)
 
 
 def arg_names(kind: str) -> List[str]:

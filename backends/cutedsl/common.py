@@ -140,15 +140,6 @@ class ItemMath:
         """Counterpart of :meth:`load_slot_lane`: SL[q][tid] = v for tid <= T."""
         P.sst_b32(p.sb + self.plan.SL + q * 64 + p.tid * 4, v, Int32(p.tid <= self.T))
 
-    def stage_next_item(self, p, item, q):
-        """Thread 0 writes the next item's index to SL[q] word 15 (dynamic schedule: only warp
-        0 has it; read after the next barrier)."""
-        P.sst_b32(p.sb + self.plan.SL + q * 64 + 60, item, Int32(p.tid == 0))
-
-    def staged_next_item(self, p, q):
-        """The index written by :meth:`stage_next_item` (broadcast shared load)."""
-        return P.sld_b32(p.sb + self.plan.SL + q * 64 + 60)
-
     def staged_slot_values(self, p, q):
         """The raw slot values from SL[q] (broadcast shared loads)."""
         base = p.sb + self.plan.SL + q * 64

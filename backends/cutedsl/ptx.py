@@ -356,23 +356,6 @@ def shfl_xor(x, m):
     return asm("shfl.sync.bfly.b32 $0, $1, $2, 31, -1;", [Float32], [x, Int32(m)])
 
 
-def shfl_idx_i32(x, lane: int):
-    """The Int32 value of lane ``lane`` of the warp (full-warp shuffle)."""
-    return asm("shfl.sync.idx.b32 $0, $1, $2, 31, -1;", [Int32], [x, Int32(lane)])
-
-
-def atom_add_i32(addr, v, pred):
-    """Where ``pred``: add ``v`` to the int32 at global address ``addr`` (Int64) atomically
-    and return the old value; else 0."""
-    return asm(_pred("mov.b32 $0, 0; @p atom.global.add.u32 $0, [$1], $2;", 3), [Int32],
-               [addr, v, pred], memory=True, early=True)
-
-
-def gst_b32_at(addr, v, pred):
-    """Store a 32-bit word at global address ``addr`` (Int64) where ``pred``."""
-    asm(_pred("@p st.global.b32 [$0], $1;", 2), [], [addr, v, pred], memory=True)
-
-
 def warp_sum(x):
     """Butterfly sum over the 32 lanes (fixed order; every lane gets the same bits)."""
     for m in (16, 8, 4, 2, 1):

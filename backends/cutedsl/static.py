@@ -40,10 +40,6 @@ class KernelStatic:
       fb_smem: streamed kernel at T=1 only (False elsewhere): items are walked head-major
         (item = h * R + r) and each head's f_b rows are staged in shared memory once per head
         (:class:`SmemPlan` region FB) instead of being loaded from L2 for every item.
-      dynamic: streamed kernel only: CTA b first walks the contiguous range [b*S, (b+1)*S)
-        (S = the runtime ``sitems``, at least 1), then takes items from an atomic counter in
-        global memory (runtime ``sched``: two int32, zero before the launch and left at zero
-        by it) until every item is taken. Not with ``prefetch``.
     """
 
     H: int
@@ -61,23 +57,18 @@ class KernelStatic:
     pdl_early: bool = False
     prefetch: int = 0
     fb_smem: bool = False
-    dynamic: bool = False
 
     def __post_init__(self):
         if self.fb_smem and self.T != 1:
             raise ValueError(f"fb_smem serves T=1 only (shared memory), got T={self.T}")
-        if self.dynamic and self.prefetch:
-            raise ValueError("the dynamic schedule has no L2 prefetch (it needs the item "
-                             f"n+{self.prefetch} of a static range), got prefetch={self.prefetch}")
 
     @classmethod
     def from_config(cls, cfg: KdaConfig, pdl: bool = True, pdl_early: bool = False,
-                    prefetch: int = 0, fb_smem: bool = False,
-                    dynamic: bool = False) -> "KernelStatic":
+                    prefetch: int = 0, fb_smem: bool = False) -> "KernelStatic":
         """The static part of ``cfg`` (scale, norm_eps and lower_bound's value excluded).
 
         Raises:
-          ValueError: ``fb_smem`` with T != 1; ``dynamic`` with ``prefetch``.
+          ValueError: ``fb_smem`` with T != 1.
         """
         return cls(H=cfg.num_heads, T=cfg.T, L=cfg.window, layout=cfg.conv_layout,
                    bounded=cfg.lower_bound is not None, gate_mode=cfg.gate_mode,
@@ -85,8 +76,7 @@ class KernelStatic:
                    cs_bf16=cfg.conv_state_dtype == torch.bfloat16,
                    cw_bf16=cfg.conv_weight_dtype == torch.bfloat16,
                    nw_bf16=cfg.norm_weight_dtype == torch.bfloat16, pdl=pdl,
-                   pdl_early=pdl and pdl_early, prefetch=prefetch, fb_smem=fb_smem,
-                   dynamic=dynamic)
+                   pdl_early=pdl and pdl_early, prefetch=prefetch, fb_smem=fb_smem)
 
     def tag(self) -> str:
         """A file-name friendly identifier, e.g. ``H32_T1_L3_SD_sp_g0``."""
@@ -104,8 +94,6 @@ class KernelStatic:
             parts.append(f"pf{self.prefetch}")
         if self.fb_smem:
             parts.append("fbs")
-        if self.dynamic:
-            parts.append("dyn")
         return "_".join(parts)
 
 
@@ -119,8 +107,7 @@ class SmemPlan:
       SW  conv-window history [3 pos][3 part][128] (cache dtype; SD layout only)
     Per-item compute buffers:
       CQ, CK, CV, CA, CO  q-hat, k-hat, v, alpha, o: [T][128] fp32 each
-      CB  beta [8] fp32; SL raw slot ids [2 parity][16] int32 (T slots + accepted count; word
-          15: the next item under the dynamic schedule)
+      CB  beta [8] fp32; SL raw slot ids [2 parity][16] int32 (T slots + accepted count)
       CRQ, CRK, CRO  per-warp partial sums [9][4] fp32 (q^2, k^2, ob^2)
       PF  the L2 prefetch's slot word (streamed kernel)
     With ``fb`` (:attr:`KernelStatic.fb_smem`):

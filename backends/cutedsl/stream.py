@@ -72,8 +72,7 @@ class KdaStream:
                og: cute.Pointer, nw: cute.Pointer, out: cute.Pointer, vrec: cute.Pointer,
                kgrec: cute.Pointer, R: Int32, slots: Int32, x_rs: Int32, fa_rs: Int32,
                beta_rs: Int32, og_rs: Int32, out_rs: Int32, state_ss: Int64, cs_ss: Int64,
-               scale: Float32, eps: Float32, lb: Float32, sched: Int64, sitems: Int32,
-               ncta: Int32):
+               scale: Float32, eps: Float32, lb: Float32, ncta: Int32):
         """Device code: CTA ``blockIdx.x`` walks its item range (see the module docstring)."""
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -91,17 +90,8 @@ class KdaStream:
         ogr = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
 
         items = Int64(R * self.ks.H)
-        DYN = self.ks.dynamic
-        if cutlass.const_expr(DYN):
-            # static range [cta*S1, (cta+1)*S1), then the counter's items from ncta*S1 on
-            S1 = P.sel_i32(Int32(sitems > 1), sitems, Int32(1))
-            start = Int32(cta) * S1
-            end = Int32(items)
-            static_end = start + S1
-            base = Int32(ncta) * S1
-        else:
-            start = Int32((Int64(cta) * items) // Int64(ncta))
-            end = Int32((Int64(cta + 1) * items) // Int64(ncta))
+        start = Int32((Int64(cta) * items) // Int64(ncta))
+        end = Int32((Int64(cta + 1) * items) // Int64(ncta))
 
         # prologue: the first item
         # Under PDL, wait for the predecessor before reading anything: slot ids, windows,
@@ -136,19 +126,9 @@ class KdaStream:
                 self.math.prefetch_page(p, start + i, _pf_pred(tid, start + i, end))
 
         q = Int32(0)
-        n = start
-        while n < end:
-            # the next item: the range's next; dynamic, past the static range: from the counter
-            # (thread 0's atomic, shuffled to warp 0, whose threads 0..T load its slot row; every
-            # thread reads it from SL after the barrier below)
-            nx = n + 1
-            if cutlass.const_expr(DYN):
-                past = Int32(nx >= static_end)
-                need = past & Int32(base < end)
-                got = P.shfl_idx_i32(P.atom_add_i32(sched, Int32(1), need & Int32(tid == 0)), 0)
-                nx = P.sel_i32(need, base + got, P.sel_i32(past, end, nx))
-            nvalid = Int32(nx < end)
-            nslot = self.math.load_slot_lane(p, nx, nvalid)
+        for n in cutlass.range(start, end, 1, unroll=1):
+            nvalid = Int32(n + 1 < end)
+            nslot = self.math.load_slot_lane(p, n + 1, nvalid)
             if cutlass.const_expr(PFD > 0):
                 # L2 prefetch of item n+PFD's page, in three parts: its slot word now, (T>1)
                 # the source slot from the accepted count before the page wait, the prefetch
@@ -177,15 +157,10 @@ class KdaStream:
             if live != 0:
                 self.math.phase_a(p, desc, hp, wreg, ogr)
             self.math.store_slot_lane(p, nslot, q ^ 1)
-            if cutlass.const_expr(DYN):
-                self.math.stage_next_item(p, nx, q ^ 1)
             P.bar_sync()
             # the operand staging buffers are free: prefetch item n+1's rows and registers
-            if cutlass.const_expr(DYN):
-                nx = self.math.staged_next_item(p, q ^ 1)
-                nvalid = Int32(nx < end)
             nvals, nna = self.math.staged_slot_values(p, q ^ 1)
-            self.math.make_desc(p, nx, nvalid, nvals, nna, ndesc)
+            self.math.make_desc(p, n + 1, nvalid, nvals, nna, ndesc)
             if cutlass.const_expr(self.ks.fb_smem):
                 # item n+1's head rows into FB when the head changes (item n's gate, the only
                 # reader, is two barriers back); they land with group E(n+1)
@@ -219,17 +194,6 @@ class KdaStream:
                     self.math.prefetch_page(p, n + PFD, _pf_pred(tid, n + PFD, end))
                 self.math.write_zeros(p, desc)
             q = q ^ 1
-            n = nx
-
-        if cutlass.const_expr(DYN):
-            # the last CTA to get here (every other CTA took its last counter value before its
-            # own increment) leaves both counters at zero for the next launch
-            P.fence_gpu()
-            first = Int32(tid == 0)
-            done = P.atom_add_i32(sched + 4, Int32(1), first)
-            last = first & Int32(done == ncta - 1)
-            P.gst_b32_at(sched, Int32(0), last)
-            P.gst_b32_at(sched + 4, Int32(0), last)
 
         if cutlass.const_expr(self.ks.pdl and not self.ks.pdl_early):
             P.fence_gpu()
@@ -243,12 +207,11 @@ class KdaStream:
                og: cute.Pointer, nw: cute.Pointer, out: cute.Pointer, vrec: cute.Pointer,
                kgrec: cute.Pointer, R: Int32, slots: Int32, x_rs: Int32, fa_rs: Int32,
                beta_rs: Int32, og_rs: Int32, out_rs: Int32, state_ss: Int64, cs_ss: Int64,
-               scale: Float32, eps: Float32, lb: Float32, sched: Int64, sitems: Int32,
-               ncta: Int32, stream: cuda.CUstream):
+               scale: Float32, eps: Float32, lb: Float32, ncta: Int32, stream: cuda.CUstream):
         """Host entry: launch ``ncta`` CTAs of 256 threads on ``stream`` (each walks an item range)."""
         self.kernel(x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, na, og, nw, out, vrec,
                     kgrec, R, slots, x_rs, fa_rs, beta_rs, og_rs, out_rs, state_ss, cs_ss,
-                    scale, eps, lb, sched, sitems, ncta).launch(
+                    scale, eps, lb, ncta).launch(
             grid=[ncta, 1, 1], block=[NTHREADS, 1, 1], stream=stream, use_pdl=self.ks.pdl,
             min_blocks_per_mp=2,
             preferred_smem_carveout=carveout_percent(self.plan.total))

@@ -620,30 +620,6 @@ def _gst_f32(gptr, v, pred):
     _gstore(gptr, _from(Float32(v).a, np.float32), pred, "st.global.f32")
 
 
-def _ptr_at(addr, esize):
-    """A Ptr from a raw global address (an Int64 value or number)."""
-    return Ptr(V._arr(addr) if isinstance(addr, V) else addr, esize)
-
-
-@_reg("gst_b32_at")
-def _gst_b32_at(addr, v, pred):
-    _gst_b32(_ptr_at(addr, 4), v, pred)
-
-
-@_reg("atom_add_i32")
-def _atom_add_i32(addr, v, pred):
-    ptr = _ptr_at(addr, 4)
-    m = _pm(pred) & _active()
-    if m.sum() > 1:
-        raise EmulationError("atom.global.add by more than one lane (not emulated)")
-    gmem = _cta().gmem
-    d = gmem.load(ptr, 4, m, "atom.global.add.u32")
-    old = np.where(m, _bytes_to(d, np.int32)[:, 0], 0)
-    new = (old.astype(np.int64) + Int32(v).a) & 0xFFFFFFFF
-    gmem.store(ptr, _from(new.astype(np.uint32), np.uint32), m, "atom.global.add.u32")
-    return V(old, "i32")
-
-
 @_reg("gst_v4_f32")
 def _gst_v4_f32(gptr, a, b, c, d, pred):
     vals = np.stack([Float32(x).a for x in (a, b, c, d)], 1)
@@ -752,13 +728,6 @@ def _shfl_xor(x, m):
     _full_warps("shfl.sync")
     src = np.arange(NT) ^ int(m)
     return V(Float32(x).a[src], "f32")
-
-
-@_reg("shfl_idx_i32")
-def _shfl_idx_i32(x, lane):
-    _full_warps("shfl.sync.idx")
-    src = (np.arange(NT) & ~31) + int(lane)
-    return V(Int32(x).a[src], "i32")
 
 
 @_reg("warp_sum")
@@ -958,7 +927,7 @@ _ESIZE = {torch.bfloat16: 2, torch.float32: 4, torch.int32: 4}
 
 
 def run(kind: str, cfg, args, ncta: int = None, pdl: bool = True, prefetch: int = None,
-        fb_smem: bool = None, static_items: int = None) -> dict:
+        fb_smem: bool = None) -> dict:
     """Run kernel ``kind`` ("wide" / "stream") on the CPU tensors ``args`` in place.
 
     Args:
@@ -966,9 +935,6 @@ def run(kind: str, cfg, args, ncta: int = None, pdl: bool = True, prefetch: int 
       prefetch: the streamed kernel's L2-prefetch distance (default: the backend's default).
       fb_smem: the streamed kernel's head-major order with f_b staged in shared memory
         (default: the backend's default at T=1; never at T > 1 or for the wide kernel).
-      static_items: the streamed kernel's dynamic schedule with this static range per CTA
-        (None: the static schedule). The CTAs run one after another, so CTA 0 takes every
-        counter item; the counters must be back at zero afterwards (checked).
 
     Returns:
       {"ctas": n, "barriers": total barriers executed}.
@@ -982,11 +948,7 @@ def run(kind: str, cfg, args, ncta: int = None, pdl: bool = True, prefetch: int 
         prefetch = PREFETCH_DISTANCE if kind == "stream" else 0
     if fb_smem is None:
         fb_smem = FB_SMEM and kind == "stream" and cfg.T == 1
-    dynamic = static_items is not None
-    if dynamic:
-        prefetch = 0
-    ks = KernelStatic.from_config(cfg, pdl=pdl, prefetch=prefetch, fb_smem=fb_smem,
-                                  dynamic=dynamic)
+    ks = KernelStatic.from_config(cfg, pdl=pdl, prefetch=prefetch, fb_smem=fb_smem)
     obj = mods[kind].KdaWide(ks) if kind == "wide" else mods[kind].KdaStream(ks)
     gmem = GlobalMemory()
     tensors = dict(x=args.x, cw=args.conv_weight, cb=args.conv_bias, cs=args.conv_state,
@@ -1010,11 +972,9 @@ def run(kind: str, cfg, args, ncta: int = None, pdl: bool = True, prefetch: int 
                Int64(args.state.stride(0)), Int64(args.conv_state.stride(0)),
                Float32(cfg.scale), Float32(cfg.norm_eps), Float32(lb)]
     items = R * H
-    counters = torch.zeros(2, dtype=torch.int32)
     if kind == "stream":
         grid = min(items, ncta or 5)
-        sched = gmem.register(counters, "sched") if dynamic else 0
-        scalars += [Int64(sched), Int32(static_items or 0), Int32(grid)]
+        scalars.append(Int32(grid))
     else:
         grid = items
     plan = SmemPlan(cfg.T, ks.fb_smem)
@@ -1031,6 +991,4 @@ def run(kind: str, cfg, args, ncta: int = None, pdl: bool = True, prefetch: int 
             _State.cta.wait_all()
         total_bar += _State.cta.barriers
     _State.cta = None
-    if dynamic and counters.tolist() != [0, 0]:
-        raise EmulationError(f"schedule counters left at {counters.tolist()}, not zero")
     return {"ctas": grid, "barriers": total_bar}

@@ -122,7 +122,6 @@ def test_compiles(kind, i):
     else:
         assert "st.global.v4.f32" in ptx, "state stores must be 16-byte vectors"
     assert ("cp.async.bulk.prefetch.L2.global" in ptx) == (ks.prefetch > 0)
-    assert "atom.global.add" not in ptx, "the static schedule uses no counter"
     assert ("griddepcontrol.wait" in ptx) == ks.pdl
     assert ("griddepcontrol.launch_dependents" in ptx) == ks.pdl
     if ks.pdl:   # the trigger follows the wait (early) or a GPU-scope fence at the end (late)
@@ -151,32 +150,6 @@ def test_stream_compiles_with_l2_prefetch(i):
     assert ptx.count("cp.async.bulk.prefetch.L2.global") == 16, ptx.count("cp.async.bulk.prefetch")
     usage = _resource_usage(compiled.__cubin__)
     if usage is not None:
-        assert usage["REG"] <= 128 and usage["STACK"] <= 512, usage
-
-
-@pytest.mark.parametrize("i", [0, 2, 6])
-def test_stream_compiles_with_dynamic_schedule(i):
-    """The streamed kernel's dynamic schedule (KDA_CUTEDSL_SCHEDULE=dynamic) compiles for
-    sm_90a: two atomics (the next item past the static range; the finished-CTA count, after
-    which the last CTA zeroes both counters), the next item shuffled across warp 0, no L2
-    prefetch, the same gate and state traffic, and it fits two CTAs per SM."""
-    ks = KernelStatic.from_config(CONFIGS[i], dynamic=True)
-    assert "dyn" in ks.tag()
-    with pytest.raises(ValueError, match="dynamic schedule has no L2 prefetch"):
-        KernelStatic.from_config(CONFIGS[i], dynamic=True, prefetch=2)
-    compiled, secs = cache.compile_kernel("stream", ks)
-    print(f"stream {ks.tag()}: compiled in {secs:.2f} s")
-    ptx = compiled.__ptx__
-    if not isinstance(ptx, str) or ".entry" not in ptx:
-        pytest.skip("PTX not kept (CuTe DSL was imported before CUTE_DSL_KEEP was set)")
-    assert ptx.count("atom.global.add.u32") == 2, ptx.count("atom.global.add")
-    assert "shfl.sync.idx.b32" in ptx
-    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)) == 8
-    assert "cp.async.bulk.prefetch" not in ptx
-    assert "ld.local" not in ptx and "st.local" not in ptx, "local arrays left in the PTX"
-    usage = _resource_usage(compiled.__cubin__)
-    if usage is not None:
-        print(f"  resources: {usage}")
         assert usage["REG"] <= 128 and usage["STACK"] <= 512, usage
 
 
@@ -271,10 +244,9 @@ def test_package_imports_without_dsl_or_gpu():
                                              torch.device("cuda")) if "T=" in r]
 
 
-@pytest.mark.parametrize("kind,dynamic", [("stream", False), ("stream", True), ("wide", False)])
-def test_launcher_packs_arguments(kind, dynamic, monkeypatch):
-    """The host fast path writes every argument where the compiled launcher reads it (the
-    streamed kernel's schedule arguments under both schedules)."""
+@pytest.mark.parametrize("kind", ["stream", "wide"])
+def test_launcher_packs_arguments(kind, monkeypatch):
+    """The host fast path writes every argument where the compiled launcher reads it."""
     import ctypes
     import struct
     from types import SimpleNamespace
@@ -304,9 +276,8 @@ def test_launcher_packs_arguments(kind, dynamic, monkeypatch):
     monkeypatch.setattr(be, "_raw_stream", lambda i: 0xABCDEF)
     cfg = KdaConfig(num_heads=4, T=2, window=5, conv_layout="DS", lower_bound=-2.0, scale=0.25,
                     norm_eps=1e-4, has_conv_bias=True, record=True)
-    monkeypatch.setenv("KDA_CUTEDSL_STATIC_FRACTION", "0.5")
     launcher = be._Launcher(kind, cfg, torch.device("cuda", 0), FakeCompiled(),
-                            KernelStatic.from_config(cfg, dynamic=dynamic))
+                            KernelStatic.from_config(cfg))
     a = make_case(CaseSpec(cfg, R=3, padded=True), "cpu")
     launcher(a)
     names = cache.arg_names(kind)
@@ -339,10 +310,4 @@ def test_launcher_packs_arguments(kind, dynamic, monkeypatch):
     assert u64(idx["stream"]) == 0xABCDEF
     if kind == "stream":
         assert i32(idx["ncta"]) == min(3 * 4, 264)
-        if dynamic:   # the persistent grid; the stream's counter pair; 0.5 * 12 / 12 -> 0
-            (counters,) = launcher.counters.values()
-            assert list(launcher.counters) == [0xABCDEF] and counters.tolist() == [0, 0]
-            assert u64(idx["sched"]) == counters.data_ptr() and i32(idx["sitems"]) == 0
-        else:
-            assert u64(idx["sched"]) == 0 and i32(idx["sitems"]) == 0
     assert packed[-1] == ctypes.addressof(launcher._result)

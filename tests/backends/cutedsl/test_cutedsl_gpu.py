@@ -137,33 +137,6 @@ def test_stream_grid_size_changes_nothing(spec, items_per_cta, device, require_b
         assert bits_equal(getattr(a1, buf), getattr(a2, buf)), f"{buf} differs"
 
 
-@pytest.mark.parametrize("spec", [c[0] for c in GRID_CASES[::2]] + [SPECS[0]],
-                         ids=[c[0].id for c in GRID_CASES[::2]] + [SPECS[0].id])
-@pytest.mark.parametrize("fraction", ["0", "0.8"])
-def test_stream_dynamic_schedule_changes_nothing(spec, fraction, device, require_backend,
-                                                 monkeypatch):
-    """The streamed kernel's dynamic schedule (KDA_CUTEDSL_SCHEDULE=dynamic: a static range of
-    KDA_CUTEDSL_STATIC_FRACTION of each CTA's share, then items from an atomic counter) only
-    moves items between CTAs: three back-to-back steps on one pool are bit-identical to the
-    static schedule's, null slots and records included, and leave the counters at zero."""
-    cfg = spec.cfg
-    monkeypatch.setenv("KDA_CUTEDSL_SCHEDULE", "static")
-    s0 = require_backend("cutedsl", cfg, device).build(cfg, device)
-    monkeypatch.setenv("KDA_CUTEDSL_SCHEDULE", "dynamic")
-    monkeypatch.setenv("KDA_CUTEDSL_STATIC_FRACTION", fraction)
-    s1 = require_backend("cutedsl", cfg, device).build(cfg, device)
-    assert (s0.dynamic, s1.dynamic) == (False, True) and s1.static_fraction == float(fraction)
-    a0 = make_case(spec, device)
-    a1 = clone_args(a0)
-    for _ in range(3):
-        s0(a0)
-        s1(a1)
-    torch.cuda.synchronize()
-    assert [c.tolist() for c in s1.counters.values()] == [[0, 0]]
-    for buf in ("out", "state", "conv_state", "v_record", "kg_record"):
-        assert bits_equal(getattr(a0, buf), getattr(a1, buf)), f"{buf} differs"
-
-
 FB_SPECS = [CaseSpec(KdaConfig(num_heads=32, T=1, window=3), R=128, null_frac=0.1, seed=21),
             CaseSpec(KdaConfig(num_heads=12, T=1, window=6, conv_layout="DS", lower_bound=-5.0,
                                gate_mode=1, has_conv_bias=True, record=True,

@@ -80,33 +80,15 @@ def test_emulated_stream_fb_smem_bit_identical_to_wide(spec, ncta, fb_smem):
     _stream_matches_reference_and_wide(spec.cfg, make_case(spec, "cpu"), ncta, fb_smem)
 
 
-DYN_SPECS = [SPECS[0], SPECS[2], SPECS[7], FB_SPECS[2]]
-
-
-@pytest.mark.parametrize("spec", DYN_SPECS, ids=[s.id for s in DYN_SPECS])
-@pytest.mark.parametrize("ncta,static_items", [(1, 0), (3, 0), (3, 1), (3, 2), (2, 100)])
-def test_emulated_stream_dynamic_schedule(spec, ncta, static_items):
-    """The dynamic schedule (a static range of ``static_items`` per CTA, at least 1, then items
-    from the atomic counter; 100 = more than the items, so the counter is never read): the
-    reference's results and the wide kernel's bits, dead items and records included, and the
-    counters back at zero (checked by the emulator). The emulator runs the CTAs one after
-    another, so CTA 0 takes every counter item; the T=1 case with f_b staged crosses heads."""
-    fb = spec.cfg.T == 1 and spec is FB_SPECS[2]
-    _stream_matches_reference_and_wide(spec.cfg, make_case(spec, "cpu"), ncta, fb,
-                                       static_items=min(static_items, spec.R * spec.cfg.num_heads
-                                                        // ncta) if static_items < 100 else 100)
-
-
-def _stream_matches_reference_and_wide(cfg, args, ncta, fb_smem, static_items=None):
-    """Run the streamed kernel (``ncta`` CTAs, ``fb_smem``, the dynamic schedule with
-    ``static_items`` unless None) on ``args`` and the wide kernel on a copy: the stream
-    against the reference, and bit-identical to the wide kernel."""
+def _stream_matches_reference_and_wide(cfg, args, ncta, fb_smem):
+    """Run the streamed kernel (``ncta`` CTAs, ``fb_smem``) on ``args`` and the wide kernel on
+    a copy: the stream against the reference, and bit-identical to the wide kernel."""
     wide = clone_args(args)
     before = clone_args(args)
     expected = clone_args(args)
     reference_step(cfg, expected)
     emulator.run("wide", cfg, wide)
-    emulator.run("stream", cfg, args, ncta=ncta, fb_smem=fb_smem, static_items=static_items)
+    emulator.run("stream", cfg, args, ncta=ncta, fb_smem=fb_smem)
     errors = compare_step(args, expected, before)
     assert not errors, "\n".join(errors)
     for buf in ("out", "state", "conv_state", "v_record", "kg_record"):
