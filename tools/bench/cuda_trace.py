@@ -12,6 +12,10 @@ start and end apart, and the median phase times of an item. The ``KDA_CUDA_*`` k
 
     python3 -m tools.bench.cuda_trace --batches=32,128 --tokens=1,5 --out_dir=/tmp/trace
 
+(The benchmark's flags: ``--heads`` (default 32), ``--batches`` (here default 32,128,512),
+``--tokens`` (1,2,5), ``--pool_gib`` (here default 8), ``--out_dir``, ``--tag``; and
+``--trace_steps``.)
+
 Writes ``trace-[<tag>-]R<R>-T<T>.npz`` (the stamps, :func:`compact` form) to
 ``--out_dir`` if given. Needs an sm_90 GPU and nvcc.
 """
@@ -25,14 +29,13 @@ from typing import List
 
 from absl import app, flags
 
+from tools.bench import bench  # noqa: F401  (--batches, --tokens, --heads, --pool_gib, --out_dir, --tag)
+
 FLAGS = flags.FLAGS
-flags.DEFINE_list("batches", ["32", "128", "512"], "R values")
-flags.DEFINE_list("tokens", ["1"], "T values")
-flags.DEFINE_integer("heads", 32, "H")
-flags.DEFINE_integer("steps", 8, "steps traced back to back (one slot set each)")
-flags.DEFINE_float("pool_gib", 8.0, "state pool size in GiB")
-flags.DEFINE_string("out_dir", "", "where to write the raw stamps (npz); default: print only")
-flags.DEFINE_string("tag", "", "file name tag: trace-<tag>-R<R>-T<T>.npz")
+flags.DEFINE_integer("trace_steps", 8, "cuda_trace: steps traced back to back (one slot set each)")
+
+#: cuda_trace's defaults where the benchmark's flags have none
+DEFAULT_BATCHES, DEFAULT_POOL_GIB = ["32", "128", "512"], 8.0
 
 # kTraceCtas, kTraceStride, kTracePoints of kda_decode.cu; item n's points are columns
 # 8 + POINTS * n + k, k in POINT_NAMES order
@@ -134,37 +137,39 @@ def main(argv):
     from tools.bench.harness import Workload
 
     dev = torch.device("cuda")
+    steps = FLAGS.trace_steps
+    pool_gib = FLAGS.pool_gib if FLAGS.pool_gib is not None else DEFAULT_POOL_GIB
     print("knobs:", {k: v for k, v in sorted(os.environ.items()) if k.startswith("KDA_CUDA_")})
-    for T in map(int, FLAGS.tokens):
-        cfg = KdaConfig(num_heads=FLAGS.heads, T=T, window=T + 2)
-        for R in map(int, FLAGS.batches):
-            wl = Workload(cfg, R, dev, FLAGS.pool_gib, sets=FLAGS.steps)
-            step = BACKEND.build(cfg, dev)
-            tr = torch.zeros(FLAGS.steps, CTAS, STRIDE, dtype=torch.int64, device=dev)
-            for i in range(2 * FLAGS.steps):     # warm up (and build) without the trace
-                step(wl.args_for(i % FLAGS.steps))
-            torch.cuda.synchronize()
-            torch.cuda._sleep(50_000_000)       # the host queues every step meanwhile
-            for i in range(FLAGS.steps):
-                step.trace = tr[i]
-                step(wl.args_for(i))
-            step.trace = None
-            torch.cuda.synchronize()
-            t = tr.cpu().numpy()
-            rows = analyse(t)
-            print(f"\n== H={FLAGS.heads} R={R} T={T}: microseconds (phase figures are medians "
-                  f"over CTAs and items)")
-            print(f"{'step':>5s} " + " ".join(f"{h:>8s}" for _, h in COLS))
-            for r in rows:
-                print(f"{r['step']:5d} " + " ".join(f"{r[c]:8.2f}" for c, _ in COLS))
-            steady = rows[1:]
-            print("  med " + " ".join(f"{_med([r[c] for r in steady]):8.2f}" for c, _ in COLS))
-            if FLAGS.out_dir:
-                os.makedirs(FLAGS.out_dir, exist_ok=True)
-                np.savez_compressed(os.path.join(FLAGS.out_dir, f"trace-{FLAGS.tag + '-' if FLAGS.tag else ''}R{R}-T{T}.npz"),
-                                    stamps=compact(t))
-            del wl
-            torch.cuda.empty_cache()
+    for H, T, R in [(int(h), int(t), int(r)) for h in FLAGS.heads for t in FLAGS.tokens
+                    for r in (FLAGS.batches or DEFAULT_BATCHES)]:
+        cfg = KdaConfig(num_heads=H, T=T, window=T + 2)
+        wl = Workload(cfg, R, dev, pool_gib, sets=steps)
+        step = BACKEND.build(cfg, dev)
+        tr = torch.zeros(steps, CTAS, STRIDE, dtype=torch.int64, device=dev)
+        for i in range(2 * steps):     # warm up (and build) without the trace
+            step(wl.args_for(i % steps))
+        torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)       # the host queues every step meanwhile
+        for i in range(steps):
+            step.trace = tr[i]
+            step(wl.args_for(i))
+        step.trace = None
+        torch.cuda.synchronize()
+        t = tr.cpu().numpy()
+        rows = analyse(t)
+        print(f"\n== H={H} R={R} T={T}: microseconds (phase figures are medians "
+              f"over CTAs and items)")
+        print(f"{'step':>5s} " + " ".join(f"{h:>8s}" for _, h in COLS))
+        for r in rows:
+            print(f"{r['step']:5d} " + " ".join(f"{r[c]:8.2f}" for c, _ in COLS))
+        steady = rows[1:]
+        print("  med " + " ".join(f"{_med([r[c] for r in steady]):8.2f}" for c, _ in COLS))
+        if FLAGS.out_dir:
+            os.makedirs(FLAGS.out_dir, exist_ok=True)
+            name = f"trace-{FLAGS.tag + '-' if FLAGS.tag else ''}{'' if H == 32 else f'H{H}-'}R{R}-T{T}.npz"
+            np.savez_compressed(os.path.join(FLAGS.out_dir, name), stamps=compact(t))
+        del wl
+        torch.cuda.empty_cache()
     return 0
 
 
