@@ -79,7 +79,8 @@ SCHEDULES = ("dynamic", "static")
 #: overrides; T not listed: 0, every item after a CTA's first from the counter). On the H200
 #: (8155583, H=32, step times at R = 32 / 128 / 512, two repeats) T=1 with f = 0.8: 46.6 / 156.7
 #: / 595.5 us against 46.4 / 162.1 / 607.8 with the static ranges (the SMs run at different
-#: speeds, so static ranges end up to 12% apart; the counter evens that out) and with the head-
+#: speeds, so equal static ranges end far apart, 525-608 us at R=512; the counter evens that
+#: out) and with the head-
 #: major locality (f_b staged per head) kept for most items; f = 0.9 within 0.3% of it, f = 0.6
 #: 0.4-1.3% slower.
 #: T=5: f = 0.8 1.3% slower than f = 0 at R=128 (475.6 against 469.5 us).

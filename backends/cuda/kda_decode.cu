@@ -69,9 +69,10 @@
 // KdaParams.static_fraction f (with sched): CTA b first walks the contiguous range [b*S,
 // (b+1)*S), S = floor(f * items / CTAs), and only then takes items from the counter (which
 // starts at CTAs * S): head-major locality for most items, balance for the rest. A per-CTA
-// trace (8155583, tools/bench/cuda_trace.py) showed why the static ranges lose: the SMs run
-// at different speeds (per-item time per SM 8.8-9.6 us at R=512 T=1, the same SMs slow from
-// step to step), so equal ranges ended up to 12% apart. f = 0.8 at T=1 measured 3.3% / 2.0%
+// trace (a3af7e4, tools/bench/cuda_trace.py) showed why the static ranges lose: the SMs run
+// at different speeds (per-item time per SM 8.7-9.7 us at R=512 T=1, the same SMs slow from
+// step to step), so the CTAs of equal ranges left over 525-608 us at R=512 and 129-161 us at
+// R=128 (8155583: static ranges). f = 0.8 at T=1 measured 3.3% / 2.0%
 // faster at R = 128 / 512 than the static ranges (and at T=5 1.3% slower than f = 0). The
 // backend's default: dynamic at every T, f = 0.8 at T=1, 0 above.
 //
