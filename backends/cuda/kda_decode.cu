@@ -677,7 +677,8 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       // across B1.)
       uint32_t afr[8][4];
       auto load_afr = [&]() {
-        const uint4* fb = FB ? sm.fb : reinterpret_cast<const uint4*>(
+        // (the global rows only without FB, which reads sm.fb below)
+        const uint4* fb = FB ? nullptr : reinterpret_cast<const uint4*>(
             static_cast<const __nv_bfloat16*>(p.f_b) + static_cast<int64_t>(H_CUR * kD + feat0) * kD) + tig;
 #pragma unroll
         for (int pp = 0; pp < 4; ++pp) {
