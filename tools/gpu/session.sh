@@ -92,21 +92,28 @@ if want bench; then
   tail -n 30 "$L/bench.log" >> "$OUT/summary.txt"
 fi
 
+# entry_error <stage> <entry> <label> <assigns> <extra> <earlier file of this label>: why the
+# "label:VAR=value,..." entry of $KDA_SWEEP / $KDA_TRACE cannot run (recorded), or nothing
+entry_error() {
+  local bad=
+  [ -n "$3" ] && [ -z "$5" ] || bad="want label:VAR=value,...$( [ "$1" = sweep ] && echo '[:backends]')"
+  [ -e "$6" ] && bad="label $3 used twice"
+  for a in ${4//,/ }; do [[ "$a" == [A-Za-z_]*=* ]] || bad="not VAR=value: $a"; done
+  if [ -n "$bad" ]; then
+    echo "$1 entry '$2' skipped: $bad" | tee -a "$OUT/summary.txt" >&2
+    echo "$1-${3:-?} rc=2 0s :: $bad" >> "$L/_rc"
+    echo "$bad"
+  fi
+}
+
 if want sweep; then
   mkdir -p "$OUT/sweep"
   [ -n "${KDA_SWEEP:-}" ] || echo "sweep: \$KDA_SWEEP is empty, nothing to measure" >> "$OUT/summary.txt"
   for entry in ${KDA_SWEEP:-}; do          # label:VAR=value,VAR=value[:backends]
     t0=$SECONDS
     IFS=: read -r label assigns backends extra <<< "$entry"
-    bad=
-    [ -n "$label" ] && [ -z "$extra" ] || bad="want label:VAR=value,...[:backends]"
-    [ -e "$OUT/sweep/bench-$label.json" ] && bad="label $label used twice"
-    for a in ${assigns//,/ }; do [[ "$a" == [A-Za-z_]*=* ]] || bad="not VAR=value: $a"; done
-    if [ -n "$bad" ]; then
-      echo "sweep entry '$entry' skipped: $bad" | tee -a "$OUT/summary.txt"
-      echo "sweep-${label:-?} rc=2 0s :: $bad" >> "$L/_rc"
-      continue
-    fi
+    [ -n "$(entry_error sweep "$entry" "$label" "$assigns" "$extra" "$OUT/sweep/bench-$label.json")" ] \
+      && continue
     backends=${backends:-${KDA_SWEEP_BACKENDS:-cuda,cutedsl}}
     tv=; [[ ",$backends," == *,triton,* ]] && tv=${KDA_SWEEP_TRITON_VARIANTS:-}
     env ${assigns//,/ } timeout "$(left)" python3 -m tools.bench.bench \
@@ -145,6 +152,8 @@ if want trace; then
   for entry in ${KDA_TRACE:-base:KDA_X=0}; do          # label:VAR=value,VAR=value
     t0=$SECONDS
     IFS=: read -r label assigns extra <<< "$entry"
+    [ -n "$(entry_error trace "$entry" "$label" "$assigns" "$extra" "$L/trace-$label.log")" ] \
+      && continue
     env ${assigns//,/ } timeout "$(left)" python3 -m tools.bench.cuda_trace \
       --batches="${KDA_TRACE_BATCHES:-32,128,512}" --tokens="${KDA_TRACE_TOKENS:-1,5}" \
       --out_dir="$OUT/trace" --tag="$label" > "$L/trace-$label.log" 2>&1
