@@ -37,14 +37,14 @@ flags.DEFINE_integer("trace_steps", 8, "cuda_trace: steps traced back to back (o
 #: cuda_trace's defaults where the benchmark's flags have none
 DEFAULT_BATCHES, DEFAULT_POOL_GIB = ["32", "128", "512"], 8.0
 
-# kTraceCtas, kTraceStride, kTracePoints of kda_decode.cu; item n's points are columns
-# 8 + POINTS * n + k, k in POINT_NAMES order
-CTAS, STRIDE, POINTS = 1024, 512, 8
-ITEMS = (STRIDE - 8) // POINTS
+# KDA_TRACE_CTAS, KDA_TRACE_STRIDE (kda_decode.h) and kTracePoints (kda_decode.cu); item n's
+# points are columns 8 + POINTS * n + k, k in POINT_NAMES order
+CTAS, STRIDE = 1024, 512
 POINT_NAMES = ("top", "B1", "conv", "B2", "B3", "rec", "B4", "end")
-#: per-item phases reported: (column title, from point, to point)
-PHASES = (("top>B1", 0, 1), ("B1>conv", 1, 2), ("conv>B2", 2, 3), ("B2>B3", 3, 4),
-          ("B3>rec", 4, 5), ("rec>B4", 5, 6), ("B4>end", 6, 7))
+POINTS = len(POINT_NAMES)
+ITEMS = (STRIDE - 8) // POINTS
+#: per-item phases reported, between consecutive points: (column title, from, to)
+PHASES = tuple((f"{a}>{b}", k, k + 1) for k, (a, b) in enumerate(zip(POINT_NAMES, POINT_NAMES[1:])))
 
 
 def _med(xs: List[float]) -> float:

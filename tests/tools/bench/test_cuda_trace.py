@@ -4,7 +4,10 @@
 import numpy as np
 import pytest
 
-from tools.bench.cuda_trace import CTAS, ITEMS, POINTS, STRIDE, analyse, compact
+import pathlib
+import re
+
+from tools.bench.cuda_trace import CTAS, ITEMS, PHASES, POINTS, STRIDE, analyse, compact
 
 GHZ = 2.0
 
@@ -74,3 +77,15 @@ def test_dead_items_and_ctas_past_the_stamped_items():
     rows = analyse(tr)
     assert rows[0]["top>B1"] == pytest.approx(0.5) and rows[0]["B3>rec"] == pytest.approx(4.0)
     assert rows[0]["last_end_min"] == rows[0]["last_end_med"]   # one CTA's figure only
+
+
+def test_layout_matches_the_kernel():
+    """The tool's stamp layout is the trace build's (kda_decode.h / kda_decode.cu)."""
+    src = pathlib.Path(__file__).resolve().parents[3] / "backends" / "cuda"
+    header = (src / "kda_decode.h").read_text()
+    kernel = (src / "kda_decode.cu").read_text()
+    assert int(re.search(r"#define KDA_TRACE_CTAS (\d+)", header).group(1)) == CTAS
+    assert int(re.search(r"#define KDA_TRACE_STRIDE (\d+)", header).group(1)) == STRIDE
+    assert int(re.search(r"kTracePoints = (\d+)", kernel).group(1)) == POINTS
+    assert [p[0] for p in PHASES] == ["top>B1", "B1>conv", "conv>B2", "B2>B3", "B3>rec",
+                                      "rec>B4", "B4>end"]
