@@ -71,21 +71,32 @@ class KdaWide:
         vals, nacc = self.math.slot_values(p, Int32(item), Int32(1))
         self.math.make_desc(p, Int32(item), Int32(1), vals, nacc, desc)
         self.math.stage_slot_values(p, vals, nacc, Int32(0))
-        self.math.issue_state(p, desc)
+        if cutlass.const_expr(not self.ks.page_last):
+            self.math.issue_state(p, desc)
         self.math.load_window(p, desc, wreg)
         self.math.issue_operands(p, desc)
         self.math.load_beta(p, desc, wreg)
-        P.cp_async_commit()
+        P.cp_async_commit()                   # the operands (page_last), else everything
+        if cutlass.const_expr(self.ks.page_last):
+            self.math.issue_state(p, desc)
+            P.cp_async_commit()               # the page, last: phase A overlaps its arrival
         if cutlass.const_expr(self.ks.pdl_early):
             P.griddep_launch()
         hp = self.math.head_loads(p, desc[1])
         live = desc[5]
         if live != 0:
             self.math.gate(p, desc, hp)      # needs no staged data: overlaps the staging
-        P.cp_async_wait_all()
+        if cutlass.const_expr(self.ks.page_last):
+            P.cp_async_wait_group(1)
+        else:
+            P.cp_async_wait_all()
         P.bar_sync()
         if live != 0:
             self.math.phase_a(p, desc, hp, wreg, ogr)
+        if cutlass.const_expr(self.ks.page_last):
+            # the page: each thread reads back only the chunks it copied itself, so its own
+            # wait suffices (the barrier below is phase A's)
+            P.cp_async_wait_group(0)
         P.bar_sync()
         if live != 0:
             self.math.load_state_regs(p, S)
