@@ -113,11 +113,6 @@ ITEMS_PER_CTA = {1: 4, 2: 2}
 #: its f_b loads) before waiting for the item's staging, which the staged rows must follow.
 FB_SMEM = False
 
-#: Default of ``KDA_CUTEDSL_PAGE_LAST``: both kernels commit the (first) item's state page as
-#: its own cp.async group after the operands', so that phase A overlaps its arrival
-#: (:class:`backends.cutedsl.static.KernelStatic`).
-PAGE_LAST = True
-
 
 def prefetch_distance() -> int:
     """The streamed kernel's L2-prefetch distance from ``KDA_CUTEDSL_PREFETCH`` (0 = off;
@@ -284,9 +279,7 @@ class _CuteDslBackend(Backend):
         ks = KernelStatic.from_config(cfg, pdl=pdl, pdl_early=early,
                                       prefetch=prefetch_distance() if stream else 0,
                                       fb_smem=stream and cfg.T == 1
-                                      and flag_from_env("KDA_CUTEDSL_FB_SMEM", FB_SMEM),
-                                      page_last=flag_from_env("KDA_CUTEDSL_PAGE_LAST",
-                                                              PAGE_LAST))
+                                      and flag_from_env("KDA_CUTEDSL_FB_SMEM", FB_SMEM))
         compiled = cache.get_kernel(self.kind, ks)
         return _Launcher(self.kind, cfg, device, compiled, ks)
 

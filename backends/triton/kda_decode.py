@@ -574,9 +574,6 @@ class Variant:
       kb: ``chunked`` kernel: 1 = the state chunk is a [bv, 128] tile (one row per warp, 32
         lanes); 4 = a [bv, 4, 32] tile (4 rows per warp, 8 lanes per row, the 4 column
         blocks of a row in one thread: fewer shuffles per row sum, see ``_delta_rule_kb``).
-      pf_chunks: ``chunked`` kernel: L2 prefetch (``prefetch.global.L2``) of the page's
-        first ``pf_chunks`` row chunks at the program's start, before its per-item work
-        (0 = none; the row loop's pipelined copies are issued only after that work).
       description: one line for benchmark tables.
     """
 
@@ -593,7 +590,6 @@ class Variant:
     bv: int = 32
     hold: bool = False
     kb: int = 1
-    pf_chunks: int = 0
     description: str = ""
 
 
@@ -644,12 +640,6 @@ VARIANTS.update({
         VARIANTS[b], name=f"{b}_k4", kb=4,
         description=f"{b} with [{VARIANTS[b].bv}, 4, 32] state tiles (8 lanes per row)")
     for b in ("chunked", "chunked_bv16", "chunked_w2", "chunked_w2_s3")})
-# ``<base>_pf<n>``: the same build with the first n row chunks of the page prefetched to L2
-VARIANTS.update({
-    f"{b}_pf{n}": dataclasses.replace(
-        VARIANTS[b], name=f"{b}_pf{n}", pf_chunks=n,
-        description=f"{b} with the page's first {n} chunks prefetched to L2 at the start")
-    for b in ("chunked_w2_s3", "chunked_w2", "chunked_bv16") for n in (1, 2, 4, 8)})
 DEFAULT_VARIANT = "auto"
 
 #: ``auto``'s chunked builds, first match wins: (largest T or None = any, least items per SM,

@@ -160,18 +160,6 @@ def _conv_silu(c_ptr, xc_ptr, stride_x, n0, off, w_ptr, b_ptr, t, mask,
 
 
 @triton.jit
-def _prefetch_l2(page, live, PF_CHUNKS: tl.constexpr, BV: tl.constexpr):
-    """Ask L2 for the first ``PF_CHUNKS`` row chunks of the item's page (``page``: its fp32
-    element 0), one ``prefetch.global.L2`` per 128-byte line, when ``live``. Nothing waits for
-    it; it only lets the lines travel while the program's per-item work runs (the row loop's
-    own copies of those chunks are issued only after that work)."""
-    if live:
-        lines = tl.arange(0, PF_CHUNKS * BV * 4)                   # 4 lines per 512-byte row
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                  [page + lines * 32], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _qka(scr_item, t, dd):
     """q̂_t, k̂_t, α_t ([128] fp32 each) from the item's scratch."""
     return (tl.load(scr_item + t * 512 + dd), tl.load(scr_item + t * 512 + 128 + dd),
@@ -208,8 +196,7 @@ def _kda_chunked_kernel(
         H: tl.constexpr, T: tl.constexpr, L: tl.constexpr, SD: tl.constexpr,
         HAS_BIAS: tl.constexpr, BOUNDED: tl.constexpr, GATE_MODE: tl.constexpr,
         RECORD: tl.constexpr, BV: tl.constexpr, NUM_STAGES: tl.constexpr,
-        EVICT: tl.constexpr, HOLD: tl.constexpr, KB: tl.constexpr, PF_CHUNKS: tl.constexpr,
-        INTERP: tl.constexpr):
+        EVICT: tl.constexpr, HOLD: tl.constexpr, KB: tl.constexpr, INTERP: tl.constexpr):
     """The fused KDA decode step, one program per item, value rows in chunks of ``BV`` (see
     the module docstring). Grid: ``R * H`` programs. Pointers: the :class:`KdaArgs` tensors
     (unused optional ones point at any tensor and are never dereferenced) and the scratch;
@@ -250,9 +237,6 @@ def _kda_chunked_kernel(
     tmask = tt < T
     cs_base = cs_ptr + tl.multiple_of(cs64 * stride_cs, 8)
     scr_item = scr_ptr + item64 * (T * 512)
-    st_page = st_ptr + tl.multiple_of(src64 * stride_st, 4) + h * (128 * 128)
-    if PF_CHUNKS > 0 and not INTERP:
-        _prefetch_l2(st_page, live, PF_CHUNKS, BV)
 
     # ---- 2. per item: q, k conv and norms, gate, decay, beta, write slots ------------------
     t2 = tt[:, None]
@@ -316,6 +300,7 @@ def _kda_chunked_kernel(
             q_3, k_3, a_3 = _qka(scr_item, 3, kd)
 
     # ---- 3. the row loop -------------------------------------------------------------------
+    st_page = st_ptr + tl.multiple_of(src64 * stride_st, 4) + h * (128 * 128)
     rows = tl.arange(0, BV)
     for c in tl.range(0, NCHUNK, num_stages=NUM_STAGES):
         vv = c * BV + rows                                          # this chunk's value rows
@@ -398,7 +383,7 @@ class ChunkedStep:
             HAS_BIAS=cfg.has_conv_bias, BOUNDED=cfg.lower_bound is not None,
             GATE_MODE=cfg.gate_mode, RECORD=cfg.record, BV=variant.bv,
             NUM_STAGES=variant.num_stages, EVICT=variant.evict, HOLD=variant.hold,
-            KB=variant.kb, PF_CHUNKS=variant.pf_chunks, INTERP=self.interp)
+            KB=variant.kb, INTERP=self.interp)
         self._scalars = (float(cfg.scale), float(cfg.norm_eps),
                          0.0 if cfg.lower_bound is None else float(cfg.lower_bound))
 
@@ -451,7 +436,7 @@ def compile_chunked_offline(cfg: KdaConfig, variant, arch: int = 90,
         H=cfg.num_heads, T=cfg.T, L=cfg.window, SD=cfg.conv_layout == "SD",
         HAS_BIAS=cfg.has_conv_bias, BOUNDED=cfg.lower_bound is not None, GATE_MODE=cfg.gate_mode,
         RECORD=cfg.record, BV=variant.bv, NUM_STAGES=variant.num_stages, EVICT=variant.evict,
-        HOLD=variant.hold, KB=variant.kb, PF_CHUNKS=variant.pf_chunks, INTERP=False)
+        HOLD=variant.hold, KB=variant.kb, INTERP=False)
     opts = {"num_warps": variant.num_warps or 4, "num_stages": variant.num_stages}
     if variant.maxnreg:
         opts["maxnreg"] = variant.maxnreg

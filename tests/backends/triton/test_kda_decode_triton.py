@@ -33,8 +33,7 @@ VARIANTS = ("item", "vsplit2", "vsplit4", "persistent", "item_w16", "chunked", "
 # on the GPU also the other pipeline depths (the interpreter does not pipeline)
 if not INTERP:
     VARIANTS += ("chunked_s3", "chunked_s4", "chunked_bv16_s3", "chunked_w2", "chunked_w2_s3",
-                 "chunked_w8_bv64", "chunked_bv16_k4", "chunked_w2_s3_k4", "chunked_w2_s3_pf2",
-                 "chunked_bv16_pf2")
+                 "chunked_w8_bv64", "chunked_bv16_k4", "chunked_w2_s3_k4")
 
 
 @pytest.fixture(scope="module")
