@@ -114,6 +114,23 @@ ITEMS_PER_CTA = {1: 4, 2: 2}
 FB_SMEM = False
 
 
+def page_last(kind: str, T: int) -> bool:
+    """Whether the kernel ``kind`` ("wide" / "stream") at ``T`` tokens commits the (first)
+    item's state page last, in its own cp.async group
+    (:attr:`backends.cutedsl.static.KernelStatic.page_last`): always for the wide kernel,
+    for the streamed one from T=3 (where its CTAs take one item each by default).
+
+    Measured on the H200 (H=32, step times at R = 32 / 128 / 512 in us, page last against
+    one group, two interleaved repeats each; ``docs/results/2026-11-30-h200-4fdb6b0`` and
+    ``-4fdb6b0-t23``): wide T=1 164.3 / 627.3 at R = 128 / 512 against 168.2 / 645.2, T=2
+    67.0 / 242.9 / 998 against 68.3 / 250.2 / 989, T=3 84.7 / 316.3 / 1214.2 against 86.1 /
+    317.6 / 1225.3, T=5 unchanged; stream T=3 90.7 / 329.5 / 1263.5 against 91.0 / 335.9 /
+    1281.5, T=5 0.1% faster, T=1 within 0.4% either way, but T=2 (2 items per CTA) 73.4 /
+    270.9 / 1055.2 against 71.1 / 260.9 / 1026.3, 3-4% slower, so not below T=3.
+    """
+    return kind != "stream" or T >= 3
+
+
 def prefetch_distance() -> int:
     """The streamed kernel's L2-prefetch distance from ``KDA_CUTEDSL_PREFETCH`` (0 = off;
     default :data:`PREFETCH_DISTANCE`; see :class:`backends.cutedsl.static.KernelStatic`).
@@ -279,7 +296,8 @@ class _CuteDslBackend(Backend):
         ks = KernelStatic.from_config(cfg, pdl=pdl, pdl_early=early,
                                       prefetch=prefetch_distance() if stream else 0,
                                       fb_smem=stream and cfg.T == 1
-                                      and flag_from_env("KDA_CUTEDSL_FB_SMEM", FB_SMEM))
+                                      and flag_from_env("KDA_CUTEDSL_FB_SMEM", FB_SMEM),
+                                      page_last=page_last(self.kind, cfg.T))
         compiled = cache.get_kernel(self.kind, ks)
         return _Launcher(self.kind, cfg, device, compiled, ks)
 

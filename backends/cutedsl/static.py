@@ -40,6 +40,11 @@ class KernelStatic:
       fb_smem: streamed kernel at T=1 only (False elsewhere): items are walked head-major
         (item = h * R + r) and each head's f_b rows are staged in shared memory once per head
         (:class:`SmemPlan` region FB) instead of being loaded from L2 for every item.
+      page_last: the (first) item's state page is committed as its own cp.async group after
+        the operand group, so that the item's phase A (conv, norms) runs while the page
+        lands, as the streamed kernel's later items always do; False = page and operands
+        one group, waited for together before phase A. The backend's choice:
+        ``backends.cutedsl.backend.page_last``.
     """
 
     H: int
@@ -57,6 +62,7 @@ class KernelStatic:
     pdl_early: bool = False
     prefetch: int = 0
     fb_smem: bool = False
+    page_last: bool = True
 
     def __post_init__(self):
         if self.fb_smem and self.T != 1:
@@ -64,7 +70,8 @@ class KernelStatic:
 
     @classmethod
     def from_config(cls, cfg: KdaConfig, pdl: bool = True, pdl_early: bool = False,
-                    prefetch: int = 0, fb_smem: bool = False) -> "KernelStatic":
+                    prefetch: int = 0, fb_smem: bool = False,
+                    page_last: bool = True) -> "KernelStatic":
         """The static part of ``cfg`` (scale, norm_eps and lower_bound's value excluded).
 
         Raises:
@@ -76,7 +83,8 @@ class KernelStatic:
                    cs_bf16=cfg.conv_state_dtype == torch.bfloat16,
                    cw_bf16=cfg.conv_weight_dtype == torch.bfloat16,
                    nw_bf16=cfg.norm_weight_dtype == torch.bfloat16, pdl=pdl,
-                   pdl_early=pdl and pdl_early, prefetch=prefetch, fb_smem=fb_smem)
+                   pdl_early=pdl and pdl_early, prefetch=prefetch, fb_smem=fb_smem,
+                   page_last=page_last)
 
     def tag(self) -> str:
         """A file-name friendly identifier, e.g. ``H32_T1_L3_SD_sp_g0``."""
@@ -94,6 +102,8 @@ class KernelStatic:
             parts.append(f"pf{self.prefetch}")
         if self.fb_smem:
             parts.append("fbs")
+        if not self.page_last:
+            parts.append("pj")
         return "_".join(parts)
 
 

@@ -9,7 +9,8 @@ ceil(items / k) for at most k items per CTA, ``ITEMS_PER_CTA`` by T in
             windows, pages and operands may all be the predecessor's output) slots of the
             first item; load its window history, stage its x / output-gate rows and load
             its beta (group E(start)), then cp.async its state page (group S(start)), in
-            the loop's order, so that its phase A overlaps the page's arrival.
+            the loop's order, so that its phase A overlaps the page's arrival
+            (``KernelStatic.page_last``; off: the page first, all one group).
   loop n    load item n+1's slot ids (one per lane of warp 0) and item n's per-head
             parameters; item n's gate projection (tensor cores, f_a from global); wait for
             item n's operand rows only (cp.async group E(n); its page, group S(n), may still
@@ -103,6 +104,8 @@ class KdaStream:
         vals, nacc = self.math.slot_values(p, start, Int32(start < end))
         self.math.make_desc(p, start, Int32(start < end), vals, nacc, desc)
         self.math.stage_slot_values(p, vals, nacc, Int32(0))
+        if cutlass.const_expr(not self.ks.page_last):
+            self.math.issue_state(p, desc)
         self.math.load_window(p, desc, wreg)
         self.math.issue_operands(p, desc)
         self.math.load_beta(p, desc, wreg)
@@ -111,11 +114,12 @@ class KdaStream:
         if cutlass.const_expr(self.ks.fb_smem):
             fbh = P.sel_i32(Int32(start < end), desc[1], fbh)
             self.math.issue_fb(p, desc[1], Int32(start < end))
-        P.cp_async_commit()                   # group E(start)
-        # group S(start), the page, last, as in the loop: phase A of the first item overlaps
-        # its arrival (with one item per CTA, the default at T >= 3, every item)
-        self.math.issue_state(p, desc)
-        P.cp_async_commit()
+        P.cp_async_commit()                   # group E(start) (page_last), else everything
+        if cutlass.const_expr(self.ks.page_last):
+            # group S(start), the page, last, as in the loop: phase A of the first item
+            # overlaps its arrival
+            self.math.issue_state(p, desc)
+            P.cp_async_commit()
         if cutlass.const_expr(self.ks.pdl_early):
             P.griddep_launch()
         P.bar_sync()                          # SL[0] (thread 0) is visible to every thread
@@ -146,8 +150,16 @@ class KdaStream:
                 if live != 0:
                     self.math.gate(p, desc, hp)  # needs no staged data: overlaps the staging
             # item n's operand rows (group E(n)) must have landed; its state page (S(n), the
-            # most recent group) may still be landing during phase A
-            P.cp_async_wait_group(1)
+            # most recent group) may still be landing during phase A. Without page_last the
+            # prologue committed the first item's page and rows as one group: wait for
+            # everything there.
+            if cutlass.const_expr(self.ks.page_last):
+                P.cp_async_wait_group(1)
+            else:
+                if n == start:
+                    P.cp_async_wait_all()
+                else:
+                    P.cp_async_wait_group(1)
             P.bar_sync()
             if cutlass.const_expr(self.ks.fb_smem):
                 if live != 0:

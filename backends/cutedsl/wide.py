@@ -5,7 +5,8 @@ Grid = R*H CTAs, CTA ``b`` processes item ``b`` (request ``b // H``, head ``b % 
   1. read the slots (contract section 2 liveness);
   2. (after ``griddepcontrol.wait`` under programmatic dependent launch: everything below
      may read the predecessor's output) load the window history, stage x / output-gate rows
-     and load beta (cp.async group 1), then stage the state page (group 2);
+     and load beta (cp.async group 1), then stage the state page (group 2; with
+     ``KernelStatic.page_last`` off, the page first and everything one group);
   3. the gate projection (:meth:`ItemMath.gate`, no staged data needed) while the staging
      lands; wait for group 1, a barrier, :meth:`ItemMath.phase_a` while the page lands;
      wait for the page, a barrier, :meth:`ItemMath.phase_b` (or zeros for a dead item);
@@ -71,26 +72,32 @@ class KdaWide:
         vals, nacc = self.math.slot_values(p, Int32(item), Int32(1))
         self.math.make_desc(p, Int32(item), Int32(1), vals, nacc, desc)
         self.math.stage_slot_values(p, vals, nacc, Int32(0))
+        if cutlass.const_expr(not self.ks.page_last):
+            self.math.issue_state(p, desc)
         self.math.load_window(p, desc, wreg)
         self.math.issue_operands(p, desc)
         self.math.load_beta(p, desc, wreg)
-        P.cp_async_commit()                   # the operands and window history
-        self.math.issue_state(p, desc)
-        P.cp_async_commit()                   # the page, last: phase A overlaps its arrival
+        P.cp_async_commit()                   # the operands (page_last), else everything
+        if cutlass.const_expr(self.ks.page_last):
+            self.math.issue_state(p, desc)
+            P.cp_async_commit()               # the page, last: phase A overlaps its arrival
         if cutlass.const_expr(self.ks.pdl_early):
             P.griddep_launch()
         hp = self.math.head_loads(p, desc[1])
         live = desc[5]
         if live != 0:
             self.math.gate(p, desc, hp)      # needs no staged data: overlaps the staging
-        P.cp_async_wait_group(1)              # the operands (the page may still be landing)
+        if cutlass.const_expr(self.ks.page_last):
+            P.cp_async_wait_group(1)          # the operands (the page may still be landing)
+        else:
+            P.cp_async_wait_all()
         P.bar_sync()
         if live != 0:
             self.math.phase_a(p, desc, hp, wreg, ogr)
-        # the page: each thread reads back only the chunks it copied itself, so its own wait
-        # suffices (the barrier below is phase A's). H200 (4fdb6b0, H=32, T=1): R=128 / 512
-        # 164.3 / 627.3 us against 168.2 / 645.2 with page and operands waited for together.
-        P.cp_async_wait_group(0)
+        if cutlass.const_expr(self.ks.page_last):
+            # the page: each thread reads back only the chunks it copied itself, so its own
+            # wait suffices (the barrier below is phase A's)
+            P.cp_async_wait_group(0)
         P.bar_sync()
         if live != 0:
             self.math.load_state_regs(p, S)

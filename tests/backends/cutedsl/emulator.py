@@ -927,7 +927,7 @@ _ESIZE = {torch.bfloat16: 2, torch.float32: 4, torch.int32: 4}
 
 
 def run(kind: str, cfg, args, ncta: int = None, pdl: bool = True, prefetch: int = None,
-        fb_smem: bool = None) -> dict:
+        fb_smem: bool = None, page_last: bool = None) -> dict:
     """Run kernel ``kind`` ("wide" / "stream") on the CPU tensors ``args`` in place.
 
     Args:
@@ -935,6 +935,8 @@ def run(kind: str, cfg, args, ncta: int = None, pdl: bool = True, prefetch: int 
       prefetch: the streamed kernel's L2-prefetch distance (default: the backend's default).
       fb_smem: the streamed kernel's head-major order with f_b staged in shared memory
         (default: the backend's default at T=1; never at T > 1 or for the wide kernel).
+      page_last: the (first) item's page committed as its own cp.async group (default: the
+        backend's choice, ``backends.cutedsl.backend.page_last``).
 
     Returns:
       {"ctas": n, "barriers": total barriers executed}.
@@ -944,11 +946,15 @@ def run(kind: str, cfg, args, ncta: int = None, pdl: bool = True, prefetch: int 
 
     mods = load_kernels()
     from backends.cutedsl.backend import FB_SMEM, PREFETCH_DISTANCE
+    from backends.cutedsl.backend import page_last as backend_page_last
     if prefetch is None:
         prefetch = PREFETCH_DISTANCE if kind == "stream" else 0
     if fb_smem is None:
         fb_smem = FB_SMEM and kind == "stream" and cfg.T == 1
-    ks = KernelStatic.from_config(cfg, pdl=pdl, prefetch=prefetch, fb_smem=fb_smem)
+    if page_last is None:
+        page_last = backend_page_last(kind, cfg.T)
+    ks = KernelStatic.from_config(cfg, pdl=pdl, prefetch=prefetch, fb_smem=fb_smem,
+                                  page_last=page_last)
     obj = mods[kind].KdaWide(ks) if kind == "wide" else mods[kind].KdaStream(ks)
     gmem = GlobalMemory()
     tensors = dict(x=args.x, cw=args.conv_weight, cb=args.conv_bias, cs=args.conv_state,

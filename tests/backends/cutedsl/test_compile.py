@@ -34,7 +34,7 @@ cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installe
 import torch  # noqa: E402
 
 from backends.cutedsl import cache  # noqa: E402
-from backends.cutedsl.backend import PREFETCH_DISTANCE  # noqa: E402
+from backends.cutedsl.backend import PREFETCH_DISTANCE, page_last  # noqa: E402
 from backends.cutedsl.static import KernelStatic, SmemPlan  # noqa: E402
 from kda.config import KdaConfig  # noqa: E402
 
@@ -106,7 +106,8 @@ def _resource_usage(cubin: bytes):
 def test_compiles(kind, i):
     cfg = CONFIGS[i]
     ks = KernelStatic.from_config(cfg, pdl=i not in NO_PDL, pdl_early=i in EARLY,
-                                  prefetch=PREFETCH_DISTANCE if kind == "stream" else 0)
+                                  prefetch=PREFETCH_DISTANCE if kind == "stream" else 0,
+                                  page_last=page_last(kind, cfg.T))
     compiled, secs = cache.compile_kernel(kind, ks)
     assert compiled is not None
     print(f"{kind} {ks.tag()}: compiled in {secs:.2f} s")

@@ -64,6 +64,28 @@ def test_emulated_stream_schedules_bit_identical_to_wide(spec, ncta, prefetch):
         assert bits_equal(getattr(a1, buf), getattr(a2, buf)), buf
 
 
+@pytest.mark.parametrize("spec", SPECS[:4], ids=[s.id for s in SPECS[:4]])
+@pytest.mark.parametrize("kind,ncta", [("wide", None), ("stream", 1), ("stream", 3)])
+@pytest.mark.parametrize("page_last", [True, False])
+def test_emulated_page_last_either_way(spec, kind, ncta, page_last):
+    """The (first) item's page committed last in its own cp.async group, or with the
+    operands (each kernel runs one of the two by T, see backends.cutedsl.backend.page_last):
+    the reference within tolerance and the wide kernel's (default) bits, with the emulator's
+    check that no thread reads staged bytes before its wait covers them."""
+    cfg = spec.cfg
+    args = make_case(spec, "cpu")
+    wide = clone_args(args)
+    before = clone_args(args)
+    expected = clone_args(args)
+    reference_step(cfg, expected)
+    emulator.run("wide", cfg, wide)
+    emulator.run(kind, cfg, args, ncta=ncta, page_last=page_last)
+    errors = compare_step(args, expected, before)
+    assert not errors, "\n".join(errors)
+    for buf in ("out", "state", "conv_state", "v_record", "kg_record"):
+        assert bits_equal(getattr(wide, buf), getattr(args, buf)), buf
+
+
 FB_SPECS = [SPECS[0], SPECS[7],
             CaseSpec(KdaConfig(num_heads=3, T=1, window=4, lower_bound=-5.0, gate_mode=1,
                                has_conv_bias=True), R=5, null_frac=0.3, seed=13)]
