@@ -75,7 +75,9 @@ print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.
 for n, why, d in kda.registry.status():
     print(f"{n:13s}", "available" if why is None else why)
 PY
-{ echo "stages:$STAGES backends: $GPU"; cat "$L/env.log"; } > "$OUT/summary.txt"
+{ echo "stages:$STAGES backends: $GPU"
+  echo "commit label: $KDA_COMMIT  tree: $(bash tools/gpu/tree_digest.sh 2>&1) (check: tools/gpu/tree_digest.sh $KDA_COMMIT)"
+  cat "$L/env.log"; } > "$OUT/summary.txt"
 bg cudabuild python3 -c "
 import time; t = time.time()
 from backends.cuda import build
