@@ -2,19 +2,22 @@
 measurements.
 
 On a CUDA device the order comes from :data:`MEASURED`, derived from
-``docs/results/2026-11-29-h200-0145d86/bench-h200.json`` (NVIDIA H200, H=32, softplus gate, SD
+``docs/results/2026-11-30-h200-b7ba337/bench-h200.json`` (NVIDIA H200, H=32, softplus gate, SD
 conv layout, all requests live, 8 GiB pool, CUDA graphs of 8 steps): for each measured T and
 batch size R in {1, 8, 32, 128, 512}, the GPU backends ranked by median step time. A call
 uses the row of the nearest measured T and, within it, of the measured R nearest (on a log
 scale; ties: the smaller R) to its own work in the table's units, ``R * H / 32`` (the kernels
 scale with the R*H items, and the table was measured at H=32). In that run the
 one-CTA-per-item ``cutedsl_wide`` was fastest at R <= 8 and the persistent ``cuda`` kernel at
-R >= 32, at every T (R=512 T=1: ``cuda`` 609.5 us, runner-up ``cutedsl`` 629.1,
-``cutedsl_wide`` 644.9), so ``auto`` runs ``cutedsl_wide`` up to 512 items (16 requests at
-H=32, 128 at H=4) and ``cuda`` above. Backends a row does not rank follow in the fixed order
-:data:`GPU_FALLBACK`; the registry skips whichever is unavailable or cannot serve the
-configuration. ``tests/kda/test_auto.py`` recomputes every row from the JSON, so the table
-cannot drift from its measurement.
+R >= 32, at every T (R=512 T=1: ``cuda`` 594.8 us, runner-up ``cutedsl_wide`` 630.9; R=8 T=1:
+``cutedsl_wide`` 14.4 us, ``cutedsl`` 16.1, ``cuda`` 16.1), so ``auto`` runs ``cutedsl_wide``
+up to 512 items (16 requests at H=32, 128 at H=4) and ``cuda`` above, as with the table's
+previous source (``docs/results/2026-11-29-h200-0145d86``). (That run's ``cutedsl`` cells at
+T <= 2 were measured with its first page committed last, which ``0f0b39f`` undid at T <= 2;
+only its place among the runners-up can differ.) Backends a row does not rank follow in the
+fixed order :data:`GPU_FALLBACK`; the registry skips whichever is unavailable or cannot serve
+the configuration. ``tests/kda/test_auto.py`` recomputes every row from the JSON, so the
+table cannot drift from its measurement.
 
 So under ``auto`` the kernel that runs can depend on the batch size. ``cutedsl`` and
 ``cutedsl_wide`` are bit-identical, the others agree with the reference within the
@@ -37,20 +40,20 @@ from kda.backend import Backend, StepFn
 from kda.config import KdaArgs, KdaConfig
 
 #: The measurement the table comes from.
-SOURCE = "docs/results/2026-11-29-h200-0145d86/bench-h200.json"
+SOURCE = "docs/results/2026-11-30-h200-b7ba337/bench-h200.json"
 _WIDE_FIRST = ("cutedsl_wide", "cutedsl", "cuda", "triton")
 #: T -> R -> our backends, fastest first (median step time at H=32).
 MEASURED: Dict[int, Dict[int, Tuple[str, ...]]] = {
     1: {1: ("cutedsl_wide", "cutedsl", "triton", "cuda"),
-        8: ("cutedsl_wide", "cuda", "cutedsl", "triton"),
-        32: ("cuda", "cutedsl", "cutedsl_wide", "triton"),
+        8: ("cutedsl_wide", "cutedsl", "cuda", "triton"),
+        32: ("cuda", "cutedsl_wide", "cutedsl", "triton"),
         128: ("cuda", "cutedsl_wide", "cutedsl", "triton"),
-        512: ("cuda", "cutedsl", "triton", "cutedsl_wide")},
+        512: ("cuda", "cutedsl_wide", "cutedsl", "triton")},
     2: {1: _WIDE_FIRST,
         8: ("cutedsl_wide", "cuda", "cutedsl", "triton"),
         32: ("cuda", "cutedsl_wide", "cutedsl", "triton"),
-        128: ("cuda", "cutedsl_wide", "cutedsl", "triton"),
-        512: ("cuda", "cutedsl_wide", "triton", "cutedsl")},
+        128: ("cuda", "cutedsl_wide", "triton", "cutedsl"),
+        512: ("cuda", "triton", "cutedsl_wide", "cutedsl")},
     5: {1: _WIDE_FIRST,
         8: ("cutedsl_wide", "cuda", "cutedsl", "triton"),
         32: ("cuda", "cutedsl_wide", "cutedsl", "triton"),
