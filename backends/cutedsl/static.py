@@ -43,8 +43,9 @@ class KernelStatic:
       page_last: the (first) item's state page is committed as its own cp.async group after
         the operand group, so that the item's phase A (conv, norms) runs while the page
         lands, as the streamed kernel's later items always do; False = page and operands
-        one group, waited for together before phase A. The backend's choice:
-        ``backends.cutedsl.backend.page_last``.
+        one group, waited for together before phase A. The backend passes its choice,
+        ``backends.cutedsl.backend.page_last`` (False for the streamed kernel at T <= 2);
+        the default here is only the wide kernel's.
     """
 
     H: int

@@ -7,19 +7,26 @@
 #   tools/gpu/tree_digest.sh <commit>      that commit's files (git archive, nothing checked out)
 #   tools/gpu/tree_digest.sh --dir <dir>   the files under <dir>
 #
-# Digest: the first 16 hex digits of sha256 over `sha256sum` of every source file (*.py, *.cu,
-# *.h, *.cpp, *.sh, BUILD) under kda/, backends/, tools/ and tests/, sorted by path.
+# Digest: the first 16 hex digits of sha256 over `sha256sum` of every file of $PATHS (caches
+# excluded: __pycache__, *.pyc, *.egg-info), sorted by path. Fails (exit 1, no digest) when one
+# of $PATHS is missing. Uncommitted files in the checkout change the digest, as they should.
 set -euo pipefail
+PATHS=(WORKSPACE BUILD .bazelrc .bazelversion pyproject.toml kda backends tools tests third_party)
 root=$(cd "$(dirname "$0")/../.." && pwd)
 digest() {
-  (cd "$1" && find kda backends tools tests -type f \
-      \( -name '*.py' -o -name '*.cu' -o -name '*.h' -o -name '*.cpp' -o -name '*.sh' -o -name BUILD \) \
-      -not -path '*/__pycache__/*' | LC_ALL=C sort | xargs -d '\n' sha256sum | sha256sum | cut -c1-16)
+  cd "$1"
+  local p
+  for p in "${PATHS[@]}"; do
+    [ -e "$p" ] || { echo "tree_digest: $1 has no $p" >&2; exit 1; }
+  done
+  find "${PATHS[@]}" -type f -not -path '*/__pycache__/*' -not -name '*.pyc' \
+      -not -path '*.egg-info/*' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum \
+    | sha256sum | cut -c1-16
 }
 case "${1:-}" in
   "") digest "$root" ;;
   --dir) digest "${2:?--dir needs a directory}" ;;
   *) tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-     git -C "$root" archive "$1" kda backends tools tests | tar -x -C "$tmp"
+     git -C "$root" archive "$1" "${PATHS[@]}" | tar -x -C "$tmp"
      digest "$tmp" ;;
 esac

@@ -142,7 +142,8 @@ def test_compiles(kind, i):
 def test_stream_compiles_with_l2_prefetch(i):
     """The streamed kernel's optional L2 prefetch (KDA_CUTEDSL_PREFETCH, off by default)
     compiles for sm_90a: 4 bulk prefetches per prefetched page, in the prologue and the loop."""
-    ks = KernelStatic.from_config(CONFIGS[i], prefetch=3)
+    ks = KernelStatic.from_config(CONFIGS[i], prefetch=3,
+                                  page_last=page_last("stream", CONFIGS[i].T))
     compiled, _ = cache.compile_kernel("stream", ks)
     ptx = compiled.__ptx__
     if not isinstance(ptx, str) or ".entry" not in ptx:
@@ -169,7 +170,8 @@ def test_stream_compiles_with_fb_smem(i):
     the gate's A fragments come from shared memory (no global f_b loads left in the loop: 32
     per item without it), 8 extra 16-byte copies per thread where the head changes, and it
     fits two CTAs per SM."""
-    ks = KernelStatic.from_config(CONFIGS[i], fb_smem=True)
+    pl = page_last("stream", CONFIGS[i].T)          # the backend's choice, as it builds them
+    ks = KernelStatic.from_config(CONFIGS[i], fb_smem=True, page_last=pl)
     assert "fbs" in ks.tag()
     compiled, secs = cache.compile_kernel("stream", ks)
     print(f"stream {ks.tag()}: compiled in {secs:.2f} s")
@@ -177,7 +179,7 @@ def test_stream_compiles_with_fb_smem(i):
     if not isinstance(ptx, str) or ".entry" not in ptx:
         pytest.skip("PTX not kept (CuTe DSL was imported before CUTE_DSL_KEEP was set)")
     assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)) == 8
-    plain, _ = cache.compile_kernel("stream", KernelStatic.from_config(CONFIGS[i]))
+    plain, _ = cache.compile_kernel("stream", KernelStatic.from_config(CONFIGS[i], page_last=pl))
     n_nc = lambda text: len(re.findall(r"ld\.global\.nc\.b32", text))   # noqa: E731
     assert n_nc(plain.__ptx__) - n_nc(ptx) == 32, (n_nc(plain.__ptx__), n_nc(ptx))
     usage = _resource_usage(compiled.__cubin__)

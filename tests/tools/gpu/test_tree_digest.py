@@ -20,7 +20,9 @@ def _digest(d):
 
 def _tree(d):
     files = {"kda/a.py": "x = 1\n", "backends/cuda/k.cu": "// k\n", "backends/cuda/k.h": "",
-             "tools/gpu/s.sh": "echo\n", "tests/BUILD": "# b\n", "tests/t.cpp": "int a;\n"}
+             "tools/gpu/s.sh": "echo\n", "tools/kda": "#!/bin/sh\n", "tests/BUILD": "# b\n",
+             "tests/defs.bzl": "", "third_party/x/BUILD": "", "WORKSPACE": "", "BUILD": "",
+             ".bazelrc": "", ".bazelversion": "4\n", "pyproject.toml": "[project]\n"}
     for p, text in files.items():
         os.makedirs(os.path.join(d, os.path.dirname(p)), exist_ok=True)
         with open(os.path.join(d, p), "w") as f:
@@ -35,24 +37,33 @@ def test_digest_follows_source_contents_and_paths_only(tmp_path):
     copy.mkdir()
     _tree(copy)
     assert _digest(copy) == base                          # independent of where the tree is
-    # what is not source does not count: caches, results, other extensions, other folders
+    # caches and folders outside the digested paths do not count
     os.makedirs(tmp_path / "kda" / "__pycache__")
     (tmp_path / "kda" / "__pycache__" / "a.py").write_text("cached")
-    (tmp_path / "kda" / "run.json").write_text("{}")
+    (tmp_path / "kda" / "a.pyc").write_text("cached")
     os.makedirs(tmp_path / "docs")
     (tmp_path / "docs" / "x.py").write_text("y = 2\n")
     assert _digest(tmp_path) == base
-    # a changed byte, a new source file, a moved file: a different digest
-    (tmp_path / "kda" / "a.py").write_text("x = 2\n")
-    changed = _digest(tmp_path)
-    assert changed != base
-    (tmp_path / "kda" / "a.py").write_text("x = 1\n")
-    assert _digest(tmp_path) == base
-    (tmp_path / "tests" / "new.py").write_text("")
+    # a changed byte (a script without extension, a Bazel file, a top-level file), a new file
+    # of any kind, a moved file: a different digest
+    for p in ("kda/a.py", "tools/kda", "tests/defs.bzl", "WORKSPACE"):
+        old = (tmp_path / p).read_text()
+        (tmp_path / p).write_text(old + " ")
+        assert _digest(tmp_path) != base, p
+        (tmp_path / p).write_text(old)
+        assert _digest(tmp_path) == base, p
+    (tmp_path / "tests" / "a name with spaces.json").write_text("{}")
     assert _digest(tmp_path) != base
-    os.remove(tmp_path / "tests" / "new.py")
+    os.remove(tmp_path / "tests" / "a name with spaces.json")
     shutil.move(str(tmp_path / "kda" / "a.py"), str(tmp_path / "kda" / "b.py"))
     assert _digest(tmp_path) != base
+
+
+def test_a_tree_missing_a_digested_path_fails(tmp_path):
+    _tree(tmp_path)
+    os.remove(tmp_path / "WORKSPACE")
+    r = subprocess.run(["bash", SCRIPT, "--dir", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode != 0 and r.stdout == "" and "WORKSPACE" in r.stderr
 
 
 @pytest.mark.skipif(shutil.which("git") is None or not os.path.isdir(os.path.join(ROOT, ".git")),
@@ -60,8 +71,10 @@ def test_digest_follows_source_contents_and_paths_only(tmp_path):
 def test_commit_form_matches_a_clean_checkout():
     """``tree_digest.sh HEAD`` digests what ``git archive`` gives; in a checkout whose sources
     match HEAD it equals the working tree's digest."""
-    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--", "kda", "backends",
-                            "tools", "tests"], check=True, capture_output=True, text=True).stdout
+    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--", "WORKSPACE",
+                            "BUILD", ".bazelrc", ".bazelversion", "pyproject.toml", "kda",
+                            "backends", "tools", "tests", "third_party"],
+                           check=True, capture_output=True, text=True).stdout
     if dirty.strip():
         pytest.skip("the sources differ from HEAD (uncommitted changes)")
     head = subprocess.run(["bash", SCRIPT, "HEAD"], check=True, capture_output=True,
