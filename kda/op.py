@@ -15,7 +15,7 @@ import torch
 
 from kda import registry
 from kda.backend import StepFn
-from kda.config import KdaArgs, KdaConfig
+from kda.config import HEAD_DIM, KdaArgs, KdaConfig
 from kda.validate import KdaArgumentError, config_from_args, validate_args, validate_config
 
 _build_lock = threading.RLock()   # auto's build builds its candidates through _step_fn
@@ -122,9 +122,23 @@ def kda_decode(
         expected and what was given. Nothing has been written.
       KdaBackendError: unknown backend name, or the chosen backend cannot serve the call.
 
+    Under ``torch.compile`` the call is traced as the custom op ``torch.ops.kda.decode``
+    (:mod:`kda.torch_op`, same validation, run eagerly inside the graph): tracing the backend's
+    own code would let the compiler drop the bf16 round trips that are the contract's rounding
+    points.
+
     Formulas: the contract, section 2 (after fla-core's ``naive_recurrent_kda`` and
     ``naive_kda_gate`` / ``naive_kda_lowerbound_gate``, with the rounding points of section 3).
     """
+    if torch.compiler.is_compiling():
+        from kda import torch_op
+        if out is None and isinstance(x, torch.Tensor) and isinstance(A_log, torch.Tensor):
+            out = _alloc_out(x, x.shape[0], A_log.shape[0] * HEAD_DIM)
+        return torch_op.decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log,
+                               dt_bias, state, state_indices, output_gate, norm_weight, out=out,
+                               num_accepted_tokens=num_accepted_tokens, scale=scale,
+                               norm_eps=norm_eps, lower_bound=lower_bound, gate_mode=gate_mode,
+                               v_record=v_record, kg_record=kg_record, backend=backend)
     step, args = validated_step(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log,
                                 dt_bias, state, state_indices, output_gate, norm_weight,
                                 num_accepted_tokens=num_accepted_tokens, scale=scale,
@@ -242,11 +256,20 @@ class KdaDecode:
     def __call__(self, x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias,
                  state, state_indices, output_gate, norm_weight, *, num_accepted_tokens=None,
                  v_record=None, kg_record=None, out=None) -> torch.Tensor:
-        """Run one step; arguments as :func:`kda_decode` (scalars come from the config)."""
+        """Run one step; arguments as :func:`kda_decode` (scalars come from the config).
+
+        Under ``torch.compile`` the call is traced as the custom op ``torch.ops.kda.decode``
+        with this object's backend and scalars, after checking that the tensors' configuration
+        is this object's (as :func:`kda_decode` does, and for the same reason).
+        """
         if not isinstance(x, torch.Tensor):
             raise KdaArgumentError("x", f"expected a torch.Tensor, got {type(x).__name__}")
         if out is None:
             out = _alloc_out(x, x.shape[0], self.cfg.dim)
+        if torch.compiler.is_compiling():
+            return self._compiled_call(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta,
+                                       A_log, dt_bias, state, state_indices, output_gate,
+                                       norm_weight, num_accepted_tokens, v_record, kg_record, out)
         args = KdaArgs(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias,
                        state, state_indices, num_accepted_tokens, output_gate, norm_weight, out,
                        v_record, kg_record)
@@ -263,3 +286,35 @@ class KdaDecode:
         if state_indices.shape[0]:
             self._step(args)
         return out
+
+    def _compiled_call(self, x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log,
+                       dt_bias, state, state_indices, output_gate, norm_weight,
+                       num_accepted_tokens, v_record, kg_record, out) -> torch.Tensor:
+        """:meth:`__call__` under torch.compile: the tensors' static configuration (metadata
+        only, resolved while tracing) must be this object's; then the custom op runs the step
+        (validating the tensors when the graph runs)."""
+        from kda import torch_op
+        c = self.cfg
+        got = config_from_args(x, conv_weight, conv_bias, conv_state, state_indices, A_log,
+                               norm_weight, lower_bound=c.lower_bound, gate_mode=c.gate_mode,
+                               record=v_record is not None or kg_record is not None,
+                               scale=c.scale, norm_eps=c.norm_eps)
+        for field in ("num_heads", "T", "window", "conv_layout", "has_conv_bias", "record",
+                      "conv_state_dtype", "conv_weight_dtype", "norm_weight_dtype"):
+            if getattr(got, field) != getattr(c, field):
+                raise KdaArgumentError(_FIELD_ARG[field], f"expected {field} = "
+                                       f"{getattr(c, field)} (this KdaDecode's configuration), "
+                                       f"got {getattr(got, field)}")
+        return torch_op.decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log,
+                               dt_bias, state, state_indices, output_gate, norm_weight, out=out,
+                               num_accepted_tokens=num_accepted_tokens, scale=c.scale,
+                               norm_eps=c.norm_eps, lower_bound=c.lower_bound,
+                               gate_mode=c.gate_mode, v_record=v_record, kg_record=kg_record,
+                               backend=self.backend.name)
+
+
+#: The argument a mismatching configuration field is derived from (KdaDecode under compile).
+_FIELD_ARG = {"num_heads": "A_log", "T": "state_indices", "window": "conv_state",
+              "conv_layout": "conv_state", "has_conv_bias": "conv_bias", "record": "v_record",
+              "conv_state_dtype": "conv_state", "conv_weight_dtype": "conv_weight",
+              "norm_weight_dtype": "norm_weight"}

@@ -63,9 +63,29 @@ def _decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bia
         step(args)
 
 
+_ARG_NAMES = KdaArgs._fields
+
+
 def _decode_fake(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias, state,
                  state_indices, num_accepted_tokens, output_gate, norm_weight, out, v_record,
                  kg_record, scale, norm_eps, lower_bound, gate_mode, backend) -> None:
+    """The op under fake tensors (torch.compile's tracing) or on the meta device: nothing to
+    compute (the op returns nothing and mutates only its declared buffers).
+
+    A real call with some arguments on the meta device also lands here (the dispatcher picks
+    the meta kernel when any argument is on it), where it would do nothing and leave ``out``
+    and the caches as they were: such a call gets :func:`kda.kda_decode`'s device error
+    instead. All arguments on one device (all meta, or all fake tensors of one device) pass.
+
+    Raises:
+      KdaArgumentError: a tensor argument on another device than ``x``.
+    """
+    args = (x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias, state,
+            state_indices, num_accepted_tokens, output_gate, norm_weight, out, v_record, kg_record)
+    for name, t in zip(_ARG_NAMES, args):
+        if isinstance(t, torch.Tensor) and t.device != x.device:
+            raise KdaArgumentError(name, f"expected device {x.device} (the device of x), got "
+                                         f"{t.device}")
     return None
 
 
@@ -81,12 +101,16 @@ def decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias
     """:func:`kda.kda_decode` through ``torch.ops.kda.decode``; returns ``out``.
 
     Same arguments and errors as :func:`kda.kda_decode`, except that ``out`` is required (a
-    custom op may not return a tensor aliasing its inputs, so the op writes into ``out``).
+    custom op may not return a tensor aliasing its inputs, so the op writes into ``out``) and
+    that the dispatcher checks the argument types first.
 
     Raises:
       KdaArgumentError: ``out`` is not a tensor (checked before anything runs: without it the
         caches would advance and the step's output be lost), or any error of
-        :func:`kda.kda_decode`.
+        :func:`kda.kda_decode` (a tensor on the meta device beside real ones included).
+      RuntimeError: from torch's dispatcher, before anything runs, when a tensor argument
+        is not a tensor (e.g. a list) or a scalar has the wrong type, naming the argument
+        ("kda::decode() Expected a value of type 'Tensor' for argument 'x' ...").
     """
     if not isinstance(out, torch.Tensor):
         raise KdaArgumentError("out", "required by the custom op: expected a bfloat16 tensor "

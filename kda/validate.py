@@ -127,7 +127,11 @@ def config_from_args(x, conv_weight, conv_bias, conv_state, state_indices, A_log
     layout = conv_layout_of(conv_state)
     if layout is None:
         raise KdaArgumentError("conv_state", "expected window-first strides [s, 1, 3*dim] (SD) or "
-                                             f"dim-first strides [s, L, 1] (DS), got {list(conv_state.stride())}")
+                                             f"dim-first strides [s, L, 1] (DS), got strides "
+                                             f"{list(conv_state.stride())} for shape "
+                                             f"{list(conv_state.shape)} (3*dim = shape[1], L = "
+                                             "shape[2]: a slice of a cache's channels or window "
+                                             "positions has neither layout)")
     if scale is None:
         scale = D ** -0.5
     check_scalar_types(scale, norm_eps, lower_bound, gate_mode)
@@ -151,9 +155,10 @@ def validate_config(cfg: KdaConfig) -> None:
       KdaArgumentError: named after the call argument the field comes from (``A_log`` for
         num_heads, ``state_indices`` for T, ``conv_state`` for the window, layout and cache
         dtype, ``lower_bound``, ``gate_mode``, ``scale``, ``norm_eps``, ``conv_weight``,
-        ``norm_weight``): non-int counts, H < 1, T < 1, a window shorter than T + 2, an
-        unknown layout, lower_bound outside [-5, 0), gate_mode not 0/1, a non-finite or
-        non-positive scale / norm_eps, unsupported dtypes.
+        ``norm_weight``, ``conv_bias`` for has_conv_bias, ``v_record`` for record): non-int
+        counts, H < 1, T < 1, a window shorter than T + 2, an unknown layout, lower_bound
+        outside [-5, 0), gate_mode not 0/1, a scale / norm_eps that is not a finite number
+        > 0, has_conv_bias / record not a bool, unsupported dtypes.
     """
     if not isinstance(cfg, KdaConfig):
         raise KdaArgumentError("cfg", f"expected a kda.KdaConfig, got {type(cfg).__name__}")
@@ -178,10 +183,16 @@ def validate_config(cfg: KdaConfig) -> None:
             raise KdaArgumentError("lower_bound", f"expected None or a float in [-5, 0), got {lb!r}")
     if cfg.gate_mode not in (0, 1):
         raise KdaArgumentError("gate_mode", f"expected 0 or 1, got {cfg.gate_mode!r}")
-    if not (math.isfinite(cfg.scale) and cfg.scale > 0):
-        raise KdaArgumentError("scale", f"expected a finite float > 0, got {cfg.scale!r}")
-    if not (math.isfinite(cfg.norm_eps) and cfg.norm_eps > 0):
-        raise KdaArgumentError("norm_eps", f"expected a finite float > 0, got {cfg.norm_eps!r}")
+    for name in ("scale", "norm_eps"):
+        val = getattr(cfg, name)
+        if (isinstance(val, bool) or not isinstance(val, numbers.Real)
+                or not (math.isfinite(val) and val > 0)):
+            raise KdaArgumentError(name, f"expected a finite float > 0, got "
+                                         f"{type(val).__name__} {val!r}")
+    for name, arg in (("has_conv_bias", "conv_bias"), ("record", "v_record")):
+        if not isinstance(getattr(cfg, name), bool):
+            raise KdaArgumentError(arg, f"expected a bool {name}, got "
+                                        f"{type(getattr(cfg, name)).__name__} {getattr(cfg, name)!r}")
     if cfg.conv_state_dtype not in (torch.bfloat16, torch.float32):
         raise KdaArgumentError("conv_state", f"expected dtype bfloat16 or float32, got "
                                              f"{_fmt_dtype(cfg.conv_state_dtype)}")

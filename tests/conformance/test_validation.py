@@ -286,6 +286,35 @@ def test_config_and_batch_arguments_are_checked():
     assert ei.value.arg == "x" and "[R, T]" in str(ei.value)
 
 
+def test_config_fields_of_the_wrong_type_are_named():
+    """A KdaConfig built by hand with a field of the wrong type gets the error naming the
+    argument the field stands for, not a bare TypeError, nor silent acceptance (found by a
+    new-user trial: norm_eps=None, scale="x", has_conv_bias="yes", record=1)."""
+    import dataclasses
+    for field, bad, arg in (("norm_eps", None, "norm_eps"), ("scale", "x", "scale"),
+                            ("scale", None, "scale"), ("scale", True, "scale"),
+                            ("has_conv_bias", "yes", "conv_bias"), ("record", 1, "v_record")):
+        cfg = dataclasses.replace(CFG1, **{field: bad})
+        with pytest.raises(KdaArgumentError) as ei:
+            kda.KdaDecode(cfg, device="cpu", backend="reference")
+        msg = str(ei.value)
+        assert ei.value.arg == arg and field in msg and repr(bad) in msg, (field, msg)
+
+
+def test_a_sliced_conv_cache_names_its_shape():
+    """A conv cache sliced to fewer channels has neither layout's strides; the message gives
+    the shape beside the strides, since the channel count is what is wrong (found by a
+    new-user trial)."""
+    a = make_case(CaseSpec(CFG1, R=2))
+    before = clone_args(a)
+    cs = a.conv_state[:, :-8, :]
+    with pytest.raises(KdaArgumentError) as ei:
+        kda.kda_decode(**_kwargs(a, conv_state=cs), backend="reference")
+    assert ei.value.arg == "conv_state" and str(list(cs.shape)) in str(ei.value)
+    for name in ("out", "state", "conv_state"):
+        assert bits_equal(getattr(a, name), getattr(before, name)), name
+
+
 def test_bits_equal_takes_every_float_width():
     for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         t = torch.tensor([1.0, float("nan"), -0.0], dtype=dt)

@@ -1,6 +1,7 @@
 """torch.ops.kda.decode: same results as the direct call, eager and under
 torch.compile(fullgraph=True) with the mutated buffers declared."""
 
+import pytest
 import torch
 
 import kda
@@ -110,5 +111,74 @@ def test_custom_op_refuses_scalars_of_the_wrong_kind_before_writing():
         with pytest.raises(KdaArgumentError) as ei:
             kda.torch_op.decode(*_args(a), out=a.out, backend="reference", **over)
         assert ei.value.arg == arg, over
+    for name in ("state", "conv_state", "out"):
+        assert bits_equal(getattr(a, name), getattr(before, name)), name
+
+
+def test_custom_op_refuses_a_meta_argument_beside_real_ones_before_writing():
+    """A real call with one argument on the meta device is dispatched to the op's fake kernel,
+    which used to return quietly: no output, caches unchanged (found by a new-user trial). It
+    must raise kda_decode's device error; all arguments on meta stay a valid no-op."""
+    import pytest
+    from kda.validate import KdaArgumentError
+    cfg = KdaConfig(num_heads=2, T=1, window=3)
+    a = make_case(CaseSpec(cfg, R=3, seed=7))
+    a = a._replace(out=torch.full_like(a.out, 7.0))
+    before = clone_args(a)
+    for arg in ("A_log", "state", "out", "norm_weight"):
+        d = a._asdict()
+        d[arg] = torch.empty_like(d[arg], device="meta")
+        with pytest.raises(KdaArgumentError, match="expected device cpu") as ei:
+            kda.torch_op.decode(*_args(kda.KdaArgs(**d)), out=d["out"], backend="reference")
+        assert ei.value.arg == arg
+    for name in ("state", "conv_state", "out"):
+        assert bits_equal(getattr(a, name), getattr(before, name)), name
+    m = kda.KdaArgs(**{k: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v
+                       for k, v in a._asdict().items()})
+    kda.torch_op.decode(*_args(m), out=m.out, backend="reference")
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("entry", ["kda_decode", "KdaDecode"])
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_public_entry_points_compile_to_the_op(T, entry, fullgraph):
+    """kda_decode and KdaDecode under torch.compile give the eager bits: they are traced as the
+    custom op. Tracing the reference's own code let inductor drop its bf16 round trips (the
+    contract's rounding points): 405 of 768 outputs differed (found by a new-user trial);
+    with fullgraph=True KdaDecode did not compile at all."""
+    cfg = KdaConfig(num_heads=2, T=T, window=T + 2)
+    a = make_case(CaseSpec(cfg, R=3, seed=8))
+    if entry == "kda_decode":
+        def fn(x, *rest, nacc, out):
+            return kda.kda_decode(x, *rest, num_accepted_tokens=nacc, out=out, backend="reference")
+    else:
+        step = kda.KdaDecode(cfg, device="cpu", backend="reference")
+
+        def fn(x, *rest, nacc, out):
+            return step(x, *rest, num_accepted_tokens=nacc, out=out)
+    eager, comp = clone_args(a), clone_args(a)
+    fn(*_args(eager), nacc=eager.num_accepted_tokens, out=eager.out)
+    torch._dynamo.reset()
+    torch.compile(fn, fullgraph=fullgraph)(*_args(comp), nacc=comp.num_accepted_tokens,
+                                           out=comp.out)
+    for name in ("out", "state", "conv_state"):
+        assert bits_equal(getattr(eager, name), getattr(comp, name)), name
+
+
+def test_compiled_kda_decode_object_refuses_tensors_of_another_configuration():
+    """Under torch.compile, KdaDecode checks (while tracing) that the tensors' configuration is
+    its own, as its eager call does, before handing them to the op. With fullgraph=True the
+    raise cannot leave the graph: torch's compile error reports it instead."""
+    from kda.validate import KdaArgumentError
+    step = kda.KdaDecode(KdaConfig(num_heads=2, T=1, window=4), device="cpu", backend="reference")
+    a = make_case(CaseSpec(KdaConfig(num_heads=2, T=1, window=3), R=2, seed=9))
+    before = clone_args(a)
+    torch._dynamo.reset()
+    with pytest.raises(KdaArgumentError, match="window") as ei:
+        torch.compile(lambda *t: step(*t, out=a.out))(*_args(a))
+    assert ei.value.arg == "conv_state"
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(lambda *t: step(*t, out=a.out), fullgraph=True)(*_args(a))
     for name in ("state", "conv_state", "out"):
         assert bits_equal(getattr(a, name), getattr(before, name)), name
