@@ -51,6 +51,16 @@ def _alloc_out(x: torch.Tensor, N: int, dim: int) -> torch.Tensor:
     return torch.empty(N, dim, dtype=torch.bfloat16, device=x.device)
 
 
+def _host(v):
+    """A scalar argument as the Python number it stands for, under torch.compile: dynamo
+    turns numpy scalars (accepted eagerly) into arrays, which the op's schema refuses; a 0-d
+    one is unwrapped, anything else is passed on for the op's own type check."""
+    if v is not None and not isinstance(v, (bool, int, float, str, torch.Tensor)) \
+            and getattr(v, "ndim", None) == 0 and hasattr(v, "item"):
+        return v.item()
+    return v
+
+
 def kda_decode(
     x: torch.Tensor,
     conv_weight: torch.Tensor,
@@ -132,13 +142,19 @@ def kda_decode(
     """
     if torch.compiler.is_compiling():
         from kda import torch_op
-        if out is None and isinstance(x, torch.Tensor) and isinstance(A_log, torch.Tensor):
+        if not isinstance(x, torch.Tensor):
+            raise KdaArgumentError("x", f"expected a torch.Tensor, got {type(x).__name__}")
+        if backend is not None and not isinstance(backend, str):
+            raise registry.KdaBackendError(f"unknown KDA backend {backend!r} (from argument); "
+                                           f"valid names: {', '.join(registry.CHOICES)}")
+        if out is None and isinstance(A_log, torch.Tensor) and A_log.dim() == 1:
             out = _alloc_out(x, x.shape[0], A_log.shape[0] * HEAD_DIM)
         return torch_op.decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log,
                                dt_bias, state, state_indices, output_gate, norm_weight, out=out,
-                               num_accepted_tokens=num_accepted_tokens, scale=scale,
-                               norm_eps=norm_eps, lower_bound=lower_bound, gate_mode=gate_mode,
-                               v_record=v_record, kg_record=kg_record, backend=backend)
+                               num_accepted_tokens=num_accepted_tokens, scale=_host(scale),
+                               norm_eps=_host(norm_eps), lower_bound=_host(lower_bound),
+                               gate_mode=_host(gate_mode), v_record=v_record,
+                               kg_record=kg_record, backend=backend)
     step, args = validated_step(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log,
                                 dt_bias, state, state_indices, output_gate, norm_weight,
                                 num_accepted_tokens=num_accepted_tokens, scale=scale,
@@ -234,6 +250,11 @@ class KdaDecode:
         self._step = _step_fn(self.backend, cfg, device)
         self._always = validate == "always"
         self._validated_key = None
+        # the config's scalars as Python numbers, for the compiled path (dynamo turns numpy
+        # scalars into arrays, which the custom op's schema refuses)
+        self._scalars = (float(cfg.scale), float(cfg.norm_eps),
+                         None if cfg.lower_bound is None else float(cfg.lower_bound),
+                         int(cfg.gate_mode))
 
     @property
     def backend_name(self) -> str:
@@ -259,8 +280,10 @@ class KdaDecode:
         """Run one step; arguments as :func:`kda_decode` (scalars come from the config).
 
         Under ``torch.compile`` the call is traced as the custom op ``torch.ops.kda.decode``
-        with this object's backend and scalars, after checking that the tensors' configuration
-        is this object's (as :func:`kda_decode` does, and for the same reason).
+        with this object's backend and scalars, after checking that the tensors' device and
+        configuration are this object's (as :func:`kda_decode` does, and for the same
+        reason). The op validates as ``validate="first"`` does, whatever this object's
+        ``validate``.
         """
         if not isinstance(x, torch.Tensor):
             raise KdaArgumentError("x", f"expected a torch.Tensor, got {type(x).__name__}")
@@ -295,22 +318,26 @@ class KdaDecode:
         (validating the tensors when the graph runs)."""
         from kda import torch_op
         c = self.cfg
+        if x.device != self.device:
+            raise KdaArgumentError("x", f"expected device {self.device} (this KdaDecode's), got {x.device}")
+        scale, norm_eps, lower_bound, gate_mode = self._scalars
         got = config_from_args(x, conv_weight, conv_bias, conv_state, state_indices, A_log,
-                               norm_weight, lower_bound=c.lower_bound, gate_mode=c.gate_mode,
+                               norm_weight, lower_bound=lower_bound, gate_mode=gate_mode,
                                record=v_record is not None or kg_record is not None,
-                               scale=c.scale, norm_eps=c.norm_eps)
+                               scale=scale, norm_eps=norm_eps)
         for field in ("num_heads", "T", "window", "conv_layout", "has_conv_bias", "record",
                       "conv_state_dtype", "conv_weight_dtype", "norm_weight_dtype"):
             if getattr(got, field) != getattr(c, field):
-                raise KdaArgumentError(_FIELD_ARG[field], f"expected {field} = "
-                                       f"{getattr(c, field)} (this KdaDecode's configuration), "
-                                       f"got {getattr(got, field)}")
+                arg = _FIELD_ARG[field]
+                if field == "record" and v_record is None and kg_record is not None:
+                    arg = "kg_record"
+                raise KdaArgumentError(arg, f"expected {field} = {getattr(c, field)} (this "
+                                            f"KdaDecode's configuration), got {getattr(got, field)}")
         return torch_op.decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log,
                                dt_bias, state, state_indices, output_gate, norm_weight, out=out,
-                               num_accepted_tokens=num_accepted_tokens, scale=c.scale,
-                               norm_eps=c.norm_eps, lower_bound=c.lower_bound,
-                               gate_mode=c.gate_mode, v_record=v_record, kg_record=kg_record,
-                               backend=self.backend.name)
+                               num_accepted_tokens=num_accepted_tokens, scale=scale,
+                               norm_eps=norm_eps, lower_bound=lower_bound, gate_mode=gate_mode,
+                               v_record=v_record, kg_record=kg_record, backend=self.backend.name)
 
 
 #: The argument a mismatching configuration field is derived from (KdaDecode under compile).

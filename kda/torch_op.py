@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from kda import registry
 from kda.backend import StepFn
@@ -75,11 +76,14 @@ def _decode_fake(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, d
     A real call with some arguments on the meta device also lands here (the dispatcher picks
     the meta kernel when any argument is on it), where it would do nothing and leave ``out``
     and the caches as they were: such a call gets :func:`kda.kda_decode`'s device error
-    instead. All arguments on one device (all meta, or all fake tensors of one device) pass.
+    instead. All arguments on the meta device pass; under fake tensors (tracing) nothing is
+    checked here, the op validates when the compiled graph runs.
 
     Raises:
       KdaArgumentError: a tensor argument on another device than ``x``.
     """
+    if isinstance(x, FakeTensor):
+        return None     # tracing: the op validates (devices included) when the graph runs
     args = (x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias, state,
             state_indices, num_accepted_tokens, output_gate, norm_weight, out, v_record, kg_record)
     for name, t in zip(_ARG_NAMES, args):

@@ -190,7 +190,9 @@ def validate_config(cfg: KdaConfig) -> None:
             raise KdaArgumentError(name, f"expected a finite float > 0, got "
                                          f"{type(val).__name__} {val!r}")
     for name, arg in (("has_conv_bias", "conv_bias"), ("record", "v_record")):
-        if not isinstance(getattr(cfg, name), bool):
+        val = getattr(cfg, name)
+        # a bool, or numpy's bool_ (dtype kind "b")
+        if not (isinstance(val, bool) or getattr(getattr(val, "dtype", None), "kind", "") == "b"):
             raise KdaArgumentError(arg, f"expected a bool {name}, got "
                                         f"{type(getattr(cfg, name)).__name__} {getattr(cfg, name)!r}")
     if cfg.conv_state_dtype not in (torch.bfloat16, torch.float32):

@@ -182,3 +182,53 @@ def test_compiled_kda_decode_object_refuses_tensors_of_another_configuration():
         torch.compile(lambda *t: step(*t, out=a.out), fullgraph=True)(*_args(a))
     for name in ("state", "conv_state", "out"):
         assert bits_equal(getattr(a, name), getattr(before, name)), name
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_compiled_entry_points_take_numpy_scalars(fullgraph):
+    """numpy scalars, accepted eagerly, also under torch.compile (dynamo turns them into arrays
+    that the op's schema refused; found by a review). With fullgraph=True numpy float64 only:
+    a float32 one becomes a data-dependent value there."""
+    import dataclasses
+    np = pytest.importorskip("numpy")
+    cfg = KdaConfig(num_heads=2, T=1, window=3, lower_bound=-1.0)
+    a = make_case(CaseSpec(cfg, R=2, seed=10))
+    kw = dict(lower_bound=np.float64(-1.0) if fullgraph else np.float32(-1.0),
+              scale=np.float64(0.05), gate_mode=1, backend="reference")
+    step = kda.KdaDecode(dataclasses.replace(cfg, scale=np.float32(0.05), norm_eps=np.float64(1e-5)),
+                         device="cpu", backend="reference")
+    for fn in (lambda *t, out: kda.kda_decode(*t, out=out, **kw),
+               lambda *t, out: step(*t, out=out)):
+        eager, comp = clone_args(a), clone_args(a)
+        fn(*_args(eager), out=eager.out)
+        torch._dynamo.reset()
+        torch.compile(fn, fullgraph=fullgraph)(*_args(comp), out=comp.out)
+        for name in ("out", "state", "conv_state"):
+            assert bits_equal(getattr(eager, name), getattr(comp, name)), name
+
+
+def test_compiled_entry_points_name_bad_arguments_as_eager():
+    """Under torch.compile (not fullgraph: a raise cannot leave a full graph) the compile path
+    names the argument as the eager one does: x not a tensor, a backend that is not a name,
+    only kg_record given to a KdaDecode without record mode (found by a review)."""
+    from kda.registry import KdaBackendError
+    from kda.validate import KdaArgumentError
+    cfg = KdaConfig(num_heads=2, T=1, window=3)
+    a = make_case(CaseSpec(cfg, R=2, seed=11))
+    before = clone_args(a)
+    rest = _args(a)[1:]
+    torch._dynamo.reset()
+    with pytest.raises(KdaArgumentError) as ei:
+        torch.compile(lambda *t: kda.kda_decode([1, 2], *t, out=a.out))(*rest)
+    assert ei.value.arg == "x"
+    torch._dynamo.reset()
+    with pytest.raises(KdaBackendError, match="unknown KDA backend 5"):
+        torch.compile(lambda *t: kda.kda_decode(*t, out=a.out, backend=5))(*_args(a))
+    step = kda.KdaDecode(cfg, device="cpu", backend="reference")
+    kg = torch.zeros(a.state.shape[0], 2, 1, 256, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    with pytest.raises(KdaArgumentError) as ei:
+        torch.compile(lambda *t: step(*t, out=a.out, kg_record=kg))(*_args(a))
+    assert ei.value.arg == "kg_record"
+    for name in ("state", "conv_state", "out"):
+        assert bits_equal(getattr(a, name), getattr(before, name)), name
