@@ -185,6 +185,24 @@ class ItemMath:
         desc[5] = live
 
     # ------------------------------------------------------------------------- staging
+    def issue_first(self, p, desc, wreg, also=None):
+        """A kernel's first item: the window history, the x / output-gate rows, beta and
+        whatever ``also()`` issues (the streamed kernel's f_b rows) as one cp.async group,
+        then, with :attr:`KernelStatic.page_last`, the state page as a group of its own (phase
+        A may then run while it lands); without it the page is issued first, in that one
+        group."""
+        if not self.ks.page_last:
+            self.issue_state(p, desc)
+        self.load_window(p, desc, wreg)
+        self.issue_operands(p, desc)
+        self.load_beta(p, desc, wreg)
+        if also is not None:
+            also()
+        P.cp_async_commit()
+        if self.ks.page_last:
+            self.issue_state(p, desc)
+            P.cp_async_commit()
+
     def issue_state(self, p, desc):
         """cp.async this thread's 16 chunks of the state page ``state[src, h]`` (if live)."""
         h, src, live = desc[1], desc[2], desc[5]

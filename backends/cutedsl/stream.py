@@ -104,22 +104,15 @@ class KdaStream:
         vals, nacc = self.math.slot_values(p, start, Int32(start < end))
         self.math.make_desc(p, start, Int32(start < end), vals, nacc, desc)
         self.math.stage_slot_values(p, vals, nacc, Int32(0))
-        if cutlass.const_expr(not self.ks.page_last):
-            self.math.issue_state(p, desc)
-        self.math.load_window(p, desc, wreg)
-        self.math.issue_operands(p, desc)
-        self.math.load_beta(p, desc, wreg)
         # fb_smem: the head whose f_b rows FB holds (-1: none yet)
         fbh = Int32(-1)
         if cutlass.const_expr(self.ks.fb_smem):
             fbh = P.sel_i32(Int32(start < end), desc[1], fbh)
-            self.math.issue_fb(p, desc[1], Int32(start < end))
-        P.cp_async_commit()                   # group E(start) (page_last), else everything
-        if cutlass.const_expr(self.ks.page_last):
-            # group S(start), the page, last, as in the loop: phase A of the first item
-            # overlaps its arrival
-            self.math.issue_state(p, desc)
-            P.cp_async_commit()
+        # page_last: group E(start) (with the f_b rows), then the page, group S(start), as in
+        # the loop, so that phase A of the first item overlaps its arrival
+        self.math.issue_first(p, desc, wreg, also=(
+            (lambda: self.math.issue_fb(p, desc[1], Int32(start < end)))
+            if self.ks.fb_smem else None))
         if cutlass.const_expr(self.ks.pdl_early):
             P.griddep_launch()
         P.bar_sync()                          # SL[0] (thread 0) is visible to every thread

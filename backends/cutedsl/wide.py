@@ -72,15 +72,7 @@ class KdaWide:
         vals, nacc = self.math.slot_values(p, Int32(item), Int32(1))
         self.math.make_desc(p, Int32(item), Int32(1), vals, nacc, desc)
         self.math.stage_slot_values(p, vals, nacc, Int32(0))
-        if cutlass.const_expr(not self.ks.page_last):
-            self.math.issue_state(p, desc)
-        self.math.load_window(p, desc, wreg)
-        self.math.issue_operands(p, desc)
-        self.math.load_beta(p, desc, wreg)
-        P.cp_async_commit()                   # the operands (page_last), else everything
-        if cutlass.const_expr(self.ks.page_last):
-            self.math.issue_state(p, desc)
-            P.cp_async_commit()               # the page, last: phase A overlaps its arrival
+        self.math.issue_first(p, desc, wreg)  # page_last: operands, then the page
         if cutlass.const_expr(self.ks.pdl_early):
             P.griddep_launch()
         hp = self.math.head_loads(p, desc[1])
