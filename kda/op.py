@@ -145,8 +145,7 @@ def kda_decode(
         if not isinstance(x, torch.Tensor):
             raise KdaArgumentError("x", f"expected a torch.Tensor, got {type(x).__name__}")
         if backend is not None and not isinstance(backend, str):
-            raise registry.KdaBackendError(f"unknown KDA backend {backend!r} (from argument); "
-                                           f"valid names: {', '.join(registry.CHOICES)}")
+            registry.check_choice(backend, "argument")     # not a name: raises as resolve()
         if out is None and isinstance(A_log, torch.Tensor) and A_log.dim() == 1:
             out = _alloc_out(x, x.shape[0], A_log.shape[0] * HEAD_DIM)
         return torch_op.decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log,
@@ -302,13 +301,16 @@ class KdaDecode:
         # Aliasing between arguments is checked only on those validations.
         key = metadata_key(args)
         if self._always or key != self._validated_key:
-            if x.device != self.device:
-                raise KdaArgumentError("x", f"expected device {self.device} (this KdaDecode's), got {x.device}")
+            self._check_device(x)
             validate_args(self.cfg, args)
             self._validated_key = key
         if state_indices.shape[0]:
             self._step(args)
         return out
+
+    def _check_device(self, x: torch.Tensor) -> None:
+        if x.device != self.device:
+            raise KdaArgumentError("x", f"expected device {self.device} (this KdaDecode's), got {x.device}")
 
     def _compiled_call(self, x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log,
                        dt_bias, state, state_indices, output_gate, norm_weight,
@@ -318,8 +320,7 @@ class KdaDecode:
         (validating the tensors when the graph runs)."""
         from kda import torch_op
         c = self.cfg
-        if x.device != self.device:
-            raise KdaArgumentError("x", f"expected device {self.device} (this KdaDecode's), got {x.device}")
+        self._check_device(x)
         scale, norm_eps, lower_bound, gate_mode = self._scalars
         got = config_from_args(x, conv_weight, conv_bias, conv_state, state_indices, A_log,
                                norm_weight, lower_bound=lower_bound, gate_mode=gate_mode,

@@ -137,6 +137,17 @@ def unsupported_reasons(name: str, cfg: KdaConfig, device: torch.device) -> List
     return list(b.unsupported(cfg, device))
 
 
+def check_choice(name, source: str) -> None:
+    """``name`` (requested via ``source``, e.g. "argument") is one of :data:`CHOICES`.
+
+    Raises:
+      KdaBackendError: it is not (the message lists the valid names).
+    """
+    if name not in CHOICES:
+        raise KdaBackendError(f"unknown KDA backend {name!r} (from {source}); valid names: "
+                              f"{', '.join(CHOICES)}")
+
+
 def resolve(cfg: KdaConfig, device: torch.device, explicit: Optional[str] = None) -> Backend:
     """Pick the backend for ``cfg`` on ``device`` as the module docstring says.
 
@@ -145,9 +156,7 @@ def resolve(cfg: KdaConfig, device: torch.device, explicit: Optional[str] = None
         the call (lists every reason), or no backend at all can (auto; lists each one's reasons).
     """
     name, source = requested_name(explicit)
-    if name not in CHOICES:
-        raise KdaBackendError(f"unknown KDA backend {name!r} (from {source}); valid names: "
-                              f"{', '.join(CHOICES)}")
+    check_choice(name, source)
     if name == "auto":
         from kda.auto import BatchAuto, plan
         candidates = {}

@@ -24,7 +24,7 @@ from kda import registry
 from kda.backend import StepFn
 from kda.config import KdaArgs
 from kda.op import metadata_key, validated_step
-from kda.validate import KdaArgumentError, check_scalar_types
+from kda.validate import KdaArgumentError, check_device, check_scalar_types
 
 # The op is defined with torch.library's low-level API and an alias-annotated schema
 # (mutated buffers marked "!") rather than torch.library.custom_op: the latter's eager
@@ -87,9 +87,8 @@ def _decode_fake(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, d
     args = (x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias, state,
             state_indices, num_accepted_tokens, output_gate, norm_weight, out, v_record, kg_record)
     for name, t in zip(_ARG_NAMES, args):
-        if isinstance(t, torch.Tensor) and t.device != x.device:
-            raise KdaArgumentError(name, f"expected device {x.device} (the device of x), got "
-                                         f"{t.device}")
+        if isinstance(t, torch.Tensor):
+            check_device(name, t, x.device)
     return None
 
 

@@ -40,9 +40,18 @@ def _check_tensor(name: str, t, dtypes: Sequence[torch.dtype], shape: Sequence[i
                                      f"got {_fmt_dtype(t.dtype)}")
     if tuple(t.shape) != tuple(shape):
         raise KdaArgumentError(name, f"expected shape {list(shape)}, got {list(t.shape)}")
+    check_device(name, t, device)
+    return t
+
+
+def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    """Argument ``name`` (a tensor) is on ``device``, the device of x.
+
+    Raises:
+      KdaArgumentError: it is not.
+    """
     if t.device != device:
         raise KdaArgumentError(name, f"expected device {device} (the device of x), got {t.device}")
-    return t
 
 
 def _check_contiguous(name: str, t: torch.Tensor) -> None:
@@ -193,8 +202,7 @@ def validate_config(cfg: KdaConfig) -> None:
         val = getattr(cfg, name)
         # a bool, or numpy's bool_ (dtype kind "b")
         if not (isinstance(val, bool) or getattr(getattr(val, "dtype", None), "kind", "") == "b"):
-            raise KdaArgumentError(arg, f"expected a bool {name}, got "
-                                        f"{type(getattr(cfg, name)).__name__} {getattr(cfg, name)!r}")
+            raise KdaArgumentError(arg, f"expected a bool {name}, got {type(val).__name__} {val!r}")
     if cfg.conv_state_dtype not in (torch.bfloat16, torch.float32):
         raise KdaArgumentError("conv_state", f"expected dtype bfloat16 or float32, got "
                                              f"{_fmt_dtype(cfg.conv_state_dtype)}")
