@@ -24,8 +24,6 @@ Environment:
   KDA_CUDA_FB_SMEM=1|0   at T=1, stage each head's f_b rows (32 KiB) in shared memory once
                    per head instead of loading the gate MMA's fragments from L2 for every
                    item (default: FB_SMEM; no effect at T > 1, which has no such build).
-  KDA_CUDA_FB_LAZY=1|0   with KDA_CUDA_FB_SMEM: each CTA's first item reads its gate fragments
-                   from L2 and the rows are staged from its second item on (default: FB_LAZY).
   KDA_CUDA_EARLY_PARAMS=1|0   request the first item's head parameters (model weights) before
                    the kernel's griddepcontrol.wait (default: EARLY_PARAMS).
   KDA_CUDA_EARLY_TRIGGER=1|0   let a PDL successor be scheduled right after the wait instead
@@ -93,11 +91,6 @@ STATIC_FRACTION: dict = {1: 0.8}
 #: / 256 / 512, T=1) 45.8 / 164.4 / 313.5 / 613.3 us against 48.9 / 171.8 / 330.1 / 649.0
 #: (6.4 / 4.3 / 5.0 / 5.5% faster; the repeats agreed within 0.3%).
 FB_SMEM = True
-
-#: Default of ``KDA_CUDA_FB_LAZY`` (``KdaParams.fb_smem`` = 2: with the rows staged, each
-#: CTA's first item reads its fragments from L2 instead, so the launch's first wait does not
-#: include 32 KiB of rows per CTA, and a CTA of one item stages none).
-FB_LAZY = False
 
 #: Defaults of ``KDA_CUDA_EARLY_PARAMS`` and ``KDA_CUDA_EARLY_TRIGGER`` (see kda_decode.h).
 EARLY_PARAMS = False
@@ -174,8 +167,6 @@ class CudaBackend(Backend):
         if not dynamic:
             static_fraction = 0.0
         fb_smem = T == 1 and flag_from_env("KDA_CUDA_FB_SMEM", FB_SMEM)
-        fb_lazy = fb_smem and flag_from_env("KDA_CUDA_FB_LAZY", FB_LAZY)
-        fb_mode = 2 if fb_lazy else int(fb_smem)   # KdaParams.fb_smem
         early_params = flag_from_env("KDA_CUDA_EARLY_PARAMS", EARLY_PARAMS)
         early_trigger = flag_from_env("KDA_CUDA_EARLY_TRIGGER", EARLY_TRIGGER)
         # the dynamic schedule's counter pairs, one per CUDA stream (zero when made, left at
@@ -198,11 +189,10 @@ class CudaBackend(Backend):
             launch(a.x, a.conv_weight, a.conv_bias, a.conv_state, a.f_a, a.f_b, a.beta, a.A_log,
                    a.dt_bias, a.state, a.state_indices, a.num_accepted_tokens, a.output_gate,
                    a.norm_weight, a.out, a.v_record, a.kg_record, H, T, scale, eps, lb, gm,
-                   record, pdl, pfd, ipc, sched(), fb_mode, early_params, early_trigger,
+                   record, pdl, pfd, ipc, sched(), fb_smem, early_params, early_trigger,
                    step.trace, static_fraction)
 
         step.fb_smem = fb_smem     # for tests
-        step.fb_lazy = fb_lazy
         # KDA_CUDA_TRACE=1 builds: an int64 CUDA tensor the next launches write per-CTA
         # timestamps into (tools/bench/cuda_trace.py); None = none
         step.trace = None

@@ -31,7 +31,7 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
           int64_t num_heads, int64_t T, double scale, double norm_eps,
           c10::optional<double> lower_bound, int64_t gate_mode, bool record, bool use_pdl,
           int64_t prefetch_distance, int64_t items_per_cta,
-          const c10::optional<at::Tensor>& sched, int64_t fb_smem, bool early_params,
+          const c10::optional<at::Tensor>& sched, bool fb_smem, bool early_params,
           bool early_trigger, const c10::optional<at::Tensor>& trace, double static_fraction) {
   TORCH_CHECK(x.is_cuda(), "kda cuda: tensors must be on a CUDA device");
   for (const auto* t : {&conv_weight, &conv_state, &f_a, &f_b, &beta, &A_log, &dt_bias, &state,
@@ -117,9 +117,8 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
   TORCH_CHECK(items_per_cta >= 0 && items_per_cta <= 4096,
               "kda cuda: items_per_cta must be in [0, 4096], got ", items_per_cta);
   p.items_per_cta = static_cast<int>(items_per_cta);
-  TORCH_CHECK(fb_smem >= 0 && fb_smem <= 2, "kda cuda: fb_smem must be 0, 1 or 2, got ", fb_smem);
-  TORCH_CHECK(fb_smem == 0 || T == 1, "kda cuda: fb_smem serves T=1 only, got T=", T);
-  p.fb_smem = static_cast<int>(fb_smem);
+  TORCH_CHECK(!fb_smem || T == 1, "kda cuda: fb_smem serves T=1 only, got T=", T);
+  p.fb_smem = fb_smem ? 1 : 0;
   p.sched = nullptr;
   if (sched.has_value()) {
     const at::Tensor& c = *sched;
@@ -166,7 +165,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("kg_record"), py::arg("num_heads"), py::arg("T"), py::arg("scale"),
         py::arg("norm_eps"), py::arg("lower_bound"), py::arg("gate_mode"), py::arg("record"),
         py::arg("use_pdl"), py::arg("prefetch_distance"), py::arg("items_per_cta"),
-        py::arg("sched") = py::none(), py::arg("fb_smem") = 0,
+        py::arg("sched") = py::none(), py::arg("fb_smem") = false,
         py::arg("early_params") = false, py::arg("early_trigger") = false,
         py::arg("trace") = py::none(), py::arg("static_fraction") = 0.0);
   m.def("smem_bytes", &kda_decode_smem_bytes,

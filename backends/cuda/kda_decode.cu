@@ -398,11 +398,10 @@ __device__ __forceinline__ void issue_window(const KdaParams& p, Smem<T, FB>& sm
 // cp.async of the head's conv taps, conv bias and dt_bias (L2-resident parameters); FB: also
 // the head's 128 f_b rows (32 KiB, swizzled, see Smem::fb), and no conv bias (read from global).
 template <int T, bool FB>
-__device__ __forceinline__ void issue_params(const KdaParams& p, Smem<T, FB>& sm, int h, int tid_,
-                                             bool with_fb = true) {
+__device__ __forceinline__ void issue_params(const KdaParams& p, Smem<T, FB>& sm, int h, int tid_) {
   const int tid = opaque(tid_);
   const int dim = p.num_heads * kD;
-  if (FB && with_fb) {
+  if (FB) {
     const uint4* fb = opaque(static_cast<const uint4*>(p.f_b)) + static_cast<int64_t>(h) * (kD * 16);
 #pragma unroll
     for (int k = 0; k < kD * 16 / kThreads; ++k) {
@@ -567,12 +566,8 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
   // With p.early_params the first item's head parameters (model weights, like the norm
   // weight) are requested before the wait, so that they may arrive while the predecessor
   // drains.
-  // FB with p.fb_smem == 2 (lazy): the first item's gate fragments come from L2 (as without
-  // FB), so its parameters are staged without the f_b rows; the rows are staged with the
-  // next item's parameters (params_head stays -1 after the first item).
-  const bool fb_lazy = FB && p.fb_smem == 2;
   if (p.early_params) {
-    issue_params<T>(p, sm, beg / R, tid, !fb_lazy);
+    issue_params<T>(p, sm, beg / R, tid);
     cp_async_commit();
   }
   // Everything else below may read what the predecessor kernel wrote (slot ids, windows,
@@ -594,11 +589,11 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
     const Item first = item_at<T>(p, sm, 0, beg % R, beg / R);
     if (tid == 0) {
       sm.info[0] = first;
-      sm.params_head = fb_lazy ? -1 : p.early_params ? first.h : first.src > 0 ? first.h : -1;
+      sm.params_head = p.early_params ? first.h : first.src > 0 ? first.h : -1;
     }
     if (first.src > 0) {
       issue_window<T>(p, sm, first, tid);
-      if (!p.early_params) issue_params<T>(p, sm, first.h, tid, !fb_lazy);
+      if (!p.early_params) issue_params<T>(p, sm, first.h, tid);
       cp_async_commit();
     }
     // L2 prefetch of the pages of items beg+1 .. beg+d-1 (the loop prefetches n+d from n).
@@ -681,16 +676,14 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       // (FB: from the head's rows staged in shared memory, after B1; else from L2, in flight
       // across B1.)
       uint32_t afr[8][4];
-      // (FB lazy: the CTA's first item reads its fragments from L2 after B1: its rows are not
-      // staged; loading them before B1 as without FB spilled registers.)
-      auto load_afr = [&](bool from_smem) {
-        // (the global rows only without the staged rows, read from sm.fb below)
-        const uint4* fb = from_smem ? nullptr : reinterpret_cast<const uint4*>(
+      auto load_afr = [&]() {
+        // (the global rows only without FB, which reads sm.fb below)
+        const uint4* fb = FB ? nullptr : reinterpret_cast<const uint4*>(
             static_cast<const __nv_bfloat16*>(p.f_b) + static_cast<int64_t>(H_CUR * kD + feat0) * kD) + tig;
 #pragma unroll
         for (int pp = 0; pp < 4; ++pp) {
           uint4 r0, r1;  // rows feat0, feat0 + 8 (same swizzle: feat0 + 8 = feat0 mod 4)
-          if (FB && from_smem) {
+          if (FB) {
             const int ch = (4 * pp + tig) ^ ((feat0 & 3) << 2);
             r0 = sm.fb[feat0 * 16 + ch];
             r1 = sm.fb[(feat0 + 8) * 16 + ch];
@@ -703,11 +696,11 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
           afr[2 * pp + 1][2] = r0.w; afr[2 * pp + 1][3] = r1.w;
         }
       };
-      if (!FB) load_afr(false);
+      if (!FB) load_afr();
       if (tid < T) sm.beta[tid] = sigmoidf_fast(beta_value<T>(p, sm, CUR, n, tid));
       __syncthreads();  // B1: operands, window, parameters (FB: f_b rows), beta visible
       TRACE_ITEM(n, 1);
-      if (FB) load_afr(!(fb_lazy && opaque(n) == 0));
+      if (FB) load_afr();
 
       const bool rec = p.record != 0;
       // ---- gate projection on the tensor cores: rg[feat][token] ----
@@ -1112,7 +1105,7 @@ extern "C" cudaError_t kda_decode_launch(const KdaParams* params, cudaStream_t s
   if (p->prefetch_distance < 0 || p->prefetch_distance > 64) return cudaErrorInvalidValue;
   if (p->items_per_cta < 0) return cudaErrorInvalidValue;
   if (!(p->static_fraction >= 0.f && p->static_fraction <= 1.f)) return cudaErrorInvalidValue;
-  if (p->fb_smem != 0 && ((p->fb_smem != 1 && p->fb_smem != 2) || p->T != 1)) return cudaErrorInvalidValue;
+  if (p->fb_smem != 0 && (p->fb_smem != 1 || p->T != 1)) return cudaErrorInvalidValue;
   if (p->record && (p->v_record == nullptr || p->kg_record == nullptr)) return cudaErrorInvalidValue;
   switch (p->T) {
     case 1: return p->fb_smem ? launch_t<1, true>(*p, stream) : launch_t<1>(*p, stream);

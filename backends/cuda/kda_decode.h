@@ -74,9 +74,7 @@ typedef struct KdaParams {
   int static_items;  // S (filled by the launcher)
   // 1 = stage the head's f_b rows (32 KiB) in shared memory once per head instead of reading
   // the MMA fragments from L2 for every item (T=1 only; 0 = off). Pays off when a CTA's
-  // consecutive items share the head (the static schedule's head-major ranges). 2 = lazy:
-  // each CTA's first item reads its fragments from L2 and the rows are staged from the
-  // second item on (a CTA of one item then stages nothing).
+  // consecutive items share the head (the static schedule's head-major ranges).
   int fb_smem;
   // 1 = issue the first item's head parameters (conv taps / bias, dt_bias; f_b rows when
   // fb_smem) before griddepcontrol.wait: they are model weights, which no predecessor writes

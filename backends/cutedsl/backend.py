@@ -26,10 +26,7 @@ Environment:
                       head's f_b rows in shared memory once per head instead of loading the
                       gate MMA's A fragments from L2 for every item; "0" does not (default:
                       FB_SMEM; no effect at T > 1 or on the wide kernel).
-  KDA_CUTEDSL_PAGE_LAST_SINGLE  streamed kernel at T <= 2: "1" launches a second build, with
-                      the first page committed last, when every CTA takes one item (R*H at
-                      most the resident CTAs); "0" does not (default: PAGE_LAST_SINGLE).
-  (KDA_CUTEDSL_PDL / _PREFETCH / _ITEMS_PER_CTA / _FB_SMEM / _PAGE_LAST_SINGLE are read when a step is built: kda_decode /
+  (KDA_CUTEDSL_PDL / _PREFETCH / _ITEMS_PER_CTA / _FB_SMEM are read when a step is built: kda_decode /
   KdaDecode keep built steps for the process, so a later change needs a new process or a new
   build().)
   KDA_CACHE_DIR       compile cache root (kernels go to ``$KDA_CACHE_DIR/cutedsl``;
@@ -40,7 +37,6 @@ Environment:
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import os
 import struct
 import threading
@@ -116,12 +112,6 @@ ITEMS_PER_CTA = {1: 4, 2: 2}
 #: The CUDA kernel gains 4-6% from the same staging; this kernel already ran the gate (and
 #: its f_b loads) before waiting for the item's staging, which the staged rows must follow.
 FB_SMEM = False
-
-
-#: Default of ``KDA_CUTEDSL_PAGE_LAST_SINGLE``: where the streamed kernel does not commit its
-#: page last (T <= 2, :func:`page_last`), launches whose CTAs take one item each (R*H at most
-#: the resident CTAs) use a second build that does, as the wide kernel does.
-PAGE_LAST_SINGLE = False
 
 
 def page_last(kind: str, T: int) -> bool:
@@ -229,9 +219,6 @@ class _Launcher:
         if kind == "stream":
             self.items_per_cta = items_per_cta_from_env("KDA_CUTEDSL_ITEMS_PER_CTA",
                                                         ITEMS_PER_CTA.get(self.T, 1))
-        # the launcher of the same kernel with its page committed last, used for launches of
-        # one item per CTA (set by the backend's build; None: this launcher serves every R)
-        self.single = None
         # fast path: the launcher's packed argument array is built once (its entries are the
         # fixed addresses of self.buf's slots); fall back to the executor's own packing.
         self._capi = None
@@ -256,8 +243,6 @@ class _Launcher:
         R = a.state_indices.shape[0]
         if R == 0:
             return
-        if self.single is not None and R * self.H <= self.max_ctas:
-            return self.single(a)
         x = a.x.data_ptr()
         opt = lambda t: x if t is None else t.data_ptr()  # noqa: E731 - absent: never read
         vals = [
@@ -314,12 +299,7 @@ class _CuteDslBackend(Backend):
                                       and flag_from_env("KDA_CUTEDSL_FB_SMEM", FB_SMEM),
                                       page_last=page_last(self.kind, cfg.T))
         compiled = cache.get_kernel(self.kind, ks)
-        launcher = _Launcher(self.kind, cfg, device, compiled, ks)
-        if (stream and not ks.page_last
-                and flag_from_env("KDA_CUTEDSL_PAGE_LAST_SINGLE", PAGE_LAST_SINGLE)):
-            ks1 = dataclasses.replace(ks, page_last=True)
-            launcher.single = _Launcher(self.kind, cfg, device, cache.get_kernel(self.kind, ks1), ks1)
-        return launcher
+        return _Launcher(self.kind, cfg, device, compiled, ks)
 
 
 class KdaStreamBackend(_CuteDslBackend):

@@ -175,44 +175,6 @@ def test_stream_fb_smem(spec, items_per_cta, device, require_backend, monkeypatc
             assert bits_equal(getattr(args[0], buf), getattr(other, buf)), f"{buf} differs"
 
 
-SINGLE_SPECS = [CaseSpec(KdaConfig(num_heads=32, T=1, window=3), R=8, null_frac=0.1, seed=31),
-                CaseSpec(KdaConfig(num_heads=12, T=2, window=6, conv_layout="DS", lower_bound=-5.0,
-                                   gate_mode=1, has_conv_bias=True, record=True,
-                                   conv_state_dtype=torch.float32), R=9, null_frac=0.3, seed=32),
-                CaseSpec(KdaConfig(num_heads=32, T=2, window=4), R=3, padded=True, seed=33)]
-
-
-@pytest.mark.parametrize("spec", SINGLE_SPECS, ids=[s.id for s in SINGLE_SPECS])
-def test_stream_page_last_single(spec, device, require_backend, monkeypatch):
-    """KDA_CUTEDSL_PAGE_LAST_SINGLE=1: at T <= 2 a launch of one item per CTA goes to the
-    streamed kernel's build with the page committed last; against the reference, and
-    bit-identical to the default build and to the wide kernel, three back-to-back steps on
-    one pool, null slots and records included."""
-    cfg = spec.cfg
-    steps = []
-    for value in ("1", "0"):
-        monkeypatch.setenv("KDA_CUTEDSL_PAGE_LAST_SINGLE", value)
-        steps.append(require_backend("cutedsl", cfg, device).build(cfg, device))
-    assert steps[0].single is not None and steps[0].single.ks.page_last
-    assert not steps[0].ks.page_last and steps[1].single is None
-    assert spec.R * cfg.num_heads <= steps[0].max_ctas
-    steps.append(require_backend("cutedsl_wide", cfg, device).build(cfg, device))
-    args = [make_case(spec, device)]
-    before = clone_args(args[0])
-    expected = clone_args(args[0])
-    args += [clone_args(args[0]), clone_args(args[0])]
-    for _ in range(3):
-        for step, a in zip(steps, args):
-            step(a)
-        reference_step(cfg, expected)
-    torch.cuda.synchronize()
-    errors = compare_step(args[0], expected, before)
-    assert not errors, "\n".join(errors)
-    for other in args[1:]:
-        for buf in ("out", "state", "conv_state", "v_record", "kg_record"):
-            assert bits_equal(getattr(args[0], buf), getattr(other, buf)), f"{buf} differs"
-
-
 @pytest.mark.parametrize("name", KINDS)
 @pytest.mark.parametrize("T", [1, 5])
 def test_chained_steps(name, T, device, require_backend):
