@@ -32,7 +32,8 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
           c10::optional<double> lower_bound, int64_t gate_mode, bool record, bool use_pdl,
           int64_t prefetch_distance, int64_t items_per_cta,
           const c10::optional<at::Tensor>& sched, bool fb_smem, bool early_params,
-          bool early_trigger, const c10::optional<at::Tensor>& trace, double static_fraction) {
+          bool early_trigger, const c10::optional<at::Tensor>& trace, double static_fraction,
+          bool prefetch_first) {
   TORCH_CHECK(x.is_cuda(), "kda cuda: tensors must be on a CUDA device");
   for (const auto* t : {&conv_weight, &conv_state, &f_a, &f_b, &beta, &A_log, &dt_bias, &state,
                         &state_indices, &output_gate, &norm_weight, &out}) {
@@ -134,6 +135,7 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
   p.static_fraction = static_cast<float>(static_fraction);
   p.early_params = early_params ? 1 : 0;
   p.early_trigger = early_trigger ? 1 : 0;
+  p.prefetch_first = prefetch_first ? 1 : 0;
 #ifdef KDA_TRACE
   p.trace = nullptr;
   if (trace.has_value()) {
@@ -167,7 +169,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("use_pdl"), py::arg("prefetch_distance"), py::arg("items_per_cta"),
         py::arg("sched") = py::none(), py::arg("fb_smem") = false,
         py::arg("early_params") = false, py::arg("early_trigger") = false,
-        py::arg("trace") = py::none(), py::arg("static_fraction") = 0.0);
+        py::arg("trace") = py::none(), py::arg("static_fraction") = 0.0,
+        py::arg("prefetch_first") = false);
   m.def("smem_bytes", &kda_decode_smem_bytes,
         "Dynamic shared memory per CTA for T tokens, with f_b staged in shared memory or not",
         py::arg("T"), py::arg("fb_smem") = 0);
