@@ -24,8 +24,8 @@ Environment:
   KDA_CUDA_FB_SMEM=1|0   at T=1, stage each head's f_b rows (32 KiB) in shared memory once
                    per head instead of loading the gate MMA's fragments from L2 for every
                    item (default: FB_SMEM; no effect at T > 1, which has no such build).
-  KDA_CUDA_PREFETCH_FIRST=1|0   L2-prefetch each CTA's second item's page in the prologue
-                   (default: PREFETCH_FIRST).
+  KDA_CUDA_PREFETCH_FIRST=k   L2-prefetch the pages of each CTA's items 2..k+1 in the
+                   prologue (k in 0..8, 0 = off; default: PREFETCH_FIRST).
   KDA_CUDA_EARLY_PARAMS=1|0   request the first item's head parameters (model weights) before
                    the kernel's griddepcontrol.wait (default: EARLY_PARAMS).
   KDA_CUDA_EARLY_TRIGGER=1|0   let a PDL successor be scheduled right after the wait instead
@@ -95,7 +95,7 @@ STATIC_FRACTION: dict = {1: 0.8}
 FB_SMEM = True
 
 #: Default of ``KDA_CUDA_PREFETCH_FIRST`` (``KdaParams.prefetch_first``).
-PREFETCH_FIRST = False
+PREFETCH_FIRST = 0
 
 #: Defaults of ``KDA_CUDA_EARLY_PARAMS`` and ``KDA_CUDA_EARLY_TRIGGER`` (see kda_decode.h).
 EARLY_PARAMS = False
@@ -174,7 +174,8 @@ class CudaBackend(Backend):
         fb_smem = T == 1 and flag_from_env("KDA_CUDA_FB_SMEM", FB_SMEM)
         early_params = flag_from_env("KDA_CUDA_EARLY_PARAMS", EARLY_PARAMS)
         early_trigger = flag_from_env("KDA_CUDA_EARLY_TRIGGER", EARLY_TRIGGER)
-        prefetch_first = flag_from_env("KDA_CUDA_PREFETCH_FIRST", PREFETCH_FIRST)
+        prefetch_first = int(os.environ.get("KDA_CUDA_PREFETCH_FIRST", "").strip()
+                             or PREFETCH_FIRST)
         # the dynamic schedule's counter pairs, one per CUDA stream (zero when made, left at
         # zero by every launch)
         counters: Optional[dict] = {} if dynamic else None

@@ -33,7 +33,7 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
           int64_t prefetch_distance, int64_t items_per_cta,
           const c10::optional<at::Tensor>& sched, bool fb_smem, bool early_params,
           bool early_trigger, const c10::optional<at::Tensor>& trace, double static_fraction,
-          bool prefetch_first) {
+          int64_t prefetch_first) {
   TORCH_CHECK(x.is_cuda(), "kda cuda: tensors must be on a CUDA device");
   for (const auto* t : {&conv_weight, &conv_state, &f_a, &f_b, &beta, &A_log, &dt_bias, &state,
                         &state_indices, &output_gate, &norm_weight, &out}) {
@@ -135,7 +135,9 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
   p.static_fraction = static_cast<float>(static_fraction);
   p.early_params = early_params ? 1 : 0;
   p.early_trigger = early_trigger ? 1 : 0;
-  p.prefetch_first = prefetch_first ? 1 : 0;
+  TORCH_CHECK(prefetch_first >= 0 && prefetch_first <= 8,
+              "kda cuda: prefetch_first must be in [0, 8], got ", prefetch_first);
+  p.prefetch_first = static_cast<int>(prefetch_first);
 #ifdef KDA_TRACE
   p.trace = nullptr;
   if (trace.has_value()) {
@@ -170,7 +172,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sched") = py::none(), py::arg("fb_smem") = false,
         py::arg("early_params") = false, py::arg("early_trigger") = false,
         py::arg("trace") = py::none(), py::arg("static_fraction") = 0.0,
-        py::arg("prefetch_first") = false);
+        py::arg("prefetch_first") = 0);
   m.def("smem_bytes", &kda_decode_smem_bytes,
         "Dynamic shared memory per CTA for T tokens, with f_b staged in shared memory or not",
         py::arg("T"), py::arg("fb_smem") = 0);

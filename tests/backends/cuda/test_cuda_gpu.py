@@ -130,7 +130,7 @@ def test_back_to_back_steps(spec, pdl, schedule, early, monkeypatch):
 @pytest.mark.parametrize("env", [("KDA_CUDA_PREFETCH", "2", "static"),
                                  ("KDA_CUDA_PREFETCH", "3", "static"),
                                  ("KDA_CUDA_PREFETCH_FIRST", "1", "static"),
-                                 ("KDA_CUDA_PREFETCH_FIRST", "1", "dynamic")])
+                                 ("KDA_CUDA_PREFETCH_FIRST", "2", "dynamic")])
 @pytest.mark.parametrize("spec", [CaseSpec(make_config(32, 1), R=40, null_frac=0.3),
                                   CaseSpec(make_config(8, 5, "DS", gm=1), R=40, null_frac=0.3)],
                          ids=lambda s: s.id)
