@@ -24,8 +24,6 @@ Environment:
   KDA_CUDA_FB_SMEM=1|0   at T=1, stage each head's f_b rows (32 KiB) in shared memory once
                    per head instead of loading the gate MMA's fragments from L2 for every
                    item (default: FB_SMEM; no effect at T > 1, which has no such build).
-  KDA_CUDA_PREFETCH_FIRST=k   L2-prefetch the pages of each CTA's items 2..k+1 in the
-                   prologue (k in 0..8, 0 = off; default: PREFETCH_FIRST).
   KDA_CUDA_EARLY_PARAMS=1|0   request the first item's head parameters (model weights) before
                    the kernel's griddepcontrol.wait (default: EARLY_PARAMS).
   KDA_CUDA_EARLY_TRIGGER=1|0   let a PDL successor be scheduled right after the wait instead
@@ -93,9 +91,6 @@ STATIC_FRACTION: dict = {1: 0.8}
 #: / 256 / 512, T=1) 45.8 / 164.4 / 313.5 / 613.3 us against 48.9 / 171.8 / 330.1 / 649.0
 #: (6.4 / 4.3 / 5.0 / 5.5% faster; the repeats agreed within 0.3%).
 FB_SMEM = True
-
-#: Default of ``KDA_CUDA_PREFETCH_FIRST`` (``KdaParams.prefetch_first``).
-PREFETCH_FIRST = 0
 
 #: Defaults of ``KDA_CUDA_EARLY_PARAMS`` and ``KDA_CUDA_EARLY_TRIGGER`` (see kda_decode.h).
 EARLY_PARAMS = False
@@ -174,8 +169,6 @@ class CudaBackend(Backend):
         fb_smem = T == 1 and flag_from_env("KDA_CUDA_FB_SMEM", FB_SMEM)
         early_params = flag_from_env("KDA_CUDA_EARLY_PARAMS", EARLY_PARAMS)
         early_trigger = flag_from_env("KDA_CUDA_EARLY_TRIGGER", EARLY_TRIGGER)
-        prefetch_first = int(os.environ.get("KDA_CUDA_PREFETCH_FIRST", "").strip()
-                             or PREFETCH_FIRST)
         # the dynamic schedule's counter pairs, one per CUDA stream (zero when made, left at
         # zero by every launch)
         counters: Optional[dict] = {} if dynamic else None
@@ -197,7 +190,7 @@ class CudaBackend(Backend):
                    a.dt_bias, a.state, a.state_indices, a.num_accepted_tokens, a.output_gate,
                    a.norm_weight, a.out, a.v_record, a.kg_record, H, T, scale, eps, lb, gm,
                    record, pdl, pfd, ipc, sched(), fb_smem, early_params, early_trigger,
-                   step.trace, static_fraction, prefetch_first)
+                   step.trace, static_fraction)
 
         step.fb_smem = fb_smem     # for tests
         # KDA_CUDA_TRACE=1 builds: an int64 CUDA tensor the next launches write per-CTA

@@ -32,8 +32,7 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
           c10::optional<double> lower_bound, int64_t gate_mode, bool record, bool use_pdl,
           int64_t prefetch_distance, int64_t items_per_cta,
           const c10::optional<at::Tensor>& sched, bool fb_smem, bool early_params,
-          bool early_trigger, const c10::optional<at::Tensor>& trace, double static_fraction,
-          int64_t prefetch_first) {
+          bool early_trigger, const c10::optional<at::Tensor>& trace, double static_fraction) {
   TORCH_CHECK(x.is_cuda(), "kda cuda: tensors must be on a CUDA device");
   for (const auto* t : {&conv_weight, &conv_state, &f_a, &f_b, &beta, &A_log, &dt_bias, &state,
                         &state_indices, &output_gate, &norm_weight, &out}) {
@@ -135,9 +134,6 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
   p.static_fraction = static_cast<float>(static_fraction);
   p.early_params = early_params ? 1 : 0;
   p.early_trigger = early_trigger ? 1 : 0;
-  TORCH_CHECK(prefetch_first >= 0 && prefetch_first <= 8,
-              "kda cuda: prefetch_first must be in [0, 8], got ", prefetch_first);
-  p.prefetch_first = static_cast<int>(prefetch_first);
 #ifdef KDA_TRACE
   p.trace = nullptr;
   if (trace.has_value()) {
@@ -171,8 +167,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("use_pdl"), py::arg("prefetch_distance"), py::arg("items_per_cta"),
         py::arg("sched") = py::none(), py::arg("fb_smem") = false,
         py::arg("early_params") = false, py::arg("early_trigger") = false,
-        py::arg("trace") = py::none(), py::arg("static_fraction") = 0.0,
-        py::arg("prefetch_first") = 0);
+        py::arg("trace") = py::none(), py::arg("static_fraction") = 0.0);
   m.def("smem_bytes", &kda_decode_smem_bytes,
         "Dynamic shared memory per CTA for T tokens, with f_b staged in shared memory or not",
         py::arg("T"), py::arg("fb_smem") = 0);

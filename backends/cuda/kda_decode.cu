@@ -610,12 +610,6 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       issue_state<T>(p, sm, first, tid);
       cp_async_commit();
     }
-    // p.prefetch_first = k: L2 prefetch of the pages of the CTA's items 2..k+1 (their slot ids
-    // read here by one thread; item 2's cp.async is issued after item 1's B2).
-    if (p.prefetch_first > 0 && tid == kPfThread) {
-      const int pf_end = min(beg + 1 + p.prefetch_first, dynamic ? min(beg + S1, end) : end);
-      for (int i = beg + 1; i < pf_end; ++i) pf_page(p, i, pf_second(p, T, i, pf_first(p, T, i)));
-    }
     cp_async_wait<1>();  // everything of item 0 but its page
     __syncthreads();     // sm.info[0], sm.item_idx[0], item 0's operands
   }

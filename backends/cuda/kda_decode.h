@@ -84,11 +84,6 @@ typedef struct KdaParams {
   // wait still waits for this whole grid and its memory), so that a PDL successor's CTAs can
   // start as this grid's CTAs retire; 0 = at the end of each CTA.
   int early_trigger;
-  // k >= 1: in the prologue, thread kPfThread reads the slot ids of the CTA's items 2..k+1
-  // (those its range holds: the static schedule's, or the dynamic one's static part) and
-  // issues an L2 prefetch of their pages, so that the launch's first page reads follow each
-  // other instead of leaving the memory idle while the first item is computed. 0 = off.
-  int prefetch_first;
 #ifdef KDA_TRACE
   // Debugging builds only (build.py with KDA_CUDA_TRACE=1; this field changes the struct's
   // layout): KDA_TRACE_STRIDE timestamps for each of the first KDA_TRACE_CTAS CTAs, see
