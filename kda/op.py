@@ -16,7 +16,8 @@ import torch
 from kda import registry
 from kda.backend import StepFn
 from kda.config import HEAD_DIM, KdaArgs, KdaConfig
-from kda.validate import KdaArgumentError, config_from_args, validate_args, validate_config
+from kda.validate import (KdaArgumentError, check_x_is_2d, config_from_args, validate_args,
+                          validate_config)
 
 _build_lock = threading.RLock()   # auto's build builds its candidates through _step_fn
 _steps: Dict[Tuple[str, KdaConfig, str], StepFn] = {}
@@ -47,8 +48,10 @@ def _resolved_step(cfg: KdaConfig, device: torch.device, explicit: Optional[str]
     return fn
 
 
-def _alloc_out(x: torch.Tensor, N: int, dim: int) -> torch.Tensor:
-    return torch.empty(N, dim, dtype=torch.bfloat16, device=x.device)
+def _alloc_out(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """A new bf16 ``out`` [N, dim] on ``x``'s device (``x`` checked to be 2-D first)."""
+    check_x_is_2d(x)
+    return torch.empty(x.shape[0], dim, dtype=torch.bfloat16, device=x.device)
 
 
 def _host(v):
@@ -103,7 +106,10 @@ def kda_decode(
       A_log: [H] fp32. dt_bias: [dim] fp32.
       state: [slots, H, 128(v), 128(k)] fp32, V-major; updated in place (not in record mode).
       state_indices: [R] int32 (T=1) or [R, T] int32 (verify): slot per request / draft position.
-        Ids <= 0 or >= slots are null: the item outputs zeros and writes nothing else.
+        Ids <= 0 or >= slots are null. The item is dead (zeros out, nothing else written) when
+        its source slot (T=1: the id; T>1: position a-1, a = accepted count) or its conv slot
+        (position 0) is null; a null id at another draft position only skips that token's
+        state write (docs/contract.md section 6, "Liveness" and "T>1 state writes").
       output_gate: [N, dim] bf16 logits of the output gate.
       norm_weight: [128] fp32 (bf16 accepted), gated RMSNorm weight shared by all heads.
       num_accepted_tokens: [R] int32, required for T > 1; clamped to 1..T on the device.
@@ -147,7 +153,7 @@ def kda_decode(
         if backend is not None and not isinstance(backend, str):
             registry.check_choice(backend, "argument")     # not a name: raises as resolve()
         if out is None and isinstance(A_log, torch.Tensor) and A_log.dim() == 1:
-            out = _alloc_out(x, x.shape[0], A_log.shape[0] * HEAD_DIM)
+            out = _alloc_out(x, A_log.shape[0] * HEAD_DIM)
         return torch_op.decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log,
                                dt_bias, state, state_indices, output_gate, norm_weight, out=out,
                                num_accepted_tokens=num_accepted_tokens, scale=_host(scale),
@@ -185,7 +191,7 @@ def validated_step(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log,
                            scale=scale, norm_eps=norm_eps)
     validate_config(cfg)
     if out is None and isinstance(x, torch.Tensor):
-        out = _alloc_out(x, x.shape[0], cfg.dim)
+        out = _alloc_out(x, cfg.dim)
     args = KdaArgs(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias, state,
                    state_indices, num_accepted_tokens, output_gate, norm_weight, out, v_record,
                    kg_record)
@@ -287,7 +293,7 @@ class KdaDecode:
         if not isinstance(x, torch.Tensor):
             raise KdaArgumentError("x", f"expected a torch.Tensor, got {type(x).__name__}")
         if out is None:
-            out = _alloc_out(x, x.shape[0], self.cfg.dim)
+            out = _alloc_out(x, self.cfg.dim)
         if torch.compiler.is_compiling():
             return self._compiled_call(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta,
                                        A_log, dt_bias, state, state_indices, output_gate,

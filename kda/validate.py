@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 from typing import Optional, Sequence
 
 import torch
@@ -187,9 +188,12 @@ def validate_config(cfg: KdaConfig) -> None:
         raise KdaArgumentError("conv_state", f"expected layout in {CONV_LAYOUTS}, got {cfg.conv_layout!r}")
     if cfg.lower_bound is not None:
         lb = cfg.lower_bound
-        if isinstance(lb, bool) or not (isinstance(lb, (int, float)) and math.isfinite(lb)
-                                        and -5.0 <= lb < 0.0):
-            raise KdaArgumentError("lower_bound", f"expected None or a float in [-5, 0), got {lb!r}")
+        if isinstance(lb, bool) or not isinstance(lb, numbers.Real):
+            raise KdaArgumentError("lower_bound", f"expected None or a float in [-5, 0), got "
+                                                  f"{type(lb).__name__} {lb!r}")
+        if not (math.isfinite(lb) and -5.0 <= lb < 0.0 and _as_fp32(lb) < 0.0):
+            raise KdaArgumentError("lower_bound", f"expected None or a float in [-5, 0) (also as "
+                                                  f"fp32, the kernels' precision), got {lb!r}")
     if cfg.gate_mode not in (0, 1):
         raise KdaArgumentError("gate_mode", f"expected 0 or 1, got {cfg.gate_mode!r}")
     for name in ("scale", "norm_eps"):
@@ -198,6 +202,11 @@ def validate_config(cfg: KdaConfig) -> None:
                 or not (math.isfinite(val) and val > 0)):
             raise KdaArgumentError(name, f"expected a finite float > 0, got "
                                          f"{type(val).__name__} {val!r}")
+        f32 = _as_fp32(val)
+        if not (math.isfinite(f32) and f32 >= _FP32_MIN_NORMAL):
+            raise KdaArgumentError(name, f"expected a float > 0 that is finite and normal in fp32 "
+                                         f"(the kernels' precision: [{_FP32_MIN_NORMAL:.4g}, "
+                                         f"3.403e+38]), got {val!r} (fp32: {f32!r})")
     for name, arg in (("has_conv_bias", "conv_bias"), ("record", "v_record")):
         val = getattr(cfg, name)
         # a bool, or numpy's bool_ (dtype kind "b")
@@ -214,6 +223,26 @@ def validate_config(cfg: KdaConfig) -> None:
                                               f"{_fmt_dtype(cfg.norm_weight_dtype)}")
 
 
+#: The smallest normal fp32 number: scale and norm_eps below it would be flushed to zero by
+#: kernels that do so (norm_eps = 0 turns an all-zero o into NaN).
+_FP32_MIN_NORMAL = 2.0 ** -126
+
+
+def _as_fp32(v: float) -> float:
+    """``v`` rounded to fp32 (inf beyond its range), as the kernels and the reference use it."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", float(v)))[0]
+    except OverflowError:
+        return math.copysign(math.inf, float(v))
+
+
+def check_x_is_2d(x: torch.Tensor) -> None:
+    """Raises KdaArgumentError unless the tensor ``x`` is 2-D ([N, 3*dim]); also used before
+    ``out`` is allocated from ``x.shape[0]``."""
+    if x.dim() != 2:
+        raise KdaArgumentError("x", f"expected a 2-D tensor [N, 3*dim], got shape {list(x.shape)}")
+
+
 def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
     """Check every tensor of a call against ``cfg``; raise :class:`KdaArgumentError` on the first
     problem. Reads only metadata (never device values), writes nothing."""
@@ -225,8 +254,7 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
     dev = x.device
     if dev.type not in ("cpu", "cuda"):
         raise KdaArgumentError("x", f"expected a cpu or cuda tensor, got device {dev}")
-    if x.dim() != 2:
-        raise KdaArgumentError("x", f"expected a 2-D tensor [N, 3*dim], got shape {list(x.shape)}")
+    check_x_is_2d(x)
     if x.shape[1] != 3 * dim:
         if x.shape[1] % (3 * D) == 0:
             raise KdaArgumentError("x", f"expected {3 * dim} channels (3 x H={H} heads x D={D}; H is "

@@ -93,6 +93,13 @@ BAD_SCALARS = [
     ("gate_mode", {"gate_mode": 2}, "gate_mode"),
     ("norm_eps", {"norm_eps": 0.0}, "norm_eps"),
     ("scale", {"scale": float("inf")}, "scale"),
+    # finite and > 0 in float64, but 0 or inf in fp32, the kernels' precision (an all-zero o
+    # then gave NaN rows; found by a contract audit)
+    ("norm_eps-fp32-zero", {"norm_eps": 1e-50}, "norm_eps"),
+    ("norm_eps-fp32-denormal", {"norm_eps": 1e-40}, "norm_eps"),
+    ("scale-fp32-zero", {"scale": 1e-320}, "scale"),
+    ("scale-fp32-inf", {"scale": 1e39}, "scale"),
+    ("lower_bound-fp32-zero", {"lower_bound": -1e-50}, "lower_bound"),
 ]
 
 
@@ -257,6 +264,27 @@ def test_object_form_names_a_non_tensor(name):
     _assert_untouched(a, before)
 
 
+@pytest.mark.parametrize("form", ["function", "object", "function-with-out"])
+def test_a_0d_x_is_named(form):
+    """x of the wrong rank is named before ``out`` is allocated from its first dimension
+    (a 0-d x used to raise a bare IndexError; found by a contract audit)."""
+    a = make_case(CaseSpec(CFG1, R=2))
+    before = clone_args(a)
+    x0 = a.x[0, 0]
+    with pytest.raises(KdaArgumentError) as ei:
+        if form == "object":
+            kw = {**_object_kw(a), "x": x0}
+            kw.pop("out")
+            kda.KdaDecode(CFG1, device="cpu", backend="reference")(**kw)
+        else:
+            kw = _kwargs(a, x=x0)
+            if form == "function":
+                kw.pop("out")
+            kda.kda_decode(**kw, backend="reference")
+    assert ei.value.arg == "x" and "2-D" in str(ei.value)
+    _assert_untouched(a, before)
+
+
 def test_numpy_scalars_are_accepted():
     np = pytest.importorskip("numpy")
     a = make_case(CaseSpec(CFG1, R=2))
@@ -265,6 +293,10 @@ def test_numpy_scalars_are_accepted():
                    backend="reference")
     kda.kda_decode(**_kwargs(b), lower_bound=-1.0, gate_mode=1, backend="reference")
     assert bits_equal(a.out, b.out) and bits_equal(a.state, b.state)
+    # in a KdaConfig too (lower_bound was refused there as not a float)
+    import dataclasses
+    cfg = dataclasses.replace(CFG1, lower_bound=np.float32(-1.0))
+    kda.KdaDecode(cfg, device="cpu", backend="reference")
 
 
 def test_config_and_batch_arguments_are_checked():
