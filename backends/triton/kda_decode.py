@@ -64,8 +64,9 @@ release, so it alone computes the RMSNorm for all 128 rows (reading ``o`` from s
 fixed order: bit-repeatable), writes the item's ``out`` rows, and rewrites the window.
 Counters count modulo NV (a power of two, so the int32 wrap-around is harmless) and are never
 reset: a completed step adds a multiple of NV to each live item's counter. The scratch and
-counters belong to the built step function: one step function must not run on two streams
-concurrently in the V-split variants. Dead items: each block writes zeros to its own out
+counters belong to the built step function, one pair per CUDA stream it is called on
+(:func:`stream_key`), so launches on two streams at once never share them; graphs captured on
+one stream share that stream's pair (do not replay two of them at once). Dead items: each block writes zeros to its own out
 rows and touches nothing else (no counter).
 
 Variants (see :data:`VARIANTS`, selectable by name through ``build_step(cfg, device,
@@ -128,6 +129,17 @@ D = HEAD_DIM
 assert L2_NORM_EPS == 1e-6  # written as a literal in the kernel (a JIT function reads no globals)
 #: Name of the environment variable that selects the variant of :func:`build_step`.
 VARIANT_ENV = "KDA_TRITON_VARIANT"
+
+
+def stream_key(device: torch.device) -> int:
+    """The handle of ``device``'s current CUDA stream (0 off CUDA, where the interpreter runs
+    every launch in order): the key of the Triton kernels' scratch buffers, so that steps
+    launched on two streams at once never share one. During CUDA-graph capture it is the
+    capture stream's; a buffer made there comes from the graph's pool (zero-filled by a node of
+    the graph where it must start at zero)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def interpreter_enabled() -> bool:
@@ -676,11 +688,9 @@ class TritonStep:
 
     ``step(args)`` launches :func:`_kda_decode_kernel` once on the current stream. Nothing is
     read back from the device and nothing is allocated per call, except (V-split variants)
-    growing the persistent scratch when a larger batch than ever before arrives; that growth
-    is refused during CUDA-graph capture (warm up with the largest batch first).
-
-    Raises (at call time):
-      RuntimeError: the V-split scratch must grow while the stream is being captured.
+    the scratch and counters of a stream the step has not run on before, or growing them when
+    a larger batch than ever before arrives on it (outgrown ones are kept alive, so graphs
+    captured before the growth keep valid pointers).
     """
 
     def __init__(self, cfg: KdaConfig, device: torch.device, variant: Variant):
@@ -699,24 +709,32 @@ class TritonStep:
             PERSISTENT=variant.persistent, NUM_STAGES=variant.num_stages, INTERP=self.interp)
         self._scalars = (float(cfg.scale), float(cfg.norm_eps),
                          0.0 if cfg.lower_bound is None else float(cfg.lower_bound))
-        self._scr: Optional[torch.Tensor] = None
-        self._ctr: Optional[torch.Tensor] = None
+        # stream_key -> [(scratch, counters)], newest (largest) last
+        self._bufs: Dict[int, List[tuple]] = {}
 
     def nv_for(self, n_items: int) -> int:
         """V-row blocks per item used for a batch of ``n_items`` items."""
         return self.variant.nv or _auto_nv(n_items, self.num_sms)
 
+    @property
+    def _scr(self) -> Optional[torch.Tensor]:
+        """The current stream's V-split scratch (None before its first V-split step)."""
+        kept = self._bufs.get(stream_key(self.device))
+        return kept[-1][0] if kept else None
+
+    @property
+    def _ctr(self) -> Optional[torch.Tensor]:
+        """The current stream's per-item counters (None before its first V-split step)."""
+        kept = self._bufs.get(stream_key(self.device))
+        return kept[-1][1] if kept else None
+
     def _split_buffers(self, n_items: int):
-        if self._ctr is None or self._ctr.numel() < n_items:
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    "KDA triton step: the V-split scratch must grow to "
-                    f"{n_items} items during CUDA-graph capture; run one step with the largest "
-                    "batch before capturing")
-            cap = max(n_items, 64)
-            self._scr = torch.empty(cap * self.cfg.T * D, dtype=torch.float32, device=self.device)
-            self._ctr = torch.zeros(cap, dtype=torch.int32, device=self.device)
-        return self._scr, self._ctr
+        kept = self._bufs.setdefault(stream_key(self.device), [])
+        if not kept or kept[-1][1].numel() < n_items:
+            cap = max(n_items, 64, 2 * kept[-1][1].numel() if kept else 0)
+            kept.append((torch.empty(cap * self.cfg.T * D, dtype=torch.float32, device=self.device),
+                         torch.zeros(cap, dtype=torch.int32, device=self.device)))
+        return kept[-1]
 
     def __call__(self, args: KdaArgs) -> None:
         cfg = self.cfg

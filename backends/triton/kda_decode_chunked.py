@@ -83,11 +83,12 @@ with more stages) reads rows that no earlier iteration wrote, so it always sees 
 state. Two tokens naming the same write slot: the later token's store is issued later by the
 same thread, so its state lands. The window: see step 4.
 
-The scratch is one buffer per device shared by every chunked step function (every layer of
-a model), since steps on one stream run one after the other: chunked steps must not run on
-two streams concurrently. It grows when a larger ``R * H * T`` than ever before arrives
-(refused during CUDA-graph capture: warm up with the largest batch first) and the outgrown
-buffers are kept alive, so graphs captured earlier never replay into freed memory. Its size
+The scratch is one buffer per device and CUDA stream (:func:`stream_key`), shared by every
+chunked step function (every layer of a model), since steps on one stream run one after the
+other; steps launched on two streams at once use two buffers. It grows when a larger
+``R * H * T`` than ever before arrives on its stream (during CUDA-graph capture too: the new
+buffer then comes from the graph's pool) and the outgrown buffers are kept alive, so graphs
+captured earlier never replay into freed memory. Its size
 is ``R * H * T * 2 KiB`` (written and re-read by the same program,
 so mostly L2 traffic; were it all written back to DRAM, 1.6% of an item's page traffic at
 T=1, less at T>1, where every token writes a page).
@@ -122,15 +123,16 @@ import triton.language as tl
 from backends.triton.kda_decode import (
     D, _bf16_round, _decay, _delta_rule, _finish_rows, _fma, _gate_projection, _load_f32,
     _rowoff, _sigmoid, _store_state, _write_window, compile_kernel_offline, interpreter_enabled,
-    kernel_operands)
+    kernel_operands, stream_key)
 from kda.config import KdaArgs, KdaConfig
 
 #: fp32 values of scratch per item and token: q̂, k̂, α, y_v.
 SCR_PER_TOKEN = 4 * D
 
-#: device -> the chunked kernels' scratch buffers, the newest (largest) last; see the module
-#: docstring (shared by all step functions of a device; outgrown ones kept for CUDA graphs).
-_SCRATCH: "dict[torch.device, list[torch.Tensor]]" = {}
+#: (device, stream_key) -> the chunked kernels' scratch buffers, the newest (largest) last;
+#: see the module docstring (shared by all step functions of a device and stream; outgrown
+#: ones kept for CUDA graphs).
+_SCRATCH: "dict[tuple, list[torch.Tensor]]" = {}
 
 
 @triton.jit
@@ -365,12 +367,8 @@ class ChunkedStep:
     """The step function of the ``chunked`` variant for one :class:`KdaConfig` (callable).
 
     ``step(args)`` launches :func:`_kda_chunked_kernel` once on the current stream (grid
-    ``R * H``). Nothing is read back from the device; the scratch grows (never shrinks) when a
-    larger batch than ever before arrives, refused during CUDA-graph capture (warm up with
-    the largest batch first).
-
-    Raises (at call time):
-      RuntimeError: the scratch must grow while the stream is being captured.
+    ``R * H``). Nothing is read back from the device; the current stream's scratch is made on
+    its first step and grows (never shrinks) when a larger batch than ever before arrives.
     """
 
     def __init__(self, cfg: KdaConfig, device, variant):
@@ -393,22 +391,18 @@ class ChunkedStep:
 
     @property
     def _scr(self) -> Optional[torch.Tensor]:
-        kept = _SCRATCH.get(self.device)
+        """The current stream's scratch (None before its first step)."""
+        kept = _SCRATCH.get((self.device, stream_key(self.device)))
         return kept[-1] if kept else None
 
     def _scratch(self, n_items: int) -> torch.Tensor:
         need = n_items * self.cfg.T * SCR_PER_TOKEN
-        scr = self._scr
-        if scr is None or scr.numel() < need:
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    f"KDA triton step (chunked): the shared scratch must grow to {need * 4} "
-                    "bytes during CUDA-graph capture; run one step with the largest batch "
-                    "before capturing")
-            cap = max(need, 2 * (scr.numel() if scr is not None else 0), 64 * SCR_PER_TOKEN)
-            scr = torch.empty(cap, dtype=torch.float32, device=self.device)
-            _SCRATCH.setdefault(self.device, []).append(scr)   # old ones stay alive (graphs)
-        return scr
+        kept = _SCRATCH.setdefault((self.device, stream_key(self.device)), [])
+        if not kept or kept[-1].numel() < need:
+            cap = max(need, 2 * (kept[-1].numel() if kept else 0), 64 * SCR_PER_TOKEN)
+            # (outgrown ones stay alive: graphs captured before hold their pointers)
+            kept.append(torch.empty(cap, dtype=torch.float32, device=self.device))
+        return kept[-1]
 
     def __call__(self, args: KdaArgs) -> None:
         cfg = self.cfg

@@ -107,8 +107,8 @@ def test_vsplit_counters_survive_repeated_steps(device):
 
 
 def test_chunked_scratch_across_batch_sizes(device, monkeypatch):
-    """Chunked step functions, batches of growing and shrinking size: the device's shared
-    scratch grows once and is reused (no stale values leak between steps), a second step
+    """Chunked step functions, batches of growing and shrinking size: the device's (and
+    stream's) shared scratch grows once and is reused (no stale values leak between steps), a second step
     function (another layer) shares it, and the outgrown buffer stays alive (CUDA graphs
     captured before the growth keep valid pointers)."""
     from backends.triton import kda_decode_chunked as kc
@@ -123,7 +123,7 @@ def test_chunked_scratch_across_batch_sizes(device, monkeypatch):
         sizes.append(step._scr.numel())
     assert sizes[0] < sizes[1] == sizes[2], sizes
     assert other._scr is step._scr
-    assert len(kc._SCRATCH[torch.device(device)]) == 2
+    assert len(kc._SCRATCH[(torch.device(device), kd.stream_key(torch.device(device)))]) == 2
 
 
 def test_persistent_tail_and_auto_split(device):
@@ -286,11 +286,60 @@ def test_cuda_graph_capture(variant):
 
 
 @pytest.mark.skipif(INTERP or not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_vsplit_scratch_growth_refused_during_capture():
-    cfg = KdaConfig(num_heads=2)
-    step = kd.build_step(cfg, "cuda", "vsplit2")
-    args = make_case(CaseSpec(cfg, R=2), "cuda")
+@pytest.mark.parametrize("variant", ["vsplit2", "chunked"])
+def test_scratch_made_during_capture(variant, monkeypatch):
+    """The capture stream's scratch (V-split: and counters) is made during capture, from the
+    graph's pool (a stream's buffers are its own: the eager warm-up ran on another stream);
+    two replays match two eager steps bit for bit."""
+    from backends.triton import kda_decode_chunked as kc
+    monkeypatch.setattr(kc, "_SCRATCH", {})
+    cfg = KdaConfig(num_heads=2, T=2, window=4)
+    spec = CaseSpec(cfg, R=3, seed=19)
+    step = kd.build_step(cfg, "cuda", variant)
+    step(make_case(spec, "cuda"))                  # compile (on the current stream)
+    torch.cuda.synchronize()
+    eager = make_case(spec, "cuda")
+    graphed = clone_args(eager)
     g = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="capture"):
-        with torch.cuda.graph(g):
-            step(args)
+    with torch.cuda.graph(g):
+        step(graphed)
+    for _ in range(2):
+        step(eager)
+        g.replay()
+    torch.cuda.synchronize()
+    for name in ("out", "state", "conv_state"):
+        assert bits_equal(getattr(eager, name), getattr(graphed, name)), name
+
+
+@pytest.mark.skipif(INTERP or not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("variant", ["vsplit4", "chunked"])
+def test_two_streams_at_once(variant, monkeypatch):
+    """One built step launched on two streams at once (as a server overlapping two
+    micro-batches does): each stream has its own scratch (and counters), so both batches
+    match the reference; before, the streams shared one buffer."""
+    from backends.triton import kda_decode_chunked as kc
+    monkeypatch.setattr(kc, "_SCRATCH", {})
+    cfg = KdaConfig(num_heads=16, T=2, window=4)
+    step = kd.build_step(cfg, "cuda", variant)
+    runs = []
+    for seed in (71, 72):
+        args = make_case(CaseSpec(cfg, R=96, seed=seed), "cuda")
+        before, expected = clone_args(args), clone_args(args)
+        for _ in range(3):
+            reference_step(cfg, expected)
+        runs.append((args, expected, before))
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for _ in range(3):
+        for (args, _, _), st in zip(runs, streams):
+            with torch.cuda.stream(st):
+                step(args)
+    torch.cuda.synchronize()
+    for args, expected, before in runs:
+        errors = compare_step(args, expected, before)
+        assert not errors, "\n".join(errors)
+    keys = {kd.stream_key(torch.device("cuda"))}
+    for st in streams:
+        with torch.cuda.stream(st):
+            keys.add(kd.stream_key(torch.device("cuda")))
+    assert len(keys) == 3
