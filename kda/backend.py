@@ -201,3 +201,90 @@ def stream_grid(items: int, resident_ctas: int, items_per_cta: int) -> int:
     if items_per_cta > 0:
         grid = max(grid, -(-items // items_per_cta))
     return min(items, grid)
+
+
+def current_stream_handle(device: torch.device) -> int:
+    """The raw handle of ``device``'s current CUDA stream (0 off CUDA, where work runs in
+    order): one C call (``torch._C._cuda_getCurrentRawStream``), the per-launch way to key a
+    kernel's per-stream buffers."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        return torch._C._cuda_getCurrentRawStream(index)
+    except AttributeError:  # pragma: no cover - older/newer torch
+        return torch.cuda.current_stream(index).cuda_stream
+
+
+class StreamBuffers:
+    """Device buffers a kernel keeps between launches, one per CUDA stream it is launched on,
+    so that launches on two streams at once (two overlapped micro-batches) never share one;
+    graphs captured on one stream share that stream's buffer.
+
+    ``get(n)`` returns the current stream's buffer of at least ``n`` elements, making (or
+    growing) it on first need; outgrown buffers stay alive, so graphs captured before the
+    growth keep valid pointers. With ``zeroed`` (counters that the kernel leaves at zero after
+    every launch) a buffer must hold zeros before its first launch. One made during CUDA-graph
+    capture would hold garbage until that graph's first replay (``torch.zeros`` only records a
+    fill node there), and another graph captured on the same stream, or an eager launch, could
+    run first. So zeroed buffers are never made during capture: the constructor (outside
+    capture) and each eager ``get`` keep one zeroed spare, and a stream first seen during
+    capture (``torch.cuda.graph``'s own capture stream) takes it. Buffers without ``zeroed`` (scratch written before it is read) are made
+    during capture too, from the graph's pool.
+
+    Args (constructor):
+      device: the device. dtype: the buffers' dtype. zeroed: see above. what: names the buffer
+      in errors. min_elems: the smallest buffer made.
+
+    Raises (``get``):
+      RuntimeError: a zeroed buffer is needed during capture and no large enough spare was
+        made by an eager call (run one eager step with at least this batch first).
+    """
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, zeroed: bool, what: str,
+                 min_elems: int = 1):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.zeroed = zeroed
+        self.what = what
+        self.min_elems = min_elems
+        self.kept: dict = {}          # stream handle -> [buffer], newest (largest) last
+        self.spare: Optional[torch.Tensor] = None
+        if zeroed and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            # (made with the step, so that a graph captured before any eager step can run)
+            self.spare = torch.zeros(min_elems, dtype=dtype, device=self.device)
+
+    def current(self) -> Optional[torch.Tensor]:
+        """The current stream's newest buffer (None before its first ``get``)."""
+        kept = self.kept.get(current_stream_handle(self.device))
+        return kept[-1] if kept else None
+
+    def newest(self) -> dict:
+        """{stream handle: its newest buffer} (for tests)."""
+        return {k: v[-1] for k, v in self.kept.items() if v}
+
+    def get(self, n: int) -> torch.Tensor:
+        kept = self.kept.setdefault(current_stream_handle(self.device), [])
+        if kept and kept[-1].numel() >= n and (self.spare is not None or not self.zeroed):
+            return kept[-1]
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if kept and kept[-1].numel() >= n:          # (an eager call replaces a taken spare)
+            if not capturing:
+                self.spare = torch.zeros(kept[-1].numel(), dtype=self.dtype, device=self.device)
+            return kept[-1]
+        cap = max(n, self.min_elems, 2 * kept[-1].numel() if kept else 0)
+        if not self.zeroed:
+            kept.append(torch.empty(cap, dtype=self.dtype, device=self.device))
+        elif capturing:
+            if self.spare is None or self.spare.numel() < n:
+                raise RuntimeError(
+                    f"KDA: {self.what} for a stream first used during CUDA-graph capture must be "
+                    f"zeroed before the capture, and no eager step left a spare of {n} elements; "
+                    "run one eager step with at least this batch before capturing")
+            kept.append(self.spare)
+            self.spare = None
+        else:
+            kept.append(torch.zeros(cap, dtype=self.dtype, device=self.device))
+        if self.zeroed and not capturing and (self.spare is None or self.spare.numel() < cap):
+            self.spare = torch.zeros(cap, dtype=self.dtype, device=self.device)
+        return kept[-1]

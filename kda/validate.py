@@ -28,9 +28,9 @@ class KdaArgumentError(ValueError):
         self.arg = arg
 
 
-@torch.compiler.disable
+@torch._disable_dynamo    # (torch.compiler.disable would import dynamo with kda: ~2 s)
 def raise_argument_error(arg: str, message: str) -> NoReturn:
-    """``raise_argument_error(arg, message)``, run outside torch.compile's tracing: where a
+    """``raise KdaArgumentError(arg, message)``, run outside torch.compile's tracing: where a
     check fails while dynamo traces (the entry points under ``torch.compile``), this call is a
     graph break on the error path only and the error reaches the caller as in eager mode (with
     a plain ``raise``, torch 2.11's dynamo fails with an internal AssertionError instead: it
@@ -178,8 +178,9 @@ def validate_config(cfg: KdaConfig) -> None:
         dtype, ``lower_bound``, ``gate_mode``, ``scale``, ``norm_eps``, ``conv_weight``,
         ``norm_weight``, ``conv_bias`` for has_conv_bias, ``v_record`` for record): non-int
         counts, H < 1, T < 1, a window shorter than T + 2, an unknown layout, lower_bound
-        outside [-5, 0), gate_mode not 0/1, a scale / norm_eps that is not a finite number
-        > 0, has_conv_bias / record not a bool, unsupported dtypes.
+        outside [-5, 0) or not < 0 in fp32, gate_mode not 0/1, a scale / norm_eps that is not a
+        finite number > 0 or not finite and normal in fp32 (the kernels' precision),
+        has_conv_bias / record not a bool, unsupported dtypes.
     """
     if not isinstance(cfg, KdaConfig):
         raise_argument_error("cfg", f"expected a kda.KdaConfig, got {type(cfg).__name__}")

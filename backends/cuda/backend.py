@@ -14,10 +14,11 @@ Environment:
                    ranges after the counter has run out, which lengthens the tail.
   KDA_CUDA_SCHEDULE=dynamic|static   how CTAs get their items (default by T: SCHEDULE):
                    dynamic = each CTA takes its next item from an atomic counter pair that
-                   the built step keeps per CUDA stream (launches on different streams never
-                   share one; graphs captured on one stream share that stream's pair, so do
-                   not replay two of them at the same time); static = contiguous ranges
-                   fixed at launch.
+                   the built step keeps per CUDA stream (kda.backend.StreamBuffers: launches
+                   on different streams never share one; graphs captured on one stream share
+                   that stream's pair, so do not replay two of them at the same time; a
+                   stream first used during capture takes a pair zeroed by an eager step);
+                   static = contiguous ranges fixed at launch.
   KDA_CUDA_STATIC_FRACTION=f   with the dynamic schedule: each CTA first walks a contiguous
                    range of floor(f * items / CTAs) items, then takes items from the counter
                    (f in [0, 1]; default by T: STATIC_FRACTION).
@@ -43,8 +44,8 @@ from typing import List, Optional
 
 import torch
 
-from kda.backend import (Backend, StepFn, flag_from_env, fraction_from_env, gpu_reason,
-                         items_per_cta_from_env, kernel_config_reasons,
+from kda.backend import (Backend, StepFn, StreamBuffers, flag_from_env, fraction_from_env,
+                         gpu_reason, items_per_cta_from_env, kernel_config_reasons,
                          prefetch_distance_from_env)
 from kda.config import KdaArgs, KdaConfig
 
@@ -169,19 +170,14 @@ class CudaBackend(Backend):
         fb_smem = T == 1 and flag_from_env("KDA_CUDA_FB_SMEM", FB_SMEM)
         early_params = flag_from_env("KDA_CUDA_EARLY_PARAMS", EARLY_PARAMS)
         early_trigger = flag_from_env("KDA_CUDA_EARLY_TRIGGER", EARLY_TRIGGER)
-        # the dynamic schedule's counter pairs, one per CUDA stream (zero when made, left at
-        # zero by every launch)
-        counters: Optional[dict] = {} if dynamic else None
-        dev = torch.device(device)
+        # the dynamic schedule's counter pairs, one per CUDA stream (zero before their first
+        # launch, left at zero by every launch; never made during capture, see StreamBuffers)
+        counters = (StreamBuffers(torch.device(device), torch.int32, True,
+                                  "the dynamic schedule's counters", min_elems=2)
+                    if dynamic else None)
 
         def sched() -> Optional[torch.Tensor]:
-            if counters is None:
-                return None
-            stream = torch.cuda.current_stream(dev).cuda_stream
-            c = counters.get(stream)
-            if c is None:    # (during a capture: allocated from the graph's pool, kept here)
-                c = counters[stream] = torch.zeros(2, dtype=torch.int32, device=dev)
-            return c
+            return None if counters is None else counters.get(2)
 
         launch = ext.step
 
@@ -196,7 +192,7 @@ class CudaBackend(Backend):
         # KDA_CUDA_TRACE=1 builds: an int64 CUDA tensor the next launches write per-CTA
         # timestamps into (tools/bench/cuda_trace.py); None = none
         step.trace = None
-        step.counters = counters   # stream handle -> counter pair, for tests (None: static)
+        step.counters = counters   # the StreamBuffers, for tests (None: static)
         step.static_fraction = static_fraction
         return step
 

@@ -44,8 +44,9 @@ from typing import List, Optional
 
 import torch
 
-from kda.backend import (Backend, StepFn, flag_from_env, gpu_reason, items_per_cta_from_env,
-                         kernel_config_reasons, prefetch_distance_from_env, stream_grid)
+from kda.backend import (Backend, StepFn, current_stream_handle, flag_from_env, gpu_reason,
+                         items_per_cta_from_env, kernel_config_reasons,
+                         prefetch_distance_from_env, stream_grid)
 from kda.config import KdaArgs, KdaConfig
 
 #: Tokens per request the kernels support (the gate MMA has 8 token columns).
@@ -145,13 +146,6 @@ def _f32_bits(x: float) -> int:
     return struct.unpack("<I", struct.pack("<f", float(x)))[0]
 
 
-def _raw_stream(device_index: int) -> int:
-    try:
-        return torch._C._cuda_getCurrentRawStream(device_index)
-    except AttributeError:  # pragma: no cover - older/newer torch
-        return torch.cuda.current_stream(device_index).cuda_stream
-
-
 def _set_carveout(compiled, smem_bytes: int, device_index: int) -> bool:
     """Best effort: the shared-memory carveout hint for 2 CTAs/SM (the rest stays L1).
 
@@ -197,6 +191,7 @@ class _Launcher:
         self.cfg = cfg
         self.H, self.T = cfg.num_heads, cfg.T
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", self.device_index)
         self.exe = compiled.to(self.device_index)
         names = cache.arg_names(kind)
         self.nargs = len(names)
@@ -257,7 +252,7 @@ class _Launcher:
         self.buf[0:len(vals)] = vals
         if self.kind == "stream":
             self.buf[self.i_stream - 1] = stream_grid(R * self.H, self.max_ctas, self.items_per_cta)
-        self.buf[self.i_stream] = _raw_stream(self.device_index)
+        self.buf[self.i_stream] = current_stream_handle(self.device)
         self._launch()
 
 

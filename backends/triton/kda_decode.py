@@ -61,13 +61,16 @@ each block writes its bf16-rounded ``o`` rows to a scratch buffer, then (CTA bar
 has finished reading. The block that observes the counter reach a multiple of NV minus one is
 the last one: by then every sibling's window reads and scratch writes happened before their
 release, so it alone computes the RMSNorm for all 128 rows (reading ``o`` from scratch in a
-fixed order: bit-repeatable), writes the item's ``out`` rows, and rewrites the window.
-Counters count modulo NV (a power of two, so the int32 wrap-around is harmless) and are never
-reset: a completed step adds a multiple of NV to each live item's counter. The scratch and
-counters belong to the built step function, one pair per CUDA stream it is called on
-(:func:`stream_key`), so launches on two streams at once never share them; graphs captured on
-one stream share that stream's pair (do not replay two of them at once). Dead items: each block writes zeros to its own out
-rows and touches nothing else (no counter).
+fixed order: bit-repeatable), writes the item's ``out`` rows, and rewrites the window; then
+it puts the item's counter back to zero, so every launch starts from zero whatever NV the
+step's previous launch used (``auto`` picks NV per batch size: without the reset a launch at
+NV=2 left live items' counters at 2 mod 4, and a following NV=4 launch took the second block
+to arrive for the last one, finishing with half of ``o`` stale). The scratch and counters
+belong to the built step function, one pair per CUDA stream it is called on
+(:class:`kda.backend.StreamBuffers`: the counters are zeroed before their first launch and
+never made during capture), so launches on two streams at once never share them; graphs
+captured on one stream share that stream's pair (do not replay two of them at once). Dead
+items: each block writes zeros to its own out rows and touches nothing else (no counter).
 
 Variants (see :data:`VARIANTS`, selectable by name through ``build_step(cfg, device,
 variant)`` or the environment variable ``KDA_TRITON_VARIANT``):
@@ -123,23 +126,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kda.backend import StreamBuffers
 from kda.config import GATE_RANK, HEAD_DIM, L2_NORM_EPS, KdaArgs, KdaConfig
 
 D = HEAD_DIM
 assert L2_NORM_EPS == 1e-6  # written as a literal in the kernel (a JIT function reads no globals)
 #: Name of the environment variable that selects the variant of :func:`build_step`.
 VARIANT_ENV = "KDA_TRITON_VARIANT"
-
-
-def stream_key(device: torch.device) -> int:
-    """The handle of ``device``'s current CUDA stream (0 off CUDA, where the interpreter runs
-    every launch in order): the key of the Triton kernels' scratch buffers, so that steps
-    launched on two streams at once never share one. During CUDA-graph capture it is the
-    capture stream's; a buffer made there comes from the graph's pool (zero-filled by a node of
-    the graph where it must start at zero)."""
-    if device.type != "cuda":
-        return 0
-    return torch.cuda.current_stream(device).cuda_stream
 
 
 def interpreter_enabled() -> bool:
@@ -503,6 +496,9 @@ def _kda_work(w, w_ok,
         _finish_rows(scr_ptr + item64 * (T * 128), 128, out_ptr, stride_out,
                      og_ptr, stride_og, nw_ptr, n0, h, norm_eps, last, last, T, TP, INTERP, True)
         _write_window(cs_base, x_ptr, stride_x, n0, h, off, last, DIM, T, STRIDE_C, STRIDE_L)
+        # every sibling's increment came before the last one's: the counter goes back to zero
+        # for the next launch, whatever its NV
+        tl.store(ctr_ptr + item64, tl.zeros_like(old), mask=last)
 
 
 @triton.jit(do_not_specialize=["n_work", "num_slots", "nprog", "iters"])
@@ -689,8 +685,11 @@ class TritonStep:
     ``step(args)`` launches :func:`_kda_decode_kernel` once on the current stream. Nothing is
     read back from the device and nothing is allocated per call, except (V-split variants)
     the scratch and counters of a stream the step has not run on before, or growing them when
-    a larger batch than ever before arrives on it (outgrown ones are kept alive, so graphs
-    captured before the growth keep valid pointers).
+    a larger batch than ever before arrives on it (:class:`kda.backend.StreamBuffers`).
+
+    Raises (at call time):
+      RuntimeError: a V-split launch during CUDA-graph capture on a stream this step has not
+        run on, with no spare counters left by an eager step of at least this batch.
     """
 
     def __init__(self, cfg: KdaConfig, device: torch.device, variant: Variant):
@@ -709,8 +708,10 @@ class TritonStep:
             PERSISTENT=variant.persistent, NUM_STAGES=variant.num_stages, INTERP=self.interp)
         self._scalars = (float(cfg.scale), float(cfg.norm_eps),
                          0.0 if cfg.lower_bound is None else float(cfg.lower_bound))
-        # stream_key -> [(scratch, counters)], newest (largest) last
-        self._bufs: Dict[int, List[tuple]] = {}
+        # V-split: per CUDA stream, the o rows' scratch and the per-item counters
+        self._scratch = StreamBuffers(self.device, torch.float32, False, "the V-split scratch")
+        self._counters = StreamBuffers(self.device, torch.int32, True, "the V-split counters",
+                                       min_elems=self.num_sms)
 
     def nv_for(self, n_items: int) -> int:
         """V-row blocks per item used for a batch of ``n_items`` items."""
@@ -719,22 +720,15 @@ class TritonStep:
     @property
     def _scr(self) -> Optional[torch.Tensor]:
         """The current stream's V-split scratch (None before its first V-split step)."""
-        kept = self._bufs.get(stream_key(self.device))
-        return kept[-1][0] if kept else None
+        return self._scratch.current()
 
     @property
     def _ctr(self) -> Optional[torch.Tensor]:
         """The current stream's per-item counters (None before its first V-split step)."""
-        kept = self._bufs.get(stream_key(self.device))
-        return kept[-1][1] if kept else None
+        return self._counters.current()
 
     def _split_buffers(self, n_items: int):
-        kept = self._bufs.setdefault(stream_key(self.device), [])
-        if not kept or kept[-1][1].numel() < n_items:
-            cap = max(n_items, 64, 2 * kept[-1][1].numel() if kept else 0)
-            kept.append((torch.empty(cap * self.cfg.T * D, dtype=torch.float32, device=self.device),
-                         torch.zeros(cap, dtype=torch.int32, device=self.device)))
-        return kept[-1]
+        return self._scratch.get(n_items * self.cfg.T * D), self._counters.get(n_items)
 
     def __call__(self, args: KdaArgs) -> None:
         cfg = self.cfg

@@ -83,12 +83,12 @@ with more stages) reads rows that no earlier iteration wrote, so it always sees 
 state. Two tokens naming the same write slot: the later token's store is issued later by the
 same thread, so its state lands. The window: see step 4.
 
-The scratch is one buffer per device and CUDA stream (:func:`stream_key`), shared by every
-chunked step function (every layer of a model), since steps on one stream run one after the
-other; steps launched on two streams at once use two buffers. It grows when a larger
-``R * H * T`` than ever before arrives on its stream (during CUDA-graph capture too: the new
-buffer then comes from the graph's pool) and the outgrown buffers are kept alive, so graphs
-captured earlier never replay into freed memory. Its size
+The scratch is one buffer per device and CUDA stream (:class:`kda.backend.StreamBuffers`),
+shared by every chunked step function (every layer of a model), since steps on one stream run
+one after the other; steps launched on two streams at once use two buffers. It grows when a
+larger ``R * H * T`` than ever before arrives on its stream (during CUDA-graph capture too:
+the new buffer then comes from the graph's pool; it needs no initial value) and the outgrown
+buffers are kept alive, so graphs captured earlier never replay into freed memory. Its size
 is ``R * H * T * 2 KiB`` (written and re-read by the same program,
 so mostly L2 traffic; were it all written back to DRAM, 1.6% of an item's page traffic at
 T=1, less at T>1, where every token writes a page).
@@ -123,16 +123,16 @@ import triton.language as tl
 from backends.triton.kda_decode import (
     D, _bf16_round, _decay, _delta_rule, _finish_rows, _fma, _gate_projection, _load_f32,
     _rowoff, _sigmoid, _store_state, _write_window, compile_kernel_offline, interpreter_enabled,
-    kernel_operands, stream_key)
+    kernel_operands)
+from kda.backend import StreamBuffers
 from kda.config import KdaArgs, KdaConfig
 
 #: fp32 values of scratch per item and token: q̂, k̂, α, y_v.
 SCR_PER_TOKEN = 4 * D
 
-#: (device, stream_key) -> the chunked kernels' scratch buffers, the newest (largest) last;
-#: see the module docstring (shared by all step functions of a device and stream; outgrown
-#: ones kept for CUDA graphs).
-_SCRATCH: "dict[tuple, list[torch.Tensor]]" = {}
+#: device -> the chunked kernels' scratch (a :class:`kda.backend.StreamBuffers`: one buffer
+#: per stream, shared by all step functions of the device; see the module docstring).
+_SCRATCH: "dict[torch.device, StreamBuffers]" = {}
 
 
 @triton.jit
@@ -389,20 +389,20 @@ class ChunkedStep:
         """Programs per item (always 1)."""
         return 1
 
+    def _buffers(self) -> StreamBuffers:
+        bufs = _SCRATCH.get(self.device)
+        if bufs is None:
+            bufs = _SCRATCH[self.device] = StreamBuffers(
+                self.device, torch.float32, False, "the chunked scratch", 64 * SCR_PER_TOKEN)
+        return bufs
+
     @property
     def _scr(self) -> Optional[torch.Tensor]:
         """The current stream's scratch (None before its first step)."""
-        kept = _SCRATCH.get((self.device, stream_key(self.device)))
-        return kept[-1] if kept else None
+        return self._buffers().current()
 
     def _scratch(self, n_items: int) -> torch.Tensor:
-        need = n_items * self.cfg.T * SCR_PER_TOKEN
-        kept = _SCRATCH.setdefault((self.device, stream_key(self.device)), [])
-        if not kept or kept[-1].numel() < need:
-            cap = max(need, 2 * (kept[-1].numel() if kept else 0), 64 * SCR_PER_TOKEN)
-            # (outgrown ones stay alive: graphs captured before hold their pointers)
-            kept.append(torch.empty(cap, dtype=torch.float32, device=self.device))
-        return kept[-1]
+        return self._buffers().get(n_items * self.cfg.T * SCR_PER_TOKEN)
 
     def __call__(self, args: KdaArgs) -> None:
         cfg = self.cfg

@@ -148,3 +148,50 @@ def test_items_per_cta_from_env_refuses(value, monkeypatch):
 def test_stream_grid(items, resident, k, expected):
     from kda.backend import stream_grid
     assert stream_grid(items, resident, k) == expected
+
+
+def test_stream_buffers_on_the_cpu():
+    """kda.backend.StreamBuffers off CUDA (one stream, key 0): zeroed buffers start at zero,
+    grow at least twofold and keep the outgrown one; a spare is kept for a stream first seen
+    during capture (used on the GPU, tests/backends/*)."""
+    from kda.backend import StreamBuffers, current_stream_handle
+    assert current_stream_handle(torch.device("cpu")) == 0
+    b = StreamBuffers(torch.device("cpu"), torch.int32, True, "counters", min_elems=4)
+    assert b.current() is None and b.spare is not None and b.spare.numel() == 4
+    first = b.get(3)
+    assert first.numel() == 4 and int(first.abs().sum()) == 0 and b.get(4) is first
+    first.fill_(7)                        # what a kernel must not leave behind; kept as is
+    grown = b.get(5)
+    assert grown.numel() == 8 and int(grown.abs().sum()) == 0 and b.current() is grown
+    assert b.kept[0] == [first, grown] and b.spare.numel() >= 8
+    assert list(b.newest().values()) == [grown]
+    scratch = StreamBuffers(torch.device("cpu"), torch.float32, False, "scratch")
+    assert scratch.spare is None and scratch.get(10).numel() == 10
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_stream_buffers_per_stream_and_in_capture():
+    """Two streams get two buffers; a stream first seen during CUDA-graph capture takes the
+    zeroed spare (never memory made inside the capture, which holds garbage until that graph's
+    first replay); with no spare large enough it refuses with a message saying what to do."""
+    from kda.backend import StreamBuffers
+    dev = torch.device("cuda")
+    b = StreamBuffers(dev, torch.int32, True, "counters", min_elems=2)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(s1):
+        c1 = b.get(2)
+    with torch.cuda.stream(s2):
+        c2 = b.get(2)
+    assert c1.data_ptr() != c2.data_ptr()
+    spare = b.spare
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        c3 = b.get(2)
+    assert c3 is spare and b.spare is None
+    assert c3.tolist() == [0, 0]
+    with torch.cuda.stream(s1):
+        assert b.get(2) is c1 and b.spare is not None      # the eager call made a new spare
+    g2 = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="eager step"):
+        with torch.cuda.graph(g2, stream=torch.cuda.Stream()):
+            b.get(1000)

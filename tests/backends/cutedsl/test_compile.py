@@ -276,7 +276,7 @@ def test_launcher_packs_arguments(kind, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda i: SimpleNamespace(multi_processor_count=132))
-    monkeypatch.setattr(be, "_raw_stream", lambda i: 0xABCDEF)
+    monkeypatch.setattr(be, "current_stream_handle", lambda device: 0xABCDEF)
     cfg = KdaConfig(num_heads=4, T=2, window=5, conv_layout="DS", lower_bound=-2.0, scale=0.25,
                     norm_eps=1e-4, has_conv_bias=True, record=True)
     launcher = be._Launcher(kind, cfg, torch.device("cuda", 0), FakeCompiled(),

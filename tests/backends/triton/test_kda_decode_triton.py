@@ -22,6 +22,7 @@ import torch
 pytest.importorskip("triton")
 
 from backends.triton import kda_decode as kd  # noqa: E402
+from kda.backend import current_stream_handle  # noqa: E402
 from kda.config import KdaConfig  # noqa: E402
 from kda.reference import reference_step  # noqa: E402
 from kda.testing import CaseSpec, bits_equal, clone_args, compare_step, make_case, make_config  # noqa: E402
@@ -106,6 +107,24 @@ def test_vsplit_counters_survive_repeated_steps(device):
         assert bool((ctr % 4 == 0).all()), ctr
 
 
+def test_auto_split_counts_change_between_calls(device):
+    """``auto`` picks the V-split block count per batch size, and one step object keeps one
+    counter per item for every count: R = 1, 2, 1 at H=1 runs NV = 4, 2, 4 on the interpreter's
+    4 "SMs" (NV = 4, 4, 2... on a GPU at other sizes). The last block resets its item's counter,
+    so each launch starts from zero; without that the third launch took the second block to
+    arrive for the last one (out 100% wrong; found by a review)."""
+    cfg = KdaConfig(num_heads=1, T=1, window=3)
+    step = kd.build_step(cfg, device, "auto")
+    sms = 4 if INTERP else torch.cuda.get_device_properties(device).multi_processor_count
+    sizes = [max(1, sms // 4), max(1, sms // 2), max(1, sms // 4)]
+    assert [kd._auto_nv(r, sms) for r in sizes] == [4, 2, 4]
+    for i, R in enumerate(sizes):
+        errors = compare_step(*_run_step(CaseSpec(cfg, R=R, seed=80 + i, null_frac=0.0), device,
+                                         step))
+        assert not errors, f"step {i} (R={R}): " + "\n".join(errors)
+        assert int(step.small._ctr.abs().sum()) == 0
+
+
 def test_chunked_scratch_across_batch_sizes(device, monkeypatch):
     """Chunked step functions, batches of growing and shrinking size: the device's (and
     stream's) shared scratch grows once and is reused (no stale values leak between steps), a second step
@@ -123,7 +142,8 @@ def test_chunked_scratch_across_batch_sizes(device, monkeypatch):
         sizes.append(step._scr.numel())
     assert sizes[0] < sizes[1] == sizes[2], sizes
     assert other._scr is step._scr
-    assert len(kc._SCRATCH[(torch.device(device), kd.stream_key(torch.device(device)))]) == 2
+    dev = torch.device(device)
+    assert len(kc._SCRATCH[dev].kept[current_stream_handle(dev)]) == 2
 
 
 def test_persistent_tail_and_auto_split(device):
@@ -287,28 +307,31 @@ def test_cuda_graph_capture(variant):
 
 @pytest.mark.skipif(INTERP or not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("variant", ["vsplit2", "chunked"])
-def test_scratch_made_during_capture(variant, monkeypatch):
-    """The capture stream's scratch (V-split: and counters) is made during capture, from the
-    graph's pool (a stream's buffers are its own: the eager warm-up ran on another stream);
-    two replays match two eager steps bit for bit."""
+def test_buffers_of_a_stream_first_seen_in_capture(variant, monkeypatch):
+    """torch.cuda.graph captures on its own stream, which the eager warm-up never ran on: its
+    scratch is made during capture (from the graph's pool) and its V-split counters are the
+    spare zeroed by an eager step. Two graphs captured there share them; the second one
+    replayed first, then both twice, match eager steps bit for bit (with counters made during
+    capture, zeroed only by the first graph's fill node, B replayed first read garbage)."""
     from backends.triton import kda_decode_chunked as kc
     monkeypatch.setattr(kc, "_SCRATCH", {})
     cfg = KdaConfig(num_heads=2, T=2, window=4)
-    spec = CaseSpec(cfg, R=3, seed=19)
     step = kd.build_step(cfg, "cuda", variant)
-    step(make_case(spec, "cuda"))                  # compile (on the current stream)
+    step(make_case(CaseSpec(cfg, R=3, seed=18), "cuda"))       # compile (on the current stream)
     torch.cuda.synchronize()
-    eager = make_case(spec, "cuda")
-    graphed = clone_args(eager)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step(graphed)
-    for _ in range(2):
-        step(eager)
-        g.replay()
+    eager = [make_case(CaseSpec(cfg, R=r, seed=19 + r), "cuda") for r in (3, 2)]
+    graphed = [clone_args(a) for a in eager]
+    graphs = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()]
+    for g, a in zip(graphs, graphed):
+        with torch.cuda.graph(g):
+            step(a)
+    for i in (1, 0, 1, 0):
+        step(eager[i])
+        graphs[i].replay()
     torch.cuda.synchronize()
-    for name in ("out", "state", "conv_state"):
-        assert bits_equal(getattr(eager, name), getattr(graphed, name)), name
+    for e, g in zip(eager, graphed):
+        for name in ("out", "state", "conv_state"):
+            assert bits_equal(getattr(e, name), getattr(g, name)), name
 
 
 @pytest.mark.skipif(INTERP or not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -316,30 +339,38 @@ def test_scratch_made_during_capture(variant, monkeypatch):
 def test_two_streams_at_once(variant, monkeypatch):
     """One built step launched on two streams at once (as a server overlapping two
     micro-batches does): each stream has its own scratch (and counters), so both batches
-    match the reference; before, the streams shared one buffer."""
+    match the reference. The two launches of each round are held behind one event after a
+    GPU sleep, so that they run at the same time (small grids: both fit on the GPU at once)."""
     from backends.triton import kda_decode_chunked as kc
     monkeypatch.setattr(kc, "_SCRATCH", {})
-    cfg = KdaConfig(num_heads=16, T=2, window=4)
+    cfg = KdaConfig(num_heads=4, T=2, window=4)
     step = kd.build_step(cfg, "cuda", variant)
     runs = []
     for seed in (71, 72):
-        args = make_case(CaseSpec(cfg, R=96, seed=seed), "cuda")
+        args = make_case(CaseSpec(cfg, R=3, seed=seed), "cuda")
         before, expected = clone_args(args), clone_args(args)
-        for _ in range(3):
+        for _ in range(4):
             reference_step(cfg, expected)
         runs.append((args, expected, before))
     torch.cuda.synchronize()
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    for _ in range(3):
+    gate, streams = torch.cuda.Stream(), [torch.cuda.Stream(), torch.cuda.Stream()]
+    for _ in range(4):
+        ev = torch.cuda.Event()
+        with torch.cuda.stream(gate):
+            torch.cuda._sleep(20_000_000)            # ~10 ms: both launches queue behind it
+            ev.record()
         for (args, _, _), st in zip(runs, streams):
+            st.wait_event(ev)
             with torch.cuda.stream(st):
                 step(args)
+        for st in streams:
+            gate.wait_stream(st)
     torch.cuda.synchronize()
     for args, expected, before in runs:
         errors = compare_step(args, expected, before)
         assert not errors, "\n".join(errors)
-    keys = {kd.stream_key(torch.device("cuda"))}
+    bufs = []
     for st in streams:
         with torch.cuda.stream(st):
-            keys.add(kd.stream_key(torch.device("cuda")))
-    assert len(keys) == 3
+            bufs.append(step._scr)
+    assert bufs[0].data_ptr() != bufs[1].data_ptr()
