@@ -77,7 +77,8 @@ def _decode_fake(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, d
     the meta kernel when any argument is on it), where it would do nothing and leave ``out``
     and the caches as they were: such a call gets :func:`kda.kda_decode`'s device error
     instead. All arguments on the meta device pass; under fake tensors (tracing) nothing is
-    checked here, the op validates when the compiled graph runs.
+    checked here (:func:`decode` checks the devices while tracing, the op validates the rest
+    when the compiled graph runs).
 
     Raises:
       KdaArgumentError: a tensor argument on another device than ``x``.
@@ -119,6 +120,16 @@ def decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias
         raise_argument_error("out", "required by the custom op: expected a bfloat16 tensor "
                                       f"[R*T, H*128] to write into, got {type(out).__name__}")
     check_scalar_types(scale, norm_eps, lower_bound, gate_mode)   # before the op's conversions
+    if torch.compiler.is_compiling():
+        # Tracing (fake tensors carry their devices): the fake kernel cannot raise our error
+        # (fake propagation wraps it in a TorchRuntimeError) and a meta tensor beside real
+        # ones would reach inductor, which fails on it; checked here instead.
+        tensors = (x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias, state,
+                   state_indices, num_accepted_tokens, output_gate, norm_weight, out, v_record,
+                   kg_record)
+        for name, t in zip(_ARG_NAMES, tensors):
+            if isinstance(t, torch.Tensor):
+                check_device(name, t, x.device)
     torch.ops.kda.decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias,
                          state, state_indices, num_accepted_tokens, output_gate, norm_weight, out,
                          v_record, kg_record, 128 ** -0.5 if scale is None else float(scale),

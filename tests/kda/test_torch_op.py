@@ -232,3 +232,23 @@ def test_compiled_entry_points_name_bad_arguments_as_eager():
     assert ei.value.arg == "kg_record"
     for name in ("state", "conv_state", "out"):
         assert bits_equal(getattr(a, name), getattr(before, name)), name
+
+
+def test_compiled_entry_points_name_a_meta_tensor():
+    """A meta tensor beside real ones under torch.compile: the op wrapper checks the devices
+    while tracing, so the call gets kda_decode's device error (it used to reach inductor,
+    which failed with "auto_functionalized_v2 was not removed"); nothing is written."""
+    from kda.validate import KdaArgumentError
+    cfg = KdaConfig(num_heads=2, T=1, window=3)
+    a = make_case(CaseSpec(cfg, R=2, seed=12))
+    before = clone_args(a)
+    args = list(_args(a))
+    args[5] = torch.empty_like(a.f_b, device="meta")          # f_b
+    step = kda.KdaDecode(cfg, device="cpu", backend="reference")
+    for fn in (lambda *t: kda.kda_decode(*t, out=a.out), lambda *t: step(*t, out=a.out)):
+        torch._dynamo.reset()
+        with pytest.raises(KdaArgumentError) as ei:
+            torch.compile(fn)(*args)
+        assert ei.value.arg == "f_b" and "meta" in str(ei.value)
+    for name in ("state", "conv_state", "out"):
+        assert bits_equal(getattr(a, name), getattr(before, name)), name
