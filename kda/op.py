@@ -16,8 +16,8 @@ import torch
 from kda import registry
 from kda.backend import StepFn
 from kda.config import HEAD_DIM, KdaArgs, KdaConfig
-from kda.validate import (check_x_is_2d, config_from_args, raise_argument_error, validate_args,
-                          validate_config)
+from kda.validate import (FIELD_ARG, check_x_is_2d, config_from_args, raise_argument_error,
+                          validate_args, validate_config)
 
 _build_lock = threading.RLock()   # auto's build builds its candidates through _step_fn
 _steps: Dict[Tuple[str, KdaConfig, str], StepFn] = {}
@@ -335,7 +335,7 @@ class KdaDecode:
         for field in ("num_heads", "T", "window", "conv_layout", "has_conv_bias", "record",
                       "conv_state_dtype", "conv_weight_dtype", "norm_weight_dtype"):
             if getattr(got, field) != getattr(c, field):
-                arg = _FIELD_ARG[field]
+                arg = FIELD_ARG[field]
                 if field == "record" and v_record is None and kg_record is not None:
                     arg = "kg_record"
                 raise_argument_error(arg, f"expected {field} = {getattr(c, field)} (this "
@@ -346,9 +346,3 @@ class KdaDecode:
                                norm_eps=norm_eps, lower_bound=lower_bound, gate_mode=gate_mode,
                                v_record=v_record, kg_record=kg_record, backend=self.backend.name)
 
-
-#: The argument a mismatching configuration field is derived from (KdaDecode under compile).
-_FIELD_ARG = {"num_heads": "A_log", "T": "state_indices", "window": "conv_state",
-              "conv_layout": "conv_state", "has_conv_bias": "conv_bias", "record": "v_record",
-              "conv_state_dtype": "conv_state", "conv_weight_dtype": "conv_weight",
-              "norm_weight_dtype": "norm_weight"}

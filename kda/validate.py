@@ -166,6 +166,14 @@ def config_from_args(x, conv_weight, conv_bias, conv_state, state_indices, A_log
         norm_weight_dtype=getattr(norm_weight, "dtype", torch.float32))
 
 
+#: The call argument each KdaConfig field is derived from: errors about a field name it.
+FIELD_ARG = {"num_heads": "A_log", "T": "state_indices", "window": "conv_state",
+             "conv_layout": "conv_state", "has_conv_bias": "conv_bias", "record": "v_record",
+             "conv_state_dtype": "conv_state", "conv_weight_dtype": "conv_weight",
+             "norm_weight_dtype": "norm_weight", "gate_mode": "gate_mode",
+             "lower_bound": "lower_bound", "scale": "scale", "norm_eps": "norm_eps"}
+
+
 def validate_config(cfg: KdaConfig) -> None:
     """Check the static configuration's scalars and ranges (host only, nothing written).
 
@@ -184,9 +192,8 @@ def validate_config(cfg: KdaConfig) -> None:
     """
     if not isinstance(cfg, KdaConfig):
         raise_argument_error("cfg", f"expected a kda.KdaConfig, got {type(cfg).__name__}")
-    for name, arg in (("num_heads", "A_log"), ("T", "state_indices"), ("window", "conv_state"),
-                      ("gate_mode", "gate_mode")):
-        val = getattr(cfg, name)
+    for name in ("num_heads", "T", "window", "gate_mode"):
+        arg, val = FIELD_ARG[name], getattr(cfg, name)
         if isinstance(val, bool) or not isinstance(val, int):
             raise_argument_error(arg, f"expected an int {name}, got {type(val).__name__} {val!r}")
     if cfg.num_heads < 1:
@@ -219,8 +226,8 @@ def validate_config(cfg: KdaConfig) -> None:
             raise_argument_error(name, f"expected a float > 0 that is finite and normal in fp32 "
                                          f"(the kernels' precision: [{_FP32_MIN_NORMAL:.4g}, "
                                          f"3.403e+38]), got {val!r} (fp32: {f32!r})")
-    for name, arg in (("has_conv_bias", "conv_bias"), ("record", "v_record")):
-        val = getattr(cfg, name)
+    for name in ("has_conv_bias", "record"):
+        arg, val = FIELD_ARG[name], getattr(cfg, name)
         # a bool, or numpy's bool_ (dtype kind "b")
         if not (isinstance(val, bool) or getattr(getattr(val, "dtype", None), "kind", "") == "b"):
             raise_argument_error(arg, f"expected a bool {name}, got {type(val).__name__} {val!r}")
