@@ -16,7 +16,7 @@ import torch
 from kda import registry
 from kda.backend import StepFn
 from kda.config import HEAD_DIM, KdaArgs, KdaConfig
-from kda.validate import (FIELD_ARG, check_x_is_2d, config_from_args, raise_argument_error,
+from kda.validate import (FIELD_ARG, KdaArgumentError, check_x_is_2d, config_from_args,
                           validate_args, validate_config)
 
 _build_lock = threading.RLock()   # auto's build builds its candidates through _step_fn
@@ -149,7 +149,7 @@ def kda_decode(
     if torch.compiler.is_compiling():
         from kda import torch_op
         if not isinstance(x, torch.Tensor):
-            raise_argument_error("x", f"expected a torch.Tensor, got {type(x).__name__}")
+            raise KdaArgumentError("x", f"expected a torch.Tensor, got {type(x).__name__}")
         if backend is not None and not isinstance(backend, str):
             registry.check_choice(backend, "argument")     # not a name: raises as resolve()
         if out is None and isinstance(A_log, torch.Tensor) and A_log.dim() == 1:
@@ -185,7 +185,7 @@ def validated_step(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log,
     """
     if (v_record is None) != (kg_record is None):
         missing = "kg_record" if kg_record is None else "v_record"
-        raise_argument_error(missing, "record mode needs both v_record and kg_record, got only one")
+        raise KdaArgumentError(missing, "record mode needs both v_record and kg_record, got only one")
     cfg = config_from_args(x, conv_weight, conv_bias, conv_state, state_indices, A_log, norm_weight,
                            lower_bound=lower_bound, gate_mode=gate_mode, record=v_record is not None,
                            scale=scale, norm_eps=norm_eps)
@@ -240,7 +240,7 @@ class KdaDecode:
                  validate: str = "first"):
         validate_config(cfg)
         if validate not in ("first", "always"):
-            raise_argument_error("validate", f"expected 'first' or 'always', got {validate!r}")
+            raise KdaArgumentError("validate", f"expected 'first' or 'always', got {validate!r}")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
                 else torch.device("cpu")
@@ -274,7 +274,7 @@ class KdaDecode:
           KdaArgumentError: ``batch`` is not an int >= 1.
         """
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise_argument_error("batch", f"expected an int >= 1, got {type(batch).__name__} "
+            raise KdaArgumentError("batch", f"expected an int >= 1, got {type(batch).__name__} "
                                             f"{batch!r}")
         pick = getattr(self._step, "backend_for", None)
         return pick(batch) if pick is not None else self.backend.name
@@ -291,7 +291,7 @@ class KdaDecode:
         ``validate``.
         """
         if not isinstance(x, torch.Tensor):
-            raise_argument_error("x", f"expected a torch.Tensor, got {type(x).__name__}")
+            raise KdaArgumentError("x", f"expected a torch.Tensor, got {type(x).__name__}")
         if out is None:
             out = _alloc_out(x, self.cfg.dim)
         if torch.compiler.is_compiling():
@@ -316,7 +316,7 @@ class KdaDecode:
 
     def _check_device(self, x: torch.Tensor) -> None:
         if x.device != self.device:
-            raise_argument_error("x", f"expected device {self.device} (this KdaDecode's), got {x.device}")
+            raise KdaArgumentError("x", f"expected device {self.device} (this KdaDecode's), got {x.device}")
 
     def _compiled_call(self, x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log,
                        dt_bias, state, state_indices, output_gate, norm_weight,
@@ -338,7 +338,7 @@ class KdaDecode:
                 arg = FIELD_ARG[field]
                 if field == "record" and v_record is None and kg_record is not None:
                     arg = "kg_record"
-                raise_argument_error(arg, f"expected {field} = {getattr(c, field)} (this "
+                raise KdaArgumentError(arg, f"expected {field} = {getattr(c, field)} (this "
                                             f"KdaDecode's configuration), got {getattr(got, field)}")
         return torch_op.decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log,
                                dt_bias, state, state_indices, output_gate, norm_weight, out=out,

@@ -24,7 +24,7 @@ from kda import registry
 from kda.backend import StepFn
 from kda.config import KdaArgs
 from kda.op import metadata_key, validated_step
-from kda.validate import check_device, check_scalar_types, raise_argument_error
+from kda.validate import KdaArgumentError, check_device, check_scalar_types
 
 # The op is defined with torch.library's low-level API and an alias-annotated schema
 # (mutated buffers marked "!") rather than torch.library.custom_op: the latter's eager
@@ -117,7 +117,7 @@ def decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias
         ("kda::decode() Expected a value of type 'Tensor' for argument 'x' ...").
     """
     if not isinstance(out, torch.Tensor):
-        raise_argument_error("out", "required by the custom op: expected a bfloat16 tensor "
+        raise KdaArgumentError("out", "required by the custom op: expected a bfloat16 tensor "
                                       f"[R*T, H*128] to write into, got {type(out).__name__}")
     check_scalar_types(scale, norm_eps, lower_bound, gate_mode)   # before the op's conversions
     if torch.compiler.is_compiling():

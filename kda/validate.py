@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 import struct
-from typing import NoReturn, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -21,22 +21,21 @@ D = HEAD_DIM
 
 
 class KdaArgumentError(ValueError):
-    """A decode-step argument is invalid. ``arg`` names it."""
+    """A decode-step argument is invalid: ``KdaArgumentError(arg, message)``; ``arg`` names the
+    argument, ``str()`` reads "arg: message".
 
-    def __init__(self, arg: str, message: str):
-        super().__init__(f"{arg}: {message}")
-        self.arg = arg
+    (No ``__init__`` of its own: torch.compile's dynamo raises such an exception from traced
+    code as it is, while one whose ``__init__`` calls ``super().__init__`` ended, under torch
+    2.11, in an internal AssertionError instead; with ``fullgraph=True`` a raise while tracing
+    is dynamo's "Observed exception" error, which quotes this one under torch 2.13.)
+    """
 
+    @property
+    def arg(self) -> str:
+        return self.args[0] if self.args else ""
 
-@torch._disable_dynamo    # (torch.compiler.disable would import dynamo with kda: ~2 s)
-def raise_argument_error(arg: str, message: str) -> NoReturn:
-    """``raise KdaArgumentError(arg, message)``, run outside torch.compile's tracing: where a
-    check fails while dynamo traces (the entry points under ``torch.compile``), this call is a
-    graph break on the error path only and the error reaches the caller as in eager mode (with
-    a plain ``raise``, torch 2.11's dynamo fails with an internal AssertionError instead: it
-    cannot raise an exception class with its own ``__init__`` from traced code). Every check
-    of this package raises through it."""
-    raise KdaArgumentError(arg, message)
+    def __str__(self) -> str:
+        return f"{self.args[0]}: {self.args[1]}" if len(self.args) == 2 else super().__str__()
 
 
 def _fmt_dtype(dt) -> str:
@@ -46,12 +45,12 @@ def _fmt_dtype(dt) -> str:
 def _check_tensor(name: str, t, dtypes: Sequence[torch.dtype], shape: Sequence[int],
                   device: torch.device) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        raise_argument_error(name, f"expected a torch.Tensor, got {type(t).__name__}")
+        raise KdaArgumentError(name, f"expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
-        raise_argument_error(name, f"expected dtype {' or '.join(_fmt_dtype(d) for d in dtypes)}, "
+        raise KdaArgumentError(name, f"expected dtype {' or '.join(_fmt_dtype(d) for d in dtypes)}, "
                                      f"got {_fmt_dtype(t.dtype)}")
     if tuple(t.shape) != tuple(shape):
-        raise_argument_error(name, f"expected shape {list(shape)}, got {list(t.shape)}")
+        raise KdaArgumentError(name, f"expected shape {list(shape)}, got {list(t.shape)}")
     check_device(name, t, device)
     return t
 
@@ -63,28 +62,28 @@ def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
       KdaArgumentError: it is not.
     """
     if t.device != device:
-        raise_argument_error(name, f"expected device {device} (the device of x), got {t.device}")
+        raise KdaArgumentError(name, f"expected device {device} (the device of x), got {t.device}")
 
 
 def _check_contiguous(name: str, t: torch.Tensor) -> None:
     if not t.is_contiguous():
-        raise_argument_error(name, f"expected a contiguous tensor, got strides {list(t.stride())} "
+        raise KdaArgumentError(name, f"expected a contiguous tensor, got strides {list(t.stride())} "
                                      f"for shape {list(t.shape)}")
 
 
 def _check_rows(name: str, t: torch.Tensor, vector: bool = True) -> None:
     """Last stride 1; for vector rows also a row stride multiple of 8 and 16-byte alignment."""
     if t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise_argument_error(name, f"expected the last dimension contiguous (stride 1), "
+        raise KdaArgumentError(name, f"expected the last dimension contiguous (stride 1), "
                                      f"got strides {list(t.stride())}")
     if t.shape[0] > 1 and t.stride(0) < t.shape[1]:
-        raise_argument_error(name, f"expected a row stride >= {t.shape[1]}, got {t.stride(0)}")
+        raise KdaArgumentError(name, f"expected a row stride >= {t.shape[1]}, got {t.stride(0)}")
     if vector:
         if t.shape[0] > 1 and t.stride(0) % 8:
-            raise_argument_error(name, f"expected a row stride that is a multiple of 8 elements "
+            raise KdaArgumentError(name, f"expected a row stride that is a multiple of 8 elements "
                                          f"(16-byte vector access), got {t.stride(0)}")
         if t.numel() and t.data_ptr() % 16:
-            raise_argument_error(name, "expected 16-byte aligned data, got an address "
+            raise KdaArgumentError(name, "expected 16-byte aligned data, got an address "
                                          f"{t.data_ptr() % 16} bytes past alignment")
 
 
@@ -115,10 +114,10 @@ def check_scalar_types(scale, norm_eps, lower_bound, gate_mode) -> None:
             continue
         # numbers.Real: Python and numpy scalars alike (a 0-d tensor would be a device value)
         if isinstance(val, bool) or not isinstance(val, numbers.Real):
-            raise_argument_error(name, f"expected a float{' or None' if optional else ''}, got "
+            raise KdaArgumentError(name, f"expected a float{' or None' if optional else ''}, got "
                                          f"{type(val).__name__} {val!r}")
     if isinstance(gate_mode, bool) or not isinstance(gate_mode, numbers.Integral):
-        raise_argument_error("gate_mode", f"expected the int 0 or 1, got {type(gate_mode).__name__} "
+        raise KdaArgumentError("gate_mode", f"expected the int 0 or 1, got {type(gate_mode).__name__} "
                                             f"{gate_mode!r}")
 
 
@@ -130,24 +129,24 @@ def config_from_args(x, conv_weight, conv_bias, conv_state, state_indices, A_log
     Raises KdaArgumentError for what the derivation itself needs (head count, layout, T).
     """
     if not isinstance(A_log, torch.Tensor) or A_log.dim() != 1 or A_log.shape[0] < 1:
-        raise_argument_error("A_log", "expected a 1-D tensor [H] with H >= 1, got "
+        raise KdaArgumentError("A_log", "expected a 1-D tensor [H] with H >= 1, got "
                                + (f"shape {list(A_log.shape)}" if isinstance(A_log, torch.Tensor)
                                   else type(A_log).__name__))
     H = A_log.shape[0]
     if not isinstance(state_indices, torch.Tensor) or state_indices.dim() not in (1, 2):
-        raise_argument_error("state_indices", "expected an int32 tensor [R] (T=1) or [R, T], got "
+        raise KdaArgumentError("state_indices", "expected an int32 tensor [R] (T=1) or [R, T], got "
                                + (f"shape {list(state_indices.shape)}"
                                   if isinstance(state_indices, torch.Tensor) else type(state_indices).__name__))
     T = 1 if state_indices.dim() == 1 else state_indices.shape[1]
     if T < 1:
-        raise_argument_error("state_indices", f"expected T = state_indices.shape[1] >= 1, got {T}")
+        raise KdaArgumentError("state_indices", f"expected T = state_indices.shape[1] >= 1, got {T}")
     if not isinstance(conv_state, torch.Tensor) or conv_state.dim() != 3:
-        raise_argument_error("conv_state", "expected a 3-D tensor [slots, 3*dim, L], got "
+        raise KdaArgumentError("conv_state", "expected a 3-D tensor [slots, 3*dim, L], got "
                                + (f"shape {list(conv_state.shape)}" if isinstance(conv_state, torch.Tensor)
                                   else type(conv_state).__name__))
     layout = conv_layout_of(conv_state)
     if layout is None:
-        raise_argument_error("conv_state", "expected window-first strides [s, 1, 3*dim] (SD) or "
+        raise KdaArgumentError("conv_state", "expected window-first strides [s, 1, 3*dim] (SD) or "
                                              f"dim-first strides [s, L, 1] (DS), got strides "
                                              f"{list(conv_state.stride())} for shape "
                                              f"{list(conv_state.shape)} (3*dim = shape[1], L = "
@@ -191,54 +190,54 @@ def validate_config(cfg: KdaConfig) -> None:
         has_conv_bias / record not a bool, unsupported dtypes.
     """
     if not isinstance(cfg, KdaConfig):
-        raise_argument_error("cfg", f"expected a kda.KdaConfig, got {type(cfg).__name__}")
+        raise KdaArgumentError("cfg", f"expected a kda.KdaConfig, got {type(cfg).__name__}")
     for name in ("num_heads", "T", "window", "gate_mode"):
         arg, val = FIELD_ARG[name], getattr(cfg, name)
         if isinstance(val, bool) or not isinstance(val, int):
-            raise_argument_error(arg, f"expected an int {name}, got {type(val).__name__} {val!r}")
+            raise KdaArgumentError(arg, f"expected an int {name}, got {type(val).__name__} {val!r}")
     if cfg.num_heads < 1:
-        raise_argument_error("A_log", f"expected H >= 1 heads, got {cfg.num_heads}")
+        raise KdaArgumentError("A_log", f"expected H >= 1 heads, got {cfg.num_heads}")
     if cfg.T < 1:
-        raise_argument_error("state_indices", f"expected T >= 1, got {cfg.T}")
+        raise KdaArgumentError("state_indices", f"expected T >= 1, got {cfg.T}")
     if cfg.window < cfg.T + 2:
-        raise_argument_error("conv_state", f"window too short for T={cfg.T}: expected L >= T + 2 = "
+        raise KdaArgumentError("conv_state", f"window too short for T={cfg.T}: expected L >= T + 2 = "
                                              f"{cfg.T + 2} positions, got L = {cfg.window}")
     if cfg.conv_layout not in CONV_LAYOUTS:
-        raise_argument_error("conv_state", f"expected layout in {CONV_LAYOUTS}, got {cfg.conv_layout!r}")
+        raise KdaArgumentError("conv_state", f"expected layout in {CONV_LAYOUTS}, got {cfg.conv_layout!r}")
     if cfg.lower_bound is not None:
         lb = cfg.lower_bound
         if isinstance(lb, bool) or not isinstance(lb, numbers.Real):
-            raise_argument_error("lower_bound", f"expected None or a float in [-5, 0), got "
+            raise KdaArgumentError("lower_bound", f"expected None or a float in [-5, 0), got "
                                                   f"{type(lb).__name__} {lb!r}")
         if not (math.isfinite(lb) and -5.0 <= lb < 0.0 and _as_fp32(lb) < 0.0):
-            raise_argument_error("lower_bound", f"expected None or a float in [-5, 0) (also as "
+            raise KdaArgumentError("lower_bound", f"expected None or a float in [-5, 0) (also as "
                                                   f"fp32, the kernels' precision), got {lb!r}")
     if cfg.gate_mode not in (0, 1):
-        raise_argument_error("gate_mode", f"expected 0 or 1, got {cfg.gate_mode!r}")
+        raise KdaArgumentError("gate_mode", f"expected 0 or 1, got {cfg.gate_mode!r}")
     for name in ("scale", "norm_eps"):
         val = getattr(cfg, name)
         if (isinstance(val, bool) or not isinstance(val, numbers.Real)
                 or not (math.isfinite(val) and val > 0)):
-            raise_argument_error(name, f"expected a finite float > 0, got "
+            raise KdaArgumentError(name, f"expected a finite float > 0, got "
                                          f"{type(val).__name__} {val!r}")
         f32 = _as_fp32(val)
         if not (math.isfinite(f32) and f32 >= _FP32_MIN_NORMAL):
-            raise_argument_error(name, f"expected a float > 0 that is finite and normal in fp32 "
+            raise KdaArgumentError(name, f"expected a float > 0 that is finite and normal in fp32 "
                                          f"(the kernels' precision: [{_FP32_MIN_NORMAL:.4g}, "
                                          f"3.403e+38]), got {val!r} (fp32: {f32!r})")
     for name in ("has_conv_bias", "record"):
         arg, val = FIELD_ARG[name], getattr(cfg, name)
         # a bool, or numpy's bool_ (dtype kind "b")
         if not (isinstance(val, bool) or getattr(getattr(val, "dtype", None), "kind", "") == "b"):
-            raise_argument_error(arg, f"expected a bool {name}, got {type(val).__name__} {val!r}")
+            raise KdaArgumentError(arg, f"expected a bool {name}, got {type(val).__name__} {val!r}")
     if cfg.conv_state_dtype not in (torch.bfloat16, torch.float32):
-        raise_argument_error("conv_state", f"expected dtype bfloat16 or float32, got "
+        raise KdaArgumentError("conv_state", f"expected dtype bfloat16 or float32, got "
                                              f"{_fmt_dtype(cfg.conv_state_dtype)}")
     if cfg.conv_weight_dtype not in (torch.float32, torch.bfloat16):
-        raise_argument_error("conv_weight", f"expected dtype float32 or bfloat16, got "
+        raise KdaArgumentError("conv_weight", f"expected dtype float32 or bfloat16, got "
                                               f"{_fmt_dtype(cfg.conv_weight_dtype)}")
     if cfg.norm_weight_dtype not in (torch.float32, torch.bfloat16):
-        raise_argument_error("norm_weight", f"expected dtype float32 or bfloat16, got "
+        raise KdaArgumentError("norm_weight", f"expected dtype float32 or bfloat16, got "
                                               f"{_fmt_dtype(cfg.norm_weight_dtype)}")
 
 
@@ -259,7 +258,7 @@ def check_x_is_2d(x: torch.Tensor) -> None:
     """Raises KdaArgumentError unless the tensor ``x`` is 2-D ([N, 3*dim]); also used before
     ``out`` is allocated from ``x.shape[0]``."""
     if x.dim() != 2:
-        raise_argument_error("x", f"expected a 2-D tensor [N, 3*dim], got shape {list(x.shape)}")
+        raise KdaArgumentError("x", f"expected a 2-D tensor [N, 3*dim], got shape {list(x.shape)}")
 
 
 def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
@@ -269,24 +268,24 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
     H, T, L, dim = cfg.num_heads, cfg.T, cfg.window, cfg.dim
     x = args.x
     if not isinstance(x, torch.Tensor):
-        raise_argument_error("x", f"expected a torch.Tensor, got {type(x).__name__}")
+        raise KdaArgumentError("x", f"expected a torch.Tensor, got {type(x).__name__}")
     dev = x.device
     if dev.type not in ("cpu", "cuda"):
-        raise_argument_error("x", f"expected a cpu or cuda tensor, got device {dev}")
+        raise KdaArgumentError("x", f"expected a cpu or cuda tensor, got device {dev}")
     check_x_is_2d(x)
     if x.shape[1] != 3 * dim:
         if x.shape[1] % (3 * D) == 0:
-            raise_argument_error("x", f"expected {3 * dim} channels (3 x H={H} heads x D={D}; H is "
+            raise KdaArgumentError("x", f"expected {3 * dim} channels (3 x H={H} heads x D={D}; H is "
                                         f"the configuration's, which kda_decode takes from A_log), "
                                         f"got {x.shape[1]} (= {x.shape[1] // (3 * D)} heads)")
-        raise_argument_error("x", f"expected 3*H*D = {3 * dim} channels with head dim D = {D}, "
+        raise KdaArgumentError("x", f"expected 3*H*D = {3 * dim} channels with head dim D = {D}, "
                                     f"got {x.shape[1]}")
     si = args.state_indices
     if not isinstance(si, torch.Tensor):
-        raise_argument_error("state_indices", f"expected an int32 tensor, got {type(si).__name__}")
+        raise KdaArgumentError("state_indices", f"expected an int32 tensor, got {type(si).__name__}")
     want_dims = "[R]" if T == 1 else f"[R, T={T}]"
     if si.dim() != (1 if T == 1 else 2):
-        raise_argument_error("state_indices", f"expected {want_dims} for T = {T} (T = 1 takes a 1-D "
+        raise KdaArgumentError("state_indices", f"expected {want_dims} for T = {T} (T = 1 takes a 1-D "
                                                 f"tensor, verify T > 1 a 2-D one), got shape "
                                                 f"{list(si.shape)}")
     R = si.shape[0]
@@ -294,7 +293,7 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
     if x.shape[0] != N:
         hint = (" (a speculative verify with T > 1 tokens passes state_indices as [R, T])"
                 if T == 1 and R and x.shape[0] % R == 0 and x.shape[0] > R else "")
-        raise_argument_error("x", f"expected N = R*T = {N} rows (R = {R} from state_indices, T = {T}), "
+        raise KdaArgumentError("x", f"expected N = R*T = {N} rows (R = {R} from state_indices, T = {T}), "
                                     f"got {x.shape[0]}{hint}")
     _check_tensor("x", x, (torch.bfloat16,), (N, 3 * dim), dev)
     _check_rows("x", x)
@@ -302,11 +301,11 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
     _check_contiguous("state_indices", si)
     if T > 1:
         if args.num_accepted_tokens is None:
-            raise_argument_error("num_accepted_tokens", f"required when T > 1 (T = {T}), got None")
+            raise KdaArgumentError("num_accepted_tokens", f"required when T > 1 (T = {T}), got None")
         _check_tensor("num_accepted_tokens", args.num_accepted_tokens, (torch.int32,), (R,), dev)
         _check_contiguous("num_accepted_tokens", args.num_accepted_tokens)
     elif args.num_accepted_tokens is not None:
-        raise_argument_error("num_accepted_tokens", "expected None for T = 1 (state_indices is "
+        raise KdaArgumentError("num_accepted_tokens", "expected None for T = 1 (state_indices is "
                                                       "[R]); pass state_indices [R, T] for verify")
     _check_tensor("conv_weight", args.conv_weight, (cfg.conv_weight_dtype,), (3, 4, dim), dev)
     _check_contiguous("conv_weight", args.conv_weight)
@@ -314,39 +313,39 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
         _check_tensor("conv_bias", args.conv_bias, (torch.float32,), (3 * dim,), dev)
         _check_contiguous("conv_bias", args.conv_bias)
     elif args.conv_bias is not None:
-        raise_argument_error("conv_bias", "the configuration has no conv bias, but one was passed")
+        raise KdaArgumentError("conv_bias", "the configuration has no conv bias, but one was passed")
     st = args.state
     if not isinstance(st, torch.Tensor) or st.dim() != 4:
-        raise_argument_error("state", "expected a 4-D tensor [slots, H, 128, 128], got "
+        raise KdaArgumentError("state", "expected a 4-D tensor [slots, H, 128, 128], got "
                                + (f"shape {list(st.shape)}" if isinstance(st, torch.Tensor) else type(st).__name__))
     slots = st.shape[0]
     _check_tensor("state", st, (torch.float32,), (slots, H, D, D), dev)
     if slots < 1:
-        raise_argument_error("state", "expected at least one slot (slot 0 is the null slot), got 0")
+        raise KdaArgumentError("state", "expected at least one slot (slot 0 is the null slot), got 0")
     if st.stride()[1:] != (D * D, D, 1):
-        raise_argument_error("state", f"expected each slot's [H, 128(v), 128(k)] page contiguous "
+        raise KdaArgumentError("state", f"expected each slot's [H, 128(v), 128(k)] page contiguous "
                                         f"(V-major, strides [s, {D * D}, {D}, 1]), got strides {list(st.stride())}")
     if slots > 1 and (st.stride(0) < H * D * D or st.stride(0) % 4):
-        raise_argument_error("state", f"expected a slot stride >= {H * D * D} and a multiple of 4 "
+        raise KdaArgumentError("state", f"expected a slot stride >= {H * D * D} and a multiple of 4 "
                                         f"elements, got {st.stride(0)}")
     if st.data_ptr() % 16:
-        raise_argument_error("state", "expected 16-byte aligned data, got an address "
+        raise KdaArgumentError("state", "expected 16-byte aligned data, got an address "
                                         f"{st.data_ptr() % 16} bytes past alignment")
     cs = args.conv_state
     if cs.shape[0] != slots:
-        raise_argument_error("conv_state", f"mismatched slot counts: expected {slots} slots (as state), "
+        raise KdaArgumentError("conv_state", f"mismatched slot counts: expected {slots} slots (as state), "
                                              f"got {cs.shape[0]}")
     _check_tensor("conv_state", cs, (cfg.conv_state_dtype,), (slots, 3 * dim, L), dev)
     layout = conv_layout_of(cs)
     if layout != cfg.conv_layout:
-        raise_argument_error("conv_state", f"expected the {cfg.conv_layout} layout, got strides "
+        raise KdaArgumentError("conv_state", f"expected the {cfg.conv_layout} layout, got strides "
                                              f"{list(cs.stride())} ({layout or 'neither layout'})")
     inner = 3 * dim * L
     if slots > 1 and (cs.stride(0) < inner or cs.stride(0) % 8):
-        raise_argument_error("conv_state", f"expected a slot stride >= {inner} and a multiple of 8 "
+        raise KdaArgumentError("conv_state", f"expected a slot stride >= {inner} and a multiple of 8 "
                                              f"elements, got {cs.stride(0)}")
     if cs.data_ptr() % 16:
-        raise_argument_error("conv_state", "expected 16-byte aligned data, got an address "
+        raise KdaArgumentError("conv_state", "expected 16-byte aligned data, got an address "
                                              f"{cs.data_ptr() % 16} bytes past alignment")
     _check_tensor("f_a", args.f_a, (torch.bfloat16,), (N, GATE_RANK), dev)
     _check_rows("f_a", args.f_a)
@@ -368,13 +367,13 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
         for name, dt, width in (("v_record", torch.float32, D), ("kg_record", torch.bfloat16, 2 * D)):
             t = getattr(args, name)
             if t is None:
-                raise_argument_error(name, "required in record mode, got None")
+                raise KdaArgumentError(name, "required in record mode, got None")
             _check_tensor(name, t, (dt,), (slots, H, T, width), dev)
             _check_contiguous(name, t)
     else:
         for name in ("v_record", "kg_record"):
             if getattr(args, name) is not None:
-                raise_argument_error(name, "given without record mode; pass both v_record and "
+                raise KdaArgumentError(name, "given without record mode; pass both v_record and "
                                              "kg_record to enable it")
     _check_no_overlap(args)
 
@@ -423,5 +422,5 @@ def _check_no_overlap(args: KdaArgs) -> None:
         w, wspan = spans[wname]
         for name, (t, span) in spans.items():
             if name != wname and may_overlap(w, t, (wspan, span)):
-                raise_argument_error(wname, f"overlaps the memory of {name}: written buffers must "
+                raise KdaArgumentError(wname, f"overlaps the memory of {name}: written buffers must "
                                               "not alias any other argument")
