@@ -5,6 +5,8 @@ could not be imported into one process (``python3 -m pytest tests`` imports both
 and the server's tests). Tools import the shared flags from here instead.
 """
 
+import os
+
 from absl import flags
 
 GATE_MODE = flags.DEFINE_integer(
@@ -14,3 +16,15 @@ flags.register_validator("gate_mode", lambda v: v in (0, 1), message="--gate_mod
 
 DEVICE = flags.DEFINE_enum("device", "auto", ["auto", "cpu", "cuda"],
                            "where to run (auto: cuda when available, else cpu)")
+
+
+def user_path(path: str) -> str:
+    """A path flag as the user meant it: relative to the directory the command was started
+    in. ``tools/kda`` changes to the repository root and names that directory in
+    ``KDA_USER_DIR``; ``bazel run`` starts a tool in its runfiles tree and names the directory
+    it was started in ``BUILD_WORKING_DIRECTORY``; without either (``python3 -m``) the path is
+    left as given. Absolute and empty paths are returned unchanged."""
+    base = os.environ.get("KDA_USER_DIR") or os.environ.get("BUILD_WORKING_DIRECTORY", "")
+    if not path or os.path.isabs(path) or not base:
+        return path
+    return os.path.join(base, path)

@@ -28,6 +28,7 @@ from absl import app, flags, logging
 from kda import registry
 from kda.config import KdaConfig
 from tools import flags as _shared_flags  # noqa: F401  (defines --gate_mode)
+from tools.flags import user_path
 from tools.bench import harness, peers, plot
 
 FLAGS = flags.FLAGS
@@ -199,8 +200,9 @@ def main(argv):
                     *[f"{row[n].time_us:.1f} ({row[n].frac:.2f})" if n in row else "-" for n in order])
     console.print(tab)
 
-    if FLAGS.out_dir:
-        os.makedirs(FLAGS.out_dir, exist_ok=True)
+    out_dir = user_path(FLAGS.out_dir)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
         tag = FLAGS.tag or f"{'h200' if 'H200' in dev_name else dev_name.replace(' ', '_')}"
         meta = {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -215,7 +217,7 @@ def main(argv):
             "timing": ("median over CUDA-event timed replays of one CUDA graph of `sets` steps "
                        "(one per slot set), divided by `sets`") if gpu else "CPU wall clock",
         }
-        path = os.path.join(FLAGS.out_dir, f"bench-{tag}.json")
+        path = os.path.join(out_dir, f"bench-{tag}.json")
         with open(path, "w") as f:
             json.dump({"meta": meta, "cells": [c.__dict__ for c in cells]}, f, indent=1)
         console.print(f"wrote {path}")

@@ -124,6 +124,7 @@ if __name__ == "__main__":
     def main(argv):
         del argv
         F = flags.FLAGS
-        print(write_synthetic(F.out, layer=F.layer, hidden=F.hidden, heads=F.heads, seed=F.seed))
+        from tools.flags import user_path
+        print(write_synthetic(user_path(F.out), layer=F.layer, hidden=F.hidden, heads=F.heads, seed=F.seed))
 
     app.run(main)

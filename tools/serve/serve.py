@@ -38,6 +38,7 @@ from kda.testing import TOLERANCES
 from tools.serve import checkpoint as ckpt
 from tools.serve.layer import KdaLayer
 from tools import flags as _shared_flags  # noqa: F401  (defines --gate_mode)
+from tools.flags import user_path
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", "", "safetensors file with HF Kimi-Linear parameter names "
@@ -162,7 +163,7 @@ def main(argv):
     else:
         device = torch.device(FLAGS.device)
     T, H = FLAGS.spec_tokens, FLAGS.num_heads
-    path = FLAGS.checkpoint or default_checkpoint()
+    path = user_path(FLAGS.checkpoint) or default_checkpoint()
     try:
         params, meta = ckpt.load_layer(path, FLAGS.layer)
     except KeyError as e:
