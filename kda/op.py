@@ -208,13 +208,18 @@ def metadata_key(args: KdaArgs) -> tuple:
                  for t in args)
 
 
+#: How many distinct argument metadata (e.g. batch sizes) a KdaDecode remembers as validated.
+VALIDATED_KEYS = 64
+
+
 class KdaDecode:
     """A decode step built once for a static configuration and called every step.
 
     Construction resolves the backend and compiles (or loads) its kernel for ``cfg``; a call
-    then costs only the launch. Arguments are fully validated on the first call and again
-    whenever any argument's dtype, shape, strides or device differ from the last validated
-    call (``validate="first"``, the default: a host-side comparison of metadata), or on every
+    then costs only the launch. Arguments are fully validated on the first call with each
+    argument metadata (dtype, shape, strides and device of every argument; the last
+    :data:`VALIDATED_KEYS` distinct ones are remembered, so a batch size that comes back is not
+    validated again) (``validate="first"``, the default: a host-side lookup), or on every
     call (``validate="always"``: also re-checks alignment and aliasing between buffers, which
     the default does not re-check while the metadata stays the same: a new ``out`` that
     overlaps an input, with unchanged shapes, is not caught by the default).
@@ -254,7 +259,7 @@ class KdaDecode:
         self.backend = registry.resolve(cfg, device, backend)
         self._step = _step_fn(self.backend, cfg, device)
         self._always = validate == "always"
-        self._validated_key = None
+        self._validated: set = set()     # metadata keys validated (at most VALIDATED_KEYS)
         # the config's scalars as Python numbers, for the compiled path (dynamo turns numpy
         # scalars into arrays, which the custom op's schema refuses)
         self._scalars = (float(cfg.scale), float(cfg.norm_eps),
@@ -301,15 +306,17 @@ class KdaDecode:
         args = KdaArgs(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias,
                        state, state_indices, num_accepted_tokens, output_gate, norm_weight, out,
                        v_record, kg_record)
-        # dtype, shape, strides and device of every argument: a change (a new batch size,
-        # another cache layout or window, a bias appearing, a tensor on another device)
-        # validates again; a non-tensor always does (and fails there with a clear message).
-        # Aliasing between arguments is checked only on those validations.
+        # dtype, shape, strides and device of every argument: metadata not validated before
+        # (a new batch size, another cache layout or window, a bias appearing, a tensor on
+        # another device) is validated; a non-tensor always is (and fails there with a clear
+        # message). Aliasing between arguments is checked only on those validations.
         key = metadata_key(args)
-        if self._always or key != self._validated_key:
+        if self._always or key not in self._validated:
             self._check_device(x)
             validate_args(self.cfg, args)
-            self._validated_key = key
+            if len(self._validated) >= VALIDATED_KEYS:
+                self._validated.clear()
+            self._validated.add(key)
         if state_indices.shape[0]:
             self._step(args)
         return out

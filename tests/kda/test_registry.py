@@ -94,7 +94,24 @@ def test_kda_decode_object_validates_once(monkeypatch):
     step(b.x, b.conv_weight, b.conv_bias, b.conv_state, b.f_a, b.f_b, b.beta, b.A_log,
          b.dt_bias, b.state, b.state_indices, b.output_gate, b.norm_weight)
     assert len(calls) == 2
+    # batch sizes that come back are not validated again (eager decoding alternates them;
+    # only the last one was remembered before: a new-user trial measured 50 us a call)
+    for c in (a, b, a, b):
+        step(c.x, c.conv_weight, c.conv_bias, c.conv_state, c.f_a, c.f_b, c.beta, c.A_log,
+             c.dt_bias, c.state, c.state_indices, c.output_gate, c.norm_weight, out=c.out)
+    assert len(calls) == 2
     assert step.backend_name == "reference"
+
+
+def test_kda_decode_object_remembers_a_bounded_number_of_layouts(monkeypatch):
+    from kda import op
+    monkeypatch.setattr(op, "VALIDATED_KEYS", 3)
+    step = kda.KdaDecode(CFG, device="cpu", backend="reference")
+    for R in (1, 2, 3, 4, 5):
+        c = make_case(CaseSpec(CFG, R=R))
+        step(c.x, c.conv_weight, c.conv_bias, c.conv_state, c.f_a, c.f_b, c.beta, c.A_log,
+             c.dt_bias, c.state, c.state_indices, c.output_gate, c.norm_weight, out=c.out)
+        assert 1 <= len(step._validated) <= 3
 
 
 def test_kda_decode_object_matches_functional_form():
