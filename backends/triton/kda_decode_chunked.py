@@ -123,7 +123,7 @@ import triton.language as tl
 from backends.triton.kda_decode import (
     D, _bf16_round, _decay, _delta_rule, _finish_rows, _fma, _gate_projection, _load_f32,
     _rowoff, _sigmoid, _store_state, _write_window, compile_kernel_offline, interpreter_enabled,
-    kernel_operands)
+    interpreter_quiet, kernel_operands)
 from kda.backend import StreamBuffers
 from kda.config import KdaArgs, KdaConfig
 
@@ -416,9 +416,10 @@ class ChunkedStep:
             opts["maxnreg"] = v.maxnreg
         scr = self._scratch(n_items)
         scale, norm_eps, lb = self._scalars
-        _kda_chunked_kernel[(n_items,)](
-            *kernel_operands(args), scr, args.state.shape[0], scale, norm_eps, lb,
-            num_warps=v.num_warps or 4, num_stages=v.num_stages, **self._const, **opts)
+        with interpreter_quiet(self.interp):
+            _kda_chunked_kernel[(n_items,)](
+                *kernel_operands(args), scr, args.state.shape[0], scale, norm_eps, lb,
+                num_warps=v.num_warps or 4, num_stages=v.num_stages, **self._const, **opts)
 
 
 def compile_chunked_offline(cfg: KdaConfig, variant, arch: int = 90,
