@@ -229,8 +229,8 @@ class StreamBuffers:
     fill node there), and another graph captured on the same stream, or an eager launch, could
     run first. So zeroed buffers are never made during capture: the constructor (outside
     capture) and each eager ``get`` keep one zeroed spare, and a stream first seen during
-    capture (``torch.cuda.graph``'s own capture stream) takes it. Buffers without ``zeroed`` (scratch written before it is read) are made
-    during capture too, from the graph's pool.
+    capture (``torch.cuda.graph``'s own capture stream) takes it. Buffers without ``zeroed``
+    (scratch written before it is read) are made during capture too, from the graph's pool.
 
     Args (constructor):
       device: the device. dtype: the buffers' dtype. zeroed: see above. what: names the buffer
@@ -265,26 +265,27 @@ class StreamBuffers:
 
     def get(self, n: int) -> torch.Tensor:
         kept = self.kept.setdefault(current_stream_handle(self.device), [])
-        if kept and kept[-1].numel() >= n and (self.spare is not None or not self.zeroed):
-            return kept[-1]
+        fits = bool(kept) and kept[-1].numel() >= n
+        if fits and (self.spare is not None or not self.zeroed):
+            return kept[-1]                       # the per-launch path
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if kept and kept[-1].numel() >= n:          # (an eager call replaces a taken spare)
-            if not capturing:
-                self.spare = torch.zeros(kept[-1].numel(), dtype=self.dtype, device=self.device)
-            return kept[-1]
-        cap = max(n, self.min_elems, 2 * kept[-1].numel() if kept else 0)
-        if not self.zeroed:
-            kept.append(torch.empty(cap, dtype=self.dtype, device=self.device))
-        elif capturing:
-            if self.spare is None or self.spare.numel() < n:
-                raise RuntimeError(
-                    f"KDA: {self.what} for a stream first used during CUDA-graph capture must be "
-                    f"zeroed before the capture, and no eager step left a spare of {n} elements; "
-                    "run one eager step with at least this batch before capturing")
-            kept.append(self.spare)
-            self.spare = None
-        else:
-            kept.append(torch.zeros(cap, dtype=self.dtype, device=self.device))
-        if self.zeroed and not capturing and (self.spare is None or self.spare.numel() < cap):
-            self.spare = torch.zeros(cap, dtype=self.dtype, device=self.device)
+        if not fits:
+            cap = max(n, self.min_elems, 2 * kept[-1].numel() if kept else 0)
+            if not self.zeroed:
+                kept.append(torch.empty(cap, dtype=self.dtype, device=self.device))
+            elif capturing:
+                if self.spare is None or self.spare.numel() < n:
+                    raise RuntimeError(
+                        f"KDA: {self.what} for a stream first used during CUDA-graph capture "
+                        f"must be zeroed before the capture, and no eager step left a spare of "
+                        f"{n} elements; run one eager step with at least this batch before "
+                        "capturing")
+                kept.append(self.spare)
+                self.spare = None
+            else:
+                kept.append(torch.zeros(cap, dtype=self.dtype, device=self.device))
+        # an eager call keeps a zeroed spare as large as this stream's buffer
+        size = kept[-1].numel()
+        if self.zeroed and not capturing and (self.spare is None or self.spare.numel() < size):
+            self.spare = torch.zeros(size, dtype=self.dtype, device=self.device)
         return kept[-1]

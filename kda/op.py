@@ -16,8 +16,8 @@ import torch
 from kda import registry
 from kda.backend import StepFn
 from kda.config import HEAD_DIM, KdaArgs, KdaConfig
-from kda.validate import (FIELD_ARG, KdaArgumentError, check_x_is_2d, config_from_args,
-                          validate_args, validate_config)
+from kda.validate import (FIELD_ARG, KdaArgumentError, check_is_tensor, check_x_is_2d,
+                          config_from_args, validate_args, validate_config)
 
 _build_lock = threading.RLock()   # auto's build builds its candidates through _step_fn
 _steps: Dict[Tuple[str, KdaConfig, str], StepFn] = {}
@@ -148,8 +148,7 @@ def kda_decode(
     """
     if torch.compiler.is_compiling():
         from kda import torch_op
-        if not isinstance(x, torch.Tensor):
-            raise KdaArgumentError("x", f"expected a torch.Tensor, got {type(x).__name__}")
+        check_is_tensor("x", x)
         if backend is not None and not isinstance(backend, str):
             registry.check_choice(backend, "argument")     # not a name: raises as resolve()
         if out is None and isinstance(A_log, torch.Tensor) and A_log.dim() == 1:
@@ -295,8 +294,7 @@ class KdaDecode:
         reason). The op validates as ``validate="first"`` does, whatever this object's
         ``validate``.
         """
-        if not isinstance(x, torch.Tensor):
-            raise KdaArgumentError("x", f"expected a torch.Tensor, got {type(x).__name__}")
+        check_is_tensor("x", x)
         if out is None:
             out = _alloc_out(x, self.cfg.dim)
         if torch.compiler.is_compiling():
@@ -352,4 +350,3 @@ class KdaDecode:
                                num_accepted_tokens=num_accepted_tokens, scale=scale,
                                norm_eps=norm_eps, lower_bound=lower_bound, gate_mode=gate_mode,
                                v_record=v_record, kg_record=kg_record, backend=self.backend.name)
-

@@ -67,6 +67,15 @@ def _decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bia
 _ARG_NAMES = KdaArgs._fields
 
 
+def _check_devices(tensors) -> None:
+    """Every tensor among the op's 17 tensor arguments (:class:`KdaArgs` order, ``x`` first)
+    is on ``x``'s device (metadata only: fake tensors carry their devices)."""
+    x = tensors[0]
+    for name, t in zip(_ARG_NAMES, tensors):
+        if isinstance(t, torch.Tensor):
+            check_device(name, t, x.device)
+
+
 def _decode_fake(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias, state,
                  state_indices, num_accepted_tokens, output_gate, norm_weight, out, v_record,
                  kg_record, scale, norm_eps, lower_bound, gate_mode, backend) -> None:
@@ -84,12 +93,10 @@ def _decode_fake(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, d
       KdaArgumentError: a tensor argument on another device than ``x``.
     """
     if isinstance(x, FakeTensor):
-        return None     # tracing: the op validates (devices included) when the graph runs
-    args = (x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias, state,
-            state_indices, num_accepted_tokens, output_gate, norm_weight, out, v_record, kg_record)
-    for name, t in zip(_ARG_NAMES, args):
-        if isinstance(t, torch.Tensor):
-            check_device(name, t, x.device)
+        return None     # tracing: decode() checked the devices, the op validates when run
+    _check_devices((x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias, state,
+                    state_indices, num_accepted_tokens, output_gate, norm_weight, out, v_record,
+                    kg_record))
     return None
 
 
@@ -124,12 +131,9 @@ def decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias
         # Tracing (fake tensors carry their devices): the fake kernel cannot raise our error
         # (fake propagation wraps it in a TorchRuntimeError) and a meta tensor beside real
         # ones would reach inductor, which fails on it; checked here instead.
-        tensors = (x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias, state,
-                   state_indices, num_accepted_tokens, output_gate, norm_weight, out, v_record,
-                   kg_record)
-        for name, t in zip(_ARG_NAMES, tensors):
-            if isinstance(t, torch.Tensor):
-                check_device(name, t, x.device)
+        _check_devices((x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias,
+                        state, state_indices, num_accepted_tokens, output_gate, norm_weight, out,
+                        v_record, kg_record))
     torch.ops.kda.decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias,
                          state, state_indices, num_accepted_tokens, output_gate, norm_weight, out,
                          v_record, kg_record, 128 ** -0.5 if scale is None else float(scale),

@@ -42,10 +42,15 @@ def _fmt_dtype(dt) -> str:
     return str(dt).replace("torch.", "")
 
 
-def _check_tensor(name: str, t, dtypes: Sequence[torch.dtype], shape: Sequence[int],
-                  device: torch.device) -> torch.Tensor:
+def check_is_tensor(name: str, t) -> None:
+    """Raises KdaArgumentError unless argument ``name`` is a torch.Tensor."""
     if not isinstance(t, torch.Tensor):
         raise KdaArgumentError(name, f"expected a torch.Tensor, got {type(t).__name__}")
+
+
+def _check_tensor(name: str, t, dtypes: Sequence[torch.dtype], shape: Sequence[int],
+                  device: torch.device) -> torch.Tensor:
+    check_is_tensor(name, t)
     if t.dtype not in dtypes:
         raise KdaArgumentError(name, f"expected dtype {' or '.join(_fmt_dtype(d) for d in dtypes)}, "
                                      f"got {_fmt_dtype(t.dtype)}")
@@ -268,8 +273,7 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
     validate_config(cfg)
     H, T, L, dim = cfg.num_heads, cfg.T, cfg.window, cfg.dim
     x = args.x
-    if not isinstance(x, torch.Tensor):
-        raise KdaArgumentError("x", f"expected a torch.Tensor, got {type(x).__name__}")
+    check_is_tensor("x", x)
     dev = x.device
     if dev.type not in ("cpu", "cuda"):
         raise KdaArgumentError("x", f"expected a cpu or cuda tensor, got device {dev}")

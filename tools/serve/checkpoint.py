@@ -125,6 +125,7 @@ if __name__ == "__main__":
         del argv
         F = flags.FLAGS
         from tools.flags import user_path
-        print(write_synthetic(user_path(F.out), layer=F.layer, hidden=F.hidden, heads=F.heads, seed=F.seed))
+        print(write_synthetic(user_path(F.out), layer=F.layer, hidden=F.hidden, heads=F.heads,
+                              seed=F.seed))
 
     app.run(main)
