@@ -1091,6 +1091,10 @@ cudaError_t launch_t(const KdaParams& p, cudaStream_t stream) {
   return cudaLaunchKernelEx(&cfg, kda_decode_kernel<T, FB>, q);
 }
 
+#ifdef KDA_WS
+#include "kda_decode_ws.cuh"
+#endif
+
 }  // namespace
 
 extern "C" cudaError_t kda_decode_launch(const KdaParams* params, cudaStream_t stream) {
@@ -1108,7 +1112,11 @@ extern "C" cudaError_t kda_decode_launch(const KdaParams* params, cudaStream_t s
   if (p->fb_smem != 0 && (p->fb_smem != 1 || p->T != 1)) return cudaErrorInvalidValue;
   if (p->record && (p->v_record == nullptr || p->kg_record == nullptr)) return cudaErrorInvalidValue;
   switch (p->T) {
+#ifdef KDA_WS
+    case 1: return p->fb_smem ? launch_ws(*p, stream) : launch_t<1>(*p, stream);
+#else
     case 1: return p->fb_smem ? launch_t<1, true>(*p, stream) : launch_t<1>(*p, stream);
+#endif
     case 2: return launch_t<2>(*p, stream);
     case 3: return launch_t<3>(*p, stream);
     case 4: return launch_t<4>(*p, stream);
