@@ -36,8 +36,19 @@ struct __align__(16) WsHand {
   Item next;  // the item whose page the math warps request now (two ahead)
 };
 
+// Item operands (x, output gate, f_a rows, conv window, beta words), double-buffered by item
+// parity so that item j+1's are requested at the top of item j.
+struct __align__(16) WsOps {
+  __nv_bfloat16 x[1][3 * kD];
+  __nv_bfloat16 og[1][kD];
+  __nv_bfloat16 fa[1][kFaStride];
+  uint32_t win[3 * 3 * kD];
+  uint32_t beta_word[2][kMaxT];
+};
+
 struct __align__(16) WsSmem {
-  Smem<1, true> s;               // prep's workspace; s.state is page buffer 0
+  Smem<1, true> s;               // prep's workspace (its x / og / fa / win unused); s.state is page buffer 0
+  WsOps ops[2];
   float4 page1[16 * kThreads];   // page buffer 1
   WsHand hand[2];
   int idx[4];                    // item index of iteration j (by j & 3)
@@ -225,10 +236,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
       const Item first = W.info[0];
       if (tid == 0) sm.params_head = first.src > 0 ? first.h : -1;
       if (first.src > 0) {
-        issue_window<T>(p, sm, first, tid);
+        issue_window<T>(p, W.ops[0], first, tid);
         issue_params<T>(p, sm, first.h, tid);
-        issue_operands<T>(p, sm, first, tid);
-        issue_beta<T>(p, sm, first, 0, tid);
+        issue_operands<T>(p, W.ops[0], first, tid);
+        issue_beta<T>(p, W.ops[0], first, 0, tid);
       }
       cp_async_commit();
     }
@@ -243,14 +254,25 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
         break;
       }
       cp_async_wait<0>();  // item j's operands, window, parameters, beta
-      // Item j+2's index (static: the range's next; dynamic: the counter) and slot id.
+      // Item j+2's index (static: the range's next; dynamic: the counter) and slot id, and
+      // item j+1's operands into the other buffer (its head parameters after B2, if new).
       if (tid == 0) {
         const int i1 = W.idx[(j + 1) & 3];
         const int nx = i1 < end ? next_index(i1) : end;
         W.idx[(j + 2) & 3] = nx;
         if (nx < end) cp_async4(&W.slot[(j + 2) & 3], p.state_indices + static_cast<int64_t>(nx % R) * p.idx_row);
       }
+      {
+        const Item nxt = W.info[(j + 1) & 3];
+        if (W.idx[(j + 1) & 3] < end && nxt.src > 0) {
+          WsOps& nop = W.ops[(j + 1) & 1];
+          issue_operands<T>(p, nop, nxt, tid);
+          issue_window<T>(p, nop, nxt, tid);
+          issue_beta<T>(p, nop, nxt, j + 1, tid);
+        }
+      }
       cp_async_commit();
+      WsOps& op = W.ops[j & 1];
 #define CUR (W.info[j & 3])
 #define H_CUR (CUR.h)
       const bool live = CUR.src > 0;
@@ -260,7 +282,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
         const int d = tid & (kD - 1);
         const int g = lane >> 2, tig = lane & 3;
         const int feat0 = warp * 16 + g;
-        if (tid == 0) sm.beta[0] = sigmoidf_fast(beta_value<T>(p, sm, CUR, j, 0));
+        if (tid == 0) sm.beta[0] = sigmoidf_fast(beta_value<T>(p, op, CUR, j, 0));
         named_sync(kBarPrep, kThreads);  // B1: operands, window, parameters, f_b rows, beta
         uint32_t afr[8][4];
 #pragma unroll
@@ -278,7 +300,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
 #pragma unroll
           for (int ks = 0; ks < 8; ++ks) {
             uint2 b = make_uint2(0u, 0u);
-            if (g < T) b = *reinterpret_cast<const uint2*>(&sm.fa[g][32 * (ks >> 1) + 8 * tig + 4 * (ks & 1)]);
+            if (g < T) b = *reinterpret_cast<const uint2*>(&op.fa[g][32 * (ks >> 1) + 8 * tig + 4 * (ks & 1)]);
             mma_bf16(c, afr[ks], b.x, b.y);
             if (four && (ks & 1)) {
 #pragma unroll
@@ -310,11 +332,11 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
             const float bias = !p.conv_bias ? 0.f : __ldg(p.conv_bias + part * dim + H_CUR * kD + d);
             float s[4];
             uint32_t hraw[3];
-            read_window<T>(p, sm, CUR, part, d, hraw);
+            read_window<T>(p, op, CUR, part, d, hraw);
 #pragma unroll
             for (int e = 0; e < 3; ++e)
               s[e] = p.conv_state_fp32 ? __uint_as_float(hraw[e]) : bf2f(static_cast<uint16_t>(hraw[e]));
-            s[3] = __bfloat162float(sm.x[0][part * kD + d]);
+            s[3] = __bfloat162float(op.x[0][part * kD + d]);
             float acc = bias;
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc = fmaf(s[e], w[e], acc);
@@ -345,11 +367,11 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
               uint16_t* cs = static_cast<uint16_t*>(p.conv_state);
               cs[ch] = static_cast<uint16_t>(hraw[1]);
               cs[ch + p.conv_pos] = static_cast<uint16_t>(hraw[2]);
-              cs[ch + 2 * p.conv_pos] = __bfloat16_as_ushort(sm.x[0][part * kD + d]);
+              cs[ch + 2 * p.conv_pos] = __bfloat16_as_ushort(op.x[0][part * kD + d]);
             }
           }
         }
-        if (tid < kD) sm.ogs[0][tid] = sigmoidf_fast(__bfloat162float(sm.og[0][tid]));
+        if (tid < kD) sm.ogs[0][tid] = sigmoidf_fast(__bfloat162float(op.og[0][tid]));
         if (tid == 0) {
           const Item it = CUR;
           long long wo;
@@ -362,23 +384,18 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
         }
       }
       const float dtb_f = (live && tid >= kD) ? sm.dtb[tid - kD] : 0.f;
-      cp_async_wait<0>();               // item j+2's slot id
+      cp_async_wait<0>();               // item j+2's slot id (and item j+1's operands)
       named_sync(kBarPrep, kThreads);   // B2
       if (tid == 0) {
         const int i2 = W.idx[(j + 2) & 3];
         W.info[(j + 2) & 3] = ws_item(p, i2 < end ? i2 : 0, i2 < end ? W.slot[(j + 2) & 3] : 0);
       }
-      // Item j+1's operands, window, parameters, beta (their buffers are free now).
+      // Item j+1's head parameters, if its head is new (item j is done with them now).
       const int nx = W.idx[(j + 1) & 3];
       const Item nxt = W.info[(j + 1) & 3];
       const bool next_live = nx < end && nxt.src > 0;
       const bool new_head = nxt.h != sm.params_head;
-      if (next_live) {
-        issue_operands<T>(p, sm, nxt, tid);
-        issue_window<T>(p, sm, nxt, tid);
-        if (new_head) issue_params<T>(p, sm, nxt.h, tid);
-        issue_beta<T>(p, sm, nxt, j + 1, tid);
-      }
+      if (next_live && new_head) issue_params<T>(p, sm, nxt.h, tid);
       cp_async_commit();
       if (live) {
         if (tid < kD) {
