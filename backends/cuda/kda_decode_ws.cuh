@@ -27,6 +27,22 @@ __device__ __forceinline__ void named_arrive(int id, int n) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
 
+// Trace builds (KDA_TRACE): clock64 of item n's point k, in the base kernel's trace layout
+// (tools/bench/cuda_trace.py) but with other points: prep (thread 0) 0 its operands arrived,
+// 1 B1, 2 B2, 3 handed over; math (thread 256) 4 hand-off received, 5 page in registers and
+// the next one requested, 6 stores issued, 7 hand-off area released.
+#ifdef KDA_TRACE
+#define WS_STAMP(n, k, who)                                                                    \
+  do {                                                                                         \
+    if (p.trace != nullptr && tid == (who) && blockIdx.x < kTraceCtas && (n) < kTraceItems)   \
+      p.trace[static_cast<int64_t>(blockIdx.x) * kTraceStride + 8 + kTracePoints * (n) + (k)] = clock64(); \
+  } while (0)
+#else
+#define WS_STAMP(n, k, who) \
+  do {                      \
+  } while (0)
+#endif
+
 struct __align__(16) WsHand {
   float q[kD], k[kD], alpha[kD], v[kD], ogs[kD], o[kD];
   float red[8];
@@ -73,6 +89,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
   Smem<1, true>& sm = W.s;
   constexpr int T = 1;
   const int tid = threadIdx.x;
+  TRACE(0, global_timer());
+  TRACE(3, clock64());
   const int H = p.num_heads, R = p.num_requests;
   const int dim = H * kD;
   const int num_items = R * H;
@@ -95,6 +113,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
                                     : static_cast<const float*>(p.norm_weight)[tid];
   }
   grid_dependency_wait();
+  TRACE(4, clock64());
   if (p.early_trigger) trigger_dependents();
   if (tid == 0) {
     const int i0 = beg, i1 = next_index(beg);
@@ -106,6 +125,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
     W.info[1] = ws_item(p, i1, s1);
   }
   __syncthreads();
+  TRACE(5, clock64());
 
   if (tid >= kThreads) {
     // ================= math warps =================
@@ -132,6 +152,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
       named_sync(kBarFull + (n & 1), kWsThreads);
       WsHand& hd = W.hand[n & 1];
       if (hd.done) break;
+      WS_STAMP(n, 4, kThreads);
       float4* buf = (n & 1) ? W.page1 : sm.state;
       cp_async_wait<1>();  // page n (page n+1 may still be in flight)
       const bool live = hd.live != 0;
@@ -144,6 +165,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
       }
       if (hd.next_ok) issue_page(buf, hd.next);
       cp_async_commit();
+      WS_STAMP(n, 5, kThreads);
       if (live) {
         float a[4][2];
 #pragma unroll
@@ -218,6 +240,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
             for (int c = 0; c < 4; ++c) *reinterpret_cast<float4*>(base + m * 32 * kD + 32 * c) = S[m][c];
         }
       }
+      WS_STAMP(n, 6, kThreads);
       named_sync(kBarMath, kThreads);  // o and the sums of squares complete
       if (live && mtid < kD) {
         const float* r8 = hd.red;
@@ -228,6 +251,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
         out[static_cast<int64_t>(hd.r) * p.out_row + hd.h * kD + mtid] = __float2bfloat16_rn(y);
       }
       named_arrive(kBarEmpty + (n & 1), kWsThreads);
+      WS_STAMP(n, 7, kThreads);
     }
   } else {
     // ================= prep warps (the current kernel's phases, T=1, f_b staged) =================
@@ -254,6 +278,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
         break;
       }
       cp_async_wait<0>();  // item j's operands, window, parameters, beta
+      WS_STAMP(j, 0, 0);
+      TRACE(7, j + 1);
       // Item j+2's index (static: the range's next; dynamic: the counter) and slot id, and
       // item j+1's operands into the other buffer (its head parameters after B2, if new).
       if (tid == 0) {
@@ -284,6 +310,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
         const int feat0 = warp * 16 + g;
         if (tid == 0) sm.beta[0] = sigmoidf_fast(beta_value<T>(p, op, CUR, j, 0));
         named_sync(kBarPrep, kThreads);  // B1: operands, window, parameters, f_b rows, beta
+        WS_STAMP(j, 1, 0);
         uint32_t afr[8][4];
 #pragma unroll
         for (int pp = 0; pp < 4; ++pp) {
@@ -386,6 +413,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
       const float dtb_f = (live && tid >= kD) ? sm.dtb[tid - kD] : 0.f;
       cp_async_wait<0>();               // item j+2's slot id (and item j+1's operands)
       named_sync(kBarPrep, kThreads);   // B2
+      WS_STAMP(j, 2, 0);
       if (tid == 0) {
         const int i2 = W.idx[(j + 2) & 3];
         W.info[(j + 2) & 3] = ws_item(p, i2 < end ? i2 : 0, i2 < end ? W.slot[(j + 2) & 3] : 0);
@@ -448,6 +476,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
         hd.next_ok = W.idx[(j + 2) & 3] < end && n2.src > 0;
       }
       named_arrive(kBarFull + (j & 1), kWsThreads);
+      WS_STAMP(j, 3, 0);
 #undef CUR
 #undef H_CUR
     }
@@ -463,6 +492,12 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
     __threadfence();
     trigger_dependents();
   }
+#ifdef KDA_TRACE
+  __syncthreads();
+#endif
+  TRACE(6, clock64());
+  TRACE(1, global_timer());
+  TRACE(2, sm_id());
 }
 
 cudaError_t launch_ws(const KdaParams& p, cudaStream_t stream) {
