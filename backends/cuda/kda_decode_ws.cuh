@@ -64,12 +64,12 @@ struct __align__(16) WsOps {
 
 struct __align__(16) WsSmem {
   Smem<1, true> s;               // prep's workspace (its x / og / fa / win unused); s.state is page buffer 0
-  WsOps ops[2];
+  WsOps ops[3];                  // item j's operands in ops[j % 3], requested at the top of item j-2
   float4 page1[16 * kThreads];   // page buffer 1
   WsHand hand[2];
-  int idx[4];                    // item index of iteration j (by j & 3)
-  int slot[4];                   // its state slot id (T=1)
-  Item info[4];
+  int idx[8];                    // item index of iteration j (by j & 7), taken 5 ahead
+  int slot[8];                   // its state slot id (T=1), requested 5 ahead
+  Item info[8];                  // its item, derived 3 ahead
 };
 
 // Item from its index and slot id (T=1): dead (src = 0) unless the id is in (0, slots).
@@ -116,13 +116,18 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
   TRACE(4, clock64());
   if (p.early_trigger) trigger_dependents();
   if (tid == 0) {
-    const int i0 = beg, i1 = next_index(beg);
-    const int s0 = __ldcg(p.state_indices + static_cast<int64_t>(i0 % R) * p.idx_row);
-    const int s1 = i1 < end ? __ldcg(p.state_indices + static_cast<int64_t>(i1 % R) * p.idx_row) : 0;
-    W.idx[0] = i0;
-    W.idx[1] = i1;
-    W.info[0] = ws_item(p, i0, s0);
-    W.info[1] = ws_item(p, i1, s1);
+    // items 0..4 of this CTA; the slot ids of 0..2 now, of 3 and 4 with item 0's operands
+    int i = beg;
+    for (int k = 0; k < 5; ++k) {
+      W.idx[k] = i;
+      if (k < 3) {
+        const int sl = i < end ? __ldcg(p.state_indices + static_cast<int64_t>(i % R) * p.idx_row) : 0;
+        W.info[k] = ws_item(p, i < end ? i : 0, sl);
+      } else if (i < end) {
+        cp_async4(&W.slot[k], p.state_indices + static_cast<int64_t>(i % R) * p.idx_row);
+      }
+      i = i < end ? next_index(i) : end;
+    }
   }
   __syncthreads();
   TRACE(5, clock64());
@@ -265,41 +270,53 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
         issue_operands<T>(p, W.ops[0], first, tid);
         issue_beta<T>(p, W.ops[0], first, 0, tid);
       }
+      const Item second = W.info[1];
+      if (W.idx[1] < end && second.src > 0) {
+        issue_window<T>(p, W.ops[1], second, tid);
+        issue_operands<T>(p, W.ops[1], second, tid);
+        issue_beta<T>(p, W.ops[1], second, 1, tid);
+      }
       cp_async_commit();
     }
+    // cp.async groups of the prep threads, in commit order: A_j at the top of item j (item
+    // j+2's operands, item j+5's slot id), P_j after B2 of item j, only when item j+1 has a
+    // new head (its parameters). The top of item j needs A_{j-2} and P_{j-1}: it leaves A_{j-1}
+    // in flight unless P_{j-1} was committed after it.
+    bool p_pending = true;  // the prologue's group
     auto* out = static_cast<__nv_bfloat16*>(p.out);
     const bool rec = p.record != 0;
     for (int j = 0;; ++j) {
       WsHand& hd = W.hand[j & 1];
-      if (W.idx[j & 3] >= end) {
+      if (W.idx[j & 7] >= end) {
         named_sync(kBarEmpty + (j & 1), kWsThreads);
         if (tid == 0) hd.done = 1;
         named_arrive(kBarFull + (j & 1), kWsThreads);
         break;
       }
-      cp_async_wait<0>();  // item j's operands, window, parameters, beta
+      if (p_pending) cp_async_wait<0>();
+      else cp_async_wait<1>();  // item j's operands, window, beta (A_{j-2}), parameters
       WS_STAMP(j, 0, 0);
       TRACE(7, j + 1);
-      // Item j+2's index (static: the range's next; dynamic: the counter) and slot id, and
-      // item j+1's operands into the other buffer (its head parameters after B2, if new).
+      // A_j: item j+5's index (static: the range's next; dynamic: the counter) and slot id,
+      // item j+2's operands.
       if (tid == 0) {
-        const int i1 = W.idx[(j + 1) & 3];
-        const int nx = i1 < end ? next_index(i1) : end;
-        W.idx[(j + 2) & 3] = nx;
-        if (nx < end) cp_async4(&W.slot[(j + 2) & 3], p.state_indices + static_cast<int64_t>(nx % R) * p.idx_row);
+        const int i4 = W.idx[(j + 4) & 7];
+        const int nx = i4 < end ? next_index(i4) : end;
+        W.idx[(j + 5) & 7] = nx;
+        if (nx < end) cp_async4(&W.slot[(j + 5) & 7], p.state_indices + static_cast<int64_t>(nx % R) * p.idx_row);
       }
       {
-        const Item nxt = W.info[(j + 1) & 3];
-        if (W.idx[(j + 1) & 3] < end && nxt.src > 0) {
-          WsOps& nop = W.ops[(j + 1) & 1];
-          issue_operands<T>(p, nop, nxt, tid);
-          issue_window<T>(p, nop, nxt, tid);
-          issue_beta<T>(p, nop, nxt, j + 1, tid);
+        const Item n2 = W.info[(j + 2) & 7];
+        if (W.idx[(j + 2) & 7] < end && n2.src > 0) {
+          WsOps& nop = W.ops[(j + 2) % 3];
+          issue_operands<T>(p, nop, n2, tid);
+          issue_window<T>(p, nop, n2, tid);
+          issue_beta<T>(p, nop, n2, j + 2, tid);
         }
       }
       cp_async_commit();
-      WsOps& op = W.ops[j & 1];
-#define CUR (W.info[j & 3])
+      WsOps& op = W.ops[j % 3];
+#define CUR (W.info[j & 7])
 #define H_CUR (CUR.h)
       const bool live = CUR.src > 0;
       if (!live) {
@@ -411,20 +428,22 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
         }
       }
       const float dtb_f = (live && tid >= kD) ? sm.dtb[tid - kD] : 0.f;
-      cp_async_wait<0>();               // item j+2's slot id (and item j+1's operands)
       named_sync(kBarPrep, kThreads);   // B2
       WS_STAMP(j, 2, 0);
-      if (tid == 0) {
-        const int i2 = W.idx[(j + 2) & 3];
-        W.info[(j + 2) & 3] = ws_item(p, i2 < end ? i2 : 0, i2 < end ? W.slot[(j + 2) & 3] : 0);
+      if (tid == 0) {  // item j+3 (its slot id came with A_{j-2}, which thread 0 has waited for)
+        const int i3 = W.idx[(j + 3) & 7];
+        W.info[(j + 3) & 7] = ws_item(p, i3 < end ? i3 : 0, i3 < end ? W.slot[(j + 3) & 7] : 0);
       }
-      // Item j+1's head parameters, if its head is new (item j is done with them now).
-      const int nx = W.idx[(j + 1) & 3];
-      const Item nxt = W.info[(j + 1) & 3];
+      // P_j: item j+1's head parameters, if its head is new (item j is done with them now).
+      const int nx = W.idx[(j + 1) & 7];
+      const Item nxt = W.info[(j + 1) & 7];
       const bool next_live = nx < end && nxt.src > 0;
       const bool new_head = nxt.h != sm.params_head;
-      if (next_live && new_head) issue_params<T>(p, sm, nxt.h, tid);
-      cp_async_commit();
+      p_pending = next_live && new_head;
+      if (p_pending) {
+        issue_params<T>(p, sm, nxt.h, tid);
+        cp_async_commit();
+      }
       if (live) {
         if (tid < kD) {
           const float sq = ((sm.red[0][0][0] + sm.red[0][1][0]) + sm.red[0][2][0]) + sm.red[0][3][0];
@@ -465,7 +484,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
       }
       if (tid == 0) {
         const Item it = CUR;
-        const Item n2 = W.info[(j + 2) & 3];
+        const Item n2 = W.info[(j + 2) & 7];
         hd.live = live;
         hd.r = it.r;
         hd.h = it.h;
@@ -473,7 +492,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_decode_ws_kernel(const __gr
         hd.beta = sm.beta[0];
         hd.done = 0;
         hd.next = n2;
-        hd.next_ok = W.idx[(j + 2) & 3] < end && n2.src > 0;
+        hd.next_ok = W.idx[(j + 2) & 7] < end && n2.src > 0;
       }
       named_arrive(kBarFull + (j & 1), kWsThreads);
       WS_STAMP(j, 3, 0);
