@@ -33,7 +33,7 @@ from typing import List, Optional
 
 HERE = pathlib.Path(__file__).resolve().parent
 SOURCES = ("binding.cpp", "kda_decode.cu")
-HEADERS = ("kda_decode.h", "kda_decode_ws.cuh")
+HEADERS = ("kda_decode.h",)
 
 #: nvcc flags. No --use_fast_math: the kernel picks fast intrinsics explicitly where a bf16
 #: rounding follows (SiLU, sigmoids) and keeps accurate expf on the decay path, whose result
@@ -53,8 +53,6 @@ def _flags():
     from kda.backend import flag_from_env
 
     trace = ["-DKDA_TRACE"] if flag_from_env("KDA_CUDA_TRACE", False) else []
-    # EXPERIMENT: the warp-specialised T=1 kernel (kda_decode_ws.cuh)
-    trace += ["-DKDA_WS"] if flag_from_env("KDA_CUDA_WS", False) else []
     return CUDA_FLAGS + trace, CXX_FLAGS + trace
 
 

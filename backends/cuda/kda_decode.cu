@@ -325,8 +325,8 @@ __device__ __forceinline__ void issue_state(const KdaParams& p, Smem<T, FB>& sm,
 }
 
 // cp.async of the item's x (q|k|v slice), output-gate and f_a rows, T tokens.
-template <int T, class SM>
-__device__ __forceinline__ void issue_operands(const KdaParams& p, SM& sm, const Item& it,
+template <int T, bool FB>
+__device__ __forceinline__ void issue_operands(const KdaParams& p, Smem<T, FB>& sm, const Item& it,
                                                int tid_) {
   const int tid = opaque(tid_);  // keep the tid-only index math inside the item loop
   const int dim = p.num_heads * kD;
@@ -351,8 +351,8 @@ __device__ __forceinline__ void issue_operands(const KdaParams& p, SM& sm, const
 }
 
 // cp.async of the item's conv history (positions off..off+2 of its 3 x 128 channels).
-template <int T, class SM>
-__device__ __forceinline__ void issue_window(const KdaParams& p, SM& sm, const Item& it,
+template <int T, bool FB>
+__device__ __forceinline__ void issue_window(const KdaParams& p, Smem<T, FB>& sm, const Item& it,
                                              int tid_) {
   const int tid = opaque(tid_);
   const int dim = p.num_heads * kD;
@@ -437,8 +437,8 @@ __device__ __forceinline__ void issue_params(const KdaParams& p, Smem<T, FB>& sm
 }
 
 // Raw bits (bf16 in the low half) of the three history values of channel d of `part`.
-template <int T, class SM>
-__device__ __forceinline__ void read_window(const KdaParams& p, const SM& sm, const Item& it,
+template <int T, bool FB>
+__device__ __forceinline__ void read_window(const KdaParams& p, const Smem<T, FB>& sm, const Item& it,
                                             int part, int d, uint32_t (&raw)[3]) {
   if (p.conv_chan == 1) {
     if (p.conv_state_fp32) {
@@ -465,8 +465,8 @@ __device__ __forceinline__ void read_window(const KdaParams& p, const SM& sm, co
 // cp.async of the 4-byte-aligned words holding beta[r*T + t, h] (bf16, any row stride). The
 // word's other half is a neighbouring beta element, or the 2 bytes after the tensor's last
 // element (same aligned word, so never past a page or allocation granule).
-template <int T, class SM>
-__device__ __forceinline__ void issue_beta(const KdaParams& p, SM& sm, const Item& it,
+template <int T, bool FB>
+__device__ __forceinline__ void issue_beta(const KdaParams& p, Smem<T, FB>& sm, const Item& it,
                                            int item, int tid) {
   if (tid < T) {
     const int64_t n = static_cast<int64_t>(it.r) * T + tid;
@@ -475,8 +475,8 @@ __device__ __forceinline__ void issue_beta(const KdaParams& p, SM& sm, const Ite
               reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(b) & ~uintptr_t(3)));
   }
 }
-template <int T, class SM>
-__device__ __forceinline__ float beta_value(const KdaParams& p, const SM& sm, const Item& it,
+template <int T, bool FB>
+__device__ __forceinline__ float beta_value(const KdaParams& p, const Smem<T, FB>& sm, const Item& it,
                                             int item, int t) {
   const int64_t n = static_cast<int64_t>(it.r) * T + t;
   const uintptr_t b = reinterpret_cast<uintptr_t>(static_cast<const uint16_t*>(p.beta) + n * p.beta_row + it.h);
@@ -1091,10 +1091,6 @@ cudaError_t launch_t(const KdaParams& p, cudaStream_t stream) {
   return cudaLaunchKernelEx(&cfg, kda_decode_kernel<T, FB>, q);
 }
 
-#ifdef KDA_WS
-#include "kda_decode_ws.cuh"
-#endif
-
 }  // namespace
 
 extern "C" cudaError_t kda_decode_launch(const KdaParams* params, cudaStream_t stream) {
@@ -1112,11 +1108,7 @@ extern "C" cudaError_t kda_decode_launch(const KdaParams* params, cudaStream_t s
   if (p->fb_smem != 0 && (p->fb_smem != 1 || p->T != 1)) return cudaErrorInvalidValue;
   if (p->record && (p->v_record == nullptr || p->kg_record == nullptr)) return cudaErrorInvalidValue;
   switch (p->T) {
-#ifdef KDA_WS
-    case 1: return p->fb_smem ? launch_ws(*p, stream) : launch_t<1>(*p, stream);
-#else
     case 1: return p->fb_smem ? launch_t<1, true>(*p, stream) : launch_t<1>(*p, stream);
-#endif
     case 2: return launch_t<2>(*p, stream);
     case 3: return launch_t<3>(*p, stream);
     case 4: return launch_t<4>(*p, stream);
