@@ -53,9 +53,6 @@ def _flags():
     from kda.backend import flag_from_env
 
     trace = ["-DKDA_TRACE"] if flag_from_env("KDA_CUDA_TRACE", False) else []
-    # EXPERIMENT: deferred state stores (kda_decode.cu, KDA_DEFER)
-    defer = os.environ.get("KDA_CUDA_DEFER", "").strip()
-    trace += [f"-DKDA_DEFER={int(defer)}"] if defer in ("1", "2") else []
     return CUDA_FLAGS + trace, CXX_FLAGS + trace
 
 

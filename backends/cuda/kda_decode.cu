@@ -617,26 +617,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
 
   // n counts this CTA's iterations; its item's index is sm.item_idx[n & 1], (r, h) in
   // sm.info[n & 1]. Every buffer kept per item parity is kept per iteration parity.
-#ifdef KDA_DEFER
-  // EXPERIMENT (KDA_CUDA_DEFER=1 / 2 builds): the last token's stores of rows 2 and 3 (of the
-  // thread's four) are issued in the next iteration (1: at its top; 2: after its B1), so that
-  // they drain while the next item's gate and conv run.
-  float4 D[2][4];
-  float* dbase = nullptr;
-  auto flush = [&]() {
-    if (dbase != nullptr) {
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) *reinterpret_cast<float4*>(dbase + (m + 2) * 32 * kD + 32 * c) = D[m][c];
-      dbase = nullptr;
-    }
-  };
-#endif
   for (int n = 0; sm.item_idx[n & 1] < sm.item_end; ++n) {
-#if defined(KDA_DEFER) && KDA_DEFER == 1
-    flush();
-#endif
     // cp.async groups: item n's operands (E) then its state page (S) were committed in that
     // order one iteration ago; wait for E only, so that the conv and gate below overlap the
     // page's arrival.
@@ -677,9 +658,6 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
     auto* out = static_cast<__nv_bfloat16*>(p.out);
 
     if (!live) {
-#if defined(KDA_DEFER) && KDA_DEFER == 2
-      flush();
-#endif
       // Dead item: T rows of zeros, nothing else.
       if (tid < kD) {
 #pragma unroll
@@ -723,9 +701,6 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       __syncthreads();  // B1: operands, window, parameters (FB: f_b rows), beta visible
       TRACE_ITEM(n, 1);
       if (FB) load_afr();
-#if defined(KDA_DEFER) && KDA_DEFER == 2
-      flush();
-#endif
 
       const bool rec = p.record != 0;
       // ---- gate projection on the tensor cores: rg[feat][token] ----
@@ -1006,28 +981,11 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
         const long long wo = sm.woff[t];
         if (!rec && wo >= 0) {
           float* base = p.state + wo + row0 * kD + 4 * lane8;
-#ifdef KDA_DEFER
-          const bool last = T == 1 && t == T - 1;  // (T > 1: the register cap would spill)
-#pragma unroll
-          for (int m = 0; m < 4; ++m)
-#pragma unroll
-            for (int c = 0; c < 4; ++c)
-              if (m < 2 || !last) *reinterpret_cast<float4*>(base + m * 32 * kD + 32 * c) = S[m][c];
-          if (last) {
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-              D[0][c] = S[2][c];
-              D[1][c] = S[3][c];
-            }
-            dbase = base;
-          }
-#else
 #pragma unroll
           for (int m = 0; m < 4; ++m)
 #pragma unroll
             for (int c = 0; c < 4; ++c)
               *reinterpret_cast<float4*>(base + m * 32 * kD + 32 * c) = S[m][c];
-#endif
         }
       }
       TRACE_ITEM(n, 5);
@@ -1059,9 +1017,6 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
 #undef PF
 #undef ROW0
   }
-#ifdef KDA_DEFER
-  flush();
-#endif
 
   // Dynamic schedule: the last CTA to finish (it took its last item after every other CTA took
   // theirs) leaves both counters at zero for the next launch, which reads them only after its
