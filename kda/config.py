@@ -38,7 +38,8 @@ class KdaConfig:
     Attributes:
       num_heads: H, KDA heads on this GPU (any H >= 1).
       T: tokens per request (1 = plain decode, >1 = speculative verify).
-      window: L, the conv window length held in the cache, >= T + 2.
+      window: L, the conv window length held in the cache, >= T + 2; None (the default)
+        means T + 2, the shortest window that serves T (3 at T=1).
       conv_layout: "SD" (window-first) or "DS" (dim-first), see :data:`CONV_LAYOUTS`.
       lower_bound: None for the softplus gate (Kimi-Linear), or a float in [-5, 0) for the
         bounded gate ``lower_bound * sigmoid(A * x)`` (Kimi-K3 style).
@@ -56,7 +57,7 @@ class KdaConfig:
 
     num_heads: int
     T: int = 1
-    window: int = 3
+    window: Optional[int] = None
     conv_layout: str = "SD"
     lower_bound: Optional[float] = None
     gate_mode: int = 0
@@ -67,6 +68,11 @@ class KdaConfig:
     conv_state_dtype: torch.dtype = torch.bfloat16
     conv_weight_dtype: torch.dtype = torch.float32
     norm_weight_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        # window=None -> T + 2 (left None when T is not an int: validate_config names T first)
+        if self.window is None and isinstance(self.T, int) and not isinstance(self.T, bool):
+            object.__setattr__(self, "window", self.T + 2)
 
     @property
     def dim(self) -> int:

@@ -207,7 +207,7 @@ def validate_config(cfg: KdaConfig) -> None:
     if cfg.window < cfg.T + 2:
         raise KdaArgumentError("conv_state", f"window too short for T={cfg.T}: expected L >= T + 2 = "
                                              f"{cfg.T + 2} positions (conv_state.shape[2]; "
-                                             f"KdaConfig.window, default 3), got L = {cfg.window}")
+                                             f"KdaConfig.window, default T + 2), got L = {cfg.window}")
     if cfg.conv_layout not in CONV_LAYOUTS:
         raise KdaArgumentError("conv_state", f"expected layout in {CONV_LAYOUTS}, got {cfg.conv_layout!r}")
     if cfg.lower_bound is not None:

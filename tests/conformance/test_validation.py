@@ -351,3 +351,15 @@ def test_bits_equal_takes_every_float_width():
     for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         t = torch.tensor([1.0, float("nan"), -0.0], dtype=dt)
         assert bits_equal(t, t.clone()) and not bits_equal(t, t.abs())
+
+
+def test_config_window_defaults_to_t_plus_2():
+    assert [KdaConfig(num_heads=2, T=t).window for t in (1, 2, 5)] == [3, 4, 7]
+    assert KdaConfig(num_heads=2, T=2, window=6).window == 6
+    assert KdaConfig(num_heads=2) == KdaConfig(num_heads=2, window=3)  # one compiled kernel
+    with pytest.raises(KdaArgumentError) as ei:  # a bad T is named before the window
+        kda.KdaDecode(KdaConfig(num_heads=2, T="2"), device="cpu", backend="reference")
+    assert ei.value.arg == "state_indices"
+    with pytest.raises(KdaArgumentError) as ei:
+        kda.KdaDecode(KdaConfig(num_heads=2, T=3, window=4), device="cpu", backend="reference")
+    assert ei.value.arg == "conv_state" and "default T + 2" in str(ei.value)
