@@ -39,7 +39,12 @@ class KdaConfig:
       num_heads: H, KDA heads on this GPU (any H >= 1).
       T: tokens per request (1 = plain decode, >1 = speculative verify).
       window: L, the conv window length held in the cache, >= T + 2; None (the default)
-        means T + 2, the shortest window that serves T (3 at T=1).
+        means T + 2, the shortest window that serves T (3 at T=1). Resolved at construction:
+        ``dataclasses.replace(cfg, T=...)`` keeps the old window unless ``window=None`` is
+        passed too.
+
+    Construction checks nothing; :class:`kda.KdaDecode` validates the configuration (errors are
+    named after the call argument each field comes from, see ``kda.validate.FIELD_ARG``).
       conv_layout: "SD" (window-first) or "DS" (dim-first), see :data:`CONV_LAYOUTS`.
       lower_bound: None for the softplus gate (Kimi-Linear), or a float in [-5, 0) for the
         bounded gate ``lower_bound * sigmoid(A * x)`` (Kimi-K3 style).

@@ -337,9 +337,16 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
         raise KdaArgumentError("state", "expected 16-byte aligned data, got an address "
                                         f"{st.data_ptr() % 16} bytes past alignment")
     cs = args.conv_state
+    check_is_tensor("conv_state", cs)
     if cs.shape[0] != slots:
         raise KdaArgumentError("conv_state", f"mismatched slot counts: expected {slots} slots (as state), "
                                              f"got {cs.shape[0]}")
+    if cs.dim() == 3 and cs.shape[1] == 3 * dim and cs.shape[2] != L:
+        # (the object form's window is the configuration's: a KdaConfig copied with
+        # dataclasses.replace(cfg, T=...) keeps the window it had)
+        raise KdaArgumentError("conv_state", f"expected L = {L} window positions (KdaConfig.window; "
+                                             f"None gives T + 2 = {T + 2}), got shape "
+                                             f"{list(cs.shape)}")
     _check_tensor("conv_state", cs, (cfg.conv_state_dtype,), (slots, 3 * dim, L), dev)
     layout = conv_layout_of(cs)
     if layout != cfg.conv_layout:

@@ -251,12 +251,17 @@ def test_object_form_rejects_1d_state_indices_for_verify(backend_name, require_b
     _assert_untouched(a, before)
 
 
-@pytest.mark.parametrize("name", ["x", "state_indices", "state", "f_b"])
-def test_object_form_names_a_non_tensor(name):
-    a = make_case(CaseSpec(CFG1, R=2))
-    step = kda.KdaDecode(CFG1, device="cpu", backend="reference")
+@pytest.mark.parametrize("validated_before", [True, False], ids=["seen", "first"])
+@pytest.mark.parametrize("name", ["x", "conv_weight", "conv_bias", "conv_state", "f_a", "f_b", "beta",
+                                  "A_log", "dt_bias", "state", "state_indices", "output_gate",
+                                  "norm_weight", "out"])
+def test_object_form_names_a_non_tensor(name, validated_before):
+    cfg = dataclasses.replace(CFG1, has_conv_bias=True)
+    a = make_case(CaseSpec(cfg, R=2))
+    step = kda.KdaDecode(cfg, device="cpu", backend="reference")
     kw = _object_kw(a)
-    step(**kw)                                           # validated once
+    if validated_before:
+        step(**kw)
     before = clone_args(a)
     with pytest.raises(KdaArgumentError) as ei:
         step(**{**kw, name: [1, 2]})
@@ -363,3 +368,12 @@ def test_config_window_defaults_to_t_plus_2():
     with pytest.raises(KdaArgumentError) as ei:
         kda.KdaDecode(KdaConfig(num_heads=2, T=3, window=4), device="cpu", backend="reference")
     assert ei.value.arg == "conv_state" and "default T + 2" in str(ei.value)
+    # a copy made for another T keeps its window: the call's error says where L comes from
+    t2 = dataclasses.replace(KdaConfig(num_heads=2), T=2, window=None)
+    assert t2.window == 4
+    t1 = dataclasses.replace(t2, T=1)                  # keeps window 4
+    a = make_case(CaseSpec(KdaConfig(num_heads=2), R=2))
+    with pytest.raises(KdaArgumentError) as ei:
+        kda.KdaDecode(t1, device="cpu", backend="reference")(**_object_kw(a))
+    assert ei.value.arg == "conv_state" and "expected L = 4" in str(ei.value)
+    assert "KdaConfig.window" in str(ei.value)
