@@ -42,9 +42,6 @@ class KdaConfig:
         means T + 2, the shortest window that serves T (3 at T=1). Resolved at construction:
         ``dataclasses.replace(cfg, T=...)`` keeps the old window unless ``window=None`` is
         passed too.
-
-    Construction checks nothing; :class:`kda.KdaDecode` validates the configuration (errors are
-    named after the call argument each field comes from, see ``kda.validate.FIELD_ARG``).
       conv_layout: "SD" (window-first) or "DS" (dim-first), see :data:`CONV_LAYOUTS`.
       lower_bound: None for the softplus gate (Kimi-Linear), or a float in [-5, 0) for the
         bounded gate ``lower_bound * sigmoid(A * x)`` (Kimi-K3 style).
@@ -58,6 +55,9 @@ class KdaConfig:
       conv_state_dtype: bf16 (default) or fp32.
       conv_weight_dtype: fp32 (default) or bf16.
       norm_weight_dtype: fp32 (default) or bf16.
+
+    Construction checks nothing; :class:`kda.KdaDecode` validates the configuration (errors are
+    named after the call argument each field comes from, see ``kda.validate.FIELD_ARG``).
     """
 
     num_heads: int

@@ -145,10 +145,7 @@ def config_from_args(x, conv_weight, conv_bias, conv_state, state_indices, A_log
     T = 1 if state_indices.dim() == 1 else state_indices.shape[1]
     if T < 1:
         raise KdaArgumentError("state_indices", f"expected T = state_indices.shape[1] >= 1, got {T}")
-    if not isinstance(conv_state, torch.Tensor) or conv_state.dim() != 3:
-        raise KdaArgumentError("conv_state", "expected a 3-D tensor [slots, 3*dim, L], got "
-                               + (f"shape {list(conv_state.shape)}" if isinstance(conv_state, torch.Tensor)
-                                  else type(conv_state).__name__))
+    check_conv_state_is_3d(conv_state)
     layout = conv_layout_of(conv_state)
     if layout is None:
         raise KdaArgumentError("conv_state", "expected window-first strides [s, 1, 3*dim] (SD) or "
@@ -260,6 +257,14 @@ def _as_fp32(v: float) -> float:
         return math.copysign(math.inf, float(v))
 
 
+def check_conv_state_is_3d(conv_state) -> None:
+    """Raises KdaArgumentError unless ``conv_state`` is a 3-D tensor [slots, 3*dim, L]."""
+    if not isinstance(conv_state, torch.Tensor) or conv_state.dim() != 3:
+        raise KdaArgumentError("conv_state", "expected a 3-D tensor [slots, 3*dim, L], got "
+                               + (f"shape {list(conv_state.shape)}" if isinstance(conv_state, torch.Tensor)
+                                  else type(conv_state).__name__))
+
+
 def check_x_is_2d(x: torch.Tensor) -> None:
     """Raises KdaArgumentError unless the tensor ``x`` is 2-D ([N, 3*dim]); also used before
     ``out`` is allocated from ``x.shape[0]``."""
@@ -337,11 +342,11 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
         raise KdaArgumentError("state", "expected 16-byte aligned data, got an address "
                                         f"{st.data_ptr() % 16} bytes past alignment")
     cs = args.conv_state
-    check_is_tensor("conv_state", cs)
+    check_conv_state_is_3d(cs)
     if cs.shape[0] != slots:
         raise KdaArgumentError("conv_state", f"mismatched slot counts: expected {slots} slots (as state), "
                                              f"got {cs.shape[0]}")
-    if cs.dim() == 3 and cs.shape[1] == 3 * dim and cs.shape[2] != L:
+    if cs.shape[1] == 3 * dim and cs.shape[2] != L:
         # (the object form's window is the configuration's: a KdaConfig copied with
         # dataclasses.replace(cfg, T=...) keeps the window it had)
         raise KdaArgumentError("conv_state", f"expected L = {L} window positions (KdaConfig.window; "

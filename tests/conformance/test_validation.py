@@ -269,6 +269,17 @@ def test_object_form_names_a_non_tensor(name, validated_before):
     _assert_untouched(a, before)
 
 
+def test_object_form_names_a_conv_state_of_the_wrong_rank():
+    a = make_case(CaseSpec(CFG1, R=2))
+    step = kda.KdaDecode(CFG1, device="cpu", backend="reference")
+    before = clone_args(a)
+    for bad in (torch.tensor(1.0), a.conv_state[0]):
+        with pytest.raises(KdaArgumentError) as ei:
+            step(**{**_object_kw(a), "conv_state": bad})
+        assert ei.value.arg == "conv_state" and "3-D" in str(ei.value)
+    _assert_untouched(a, before)
+
+
 @pytest.mark.parametrize("form", ["function", "object", "function-with-out"])
 def test_a_0d_x_is_named(form):
     """x of the wrong rank is named before ``out`` is allocated from its first dimension
