@@ -31,13 +31,15 @@ so ``auto`` picks it.
 
 from __future__ import annotations
 
+import logging
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from kda.backend import Backend, StepFn
 from kda.config import KdaArgs, KdaConfig
+from kda.errors import KdaBackendError
 
 #: The measurement the table comes from.
 SOURCE = "docs/results/2026-11-30-h200-b7ba337/bench-h200.json"
@@ -138,13 +140,15 @@ class BatchAuto(Backend):
     for the call's batch (:func:`table_batch`). The choice reads only the host-side shape
     ``state_indices.shape[0]``, so a CUDA graph captured at one batch size replays the kernel
     chosen for it; every chosen backend is built (compiled) when ``auto`` is built, never
-    during a call, through the same step cache as explicit choices (:func:`kda.op._step_fn`).
+    during a call, through the same step cache as explicit choices (``build``, :func:`kda.registry.step_fn`).
     A candidate whose build fails is logged and skipped: that R falls back to the next
     candidate of its order.
 
     Args:
       cfg: the configuration the candidates were checked for.
       candidates: measured R -> the backends that can serve ``cfg`` here, best first.
+      build: builds (or returns the cached) step of a candidate
+        (:func:`kda.registry.step_fn`).
 
     Raises (build):
       KdaBackendError: no candidate of some measured R builds (chained to the last error).
@@ -153,8 +157,10 @@ class BatchAuto(Backend):
     name = "auto"
     device_types = ("cuda",)
 
-    def __init__(self, cfg: KdaConfig, candidates: Dict[int, List[Backend]]):
+    def __init__(self, cfg: KdaConfig, candidates: Dict[int, List[Backend]],
+                 build: Callable[[Backend, KdaConfig, torch.device], StepFn]):
         self.cfg = cfg
+        self._build = build
         self.candidates = {r: list(c) for r, c in sorted(candidates.items())}
         segments = []   # [first choice, last batch size it serves (None: every larger)]
         rows = list(self.candidates)
@@ -175,10 +181,6 @@ class BatchAuto(Backend):
         return None
 
     def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:
-        from absl import logging
-        from kda.op import _step_fn
-        from kda.registry import KdaBackendError
-
         steps: Dict[str, StepFn] = {}
         failed: Dict[str, BaseException] = {}
         chosen: Dict[int, str] = {}
@@ -188,10 +190,10 @@ class BatchAuto(Backend):
                     continue
                 if b.name not in steps:
                     try:
-                        steps[b.name] = _step_fn(b, cfg, device)
+                        steps[b.name] = self._build(b, cfg, device)
                     except Exception as e:  # noqa: BLE001 - any build failure: next candidate
                         failed[b.name] = e
-                        logging.warning("KDA auto: backend %s failed to build for %s on %s "
+                        logging.getLogger("kda").warning("KDA auto: backend %s failed to build for %s on %s "
                                         "(%s: %s); batches ~%d use the next candidate", b.name,
                                         cfg.short(), device, type(e).__name__, e, r)
                         continue

@@ -6,16 +6,20 @@ mode, cache dtypes). It is hashable, so backends key their compiled kernels on i
 that changes per step (batch size, slot ids, accepted counts, the tensors themselves) lives in
 :class:`KdaArgs`.
 
-The contract these follow is ``docs/contract.md`` (a copy of the team's
-``kda-decode-contract.md`` with the project's decisions where it is silent).
+The contract these follow is ``docs/contract.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import struct
 from typing import NamedTuple, Optional
 
 import torch
+
+from kda.errors import KdaArgumentError
 
 #: Head dimension D (K = V = D). Fixed by the contract.
 HEAD_DIM = 128
@@ -56,8 +60,15 @@ class KdaConfig:
       conv_weight_dtype: fp32 (default) or bf16.
       norm_weight_dtype: fp32 (default) or bf16.
 
-    Construction checks nothing; :class:`kda.KdaDecode` validates the configuration (errors are
-    named after the call argument each field comes from, see ``kda.validate.FIELD_ARG``).
+    Construction checks every field and stores the numbers as Python ``int`` / ``float`` /
+    ``bool`` (numpy scalars are accepted).
+
+    Raises:
+      KdaArgumentError: named after the offending field: a count that is not an int, H < 1,
+        T < 1, a window shorter than T + 2, an unknown layout, lower_bound outside [-5, 0)
+        (or not < 0 in fp32), gate_mode not 0 / 1, a scale or norm_eps that is not a finite
+        number > 0 that is normal in fp32 (the kernels' precision), a flag that is not a
+        bool, a dtype other than bf16 / fp32.
     """
 
     num_heads: int
@@ -75,9 +86,61 @@ class KdaConfig:
     norm_weight_dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
-        # window=None -> T + 2 (left None when T is not an int: validate_config names T first)
-        if self.window is None and isinstance(self.T, int) and not isinstance(self.T, bool):
-            object.__setattr__(self, "window", self.T + 2)
+        for name in ("num_heads", "T", "window", "gate_mode"):
+            val = getattr(self, name)
+            if name == "window" and val is None:
+                continue
+            if isinstance(val, bool) or not isinstance(val, numbers.Integral):
+                raise KdaArgumentError(name, f"expected an int, got {type(val).__name__} {val!r}")
+        if self.num_heads < 1:
+            raise KdaArgumentError("num_heads", f"expected H >= 1 heads, got {self.num_heads}")
+        if self.T < 1:
+            raise KdaArgumentError("T", f"expected T >= 1 tokens per request, got {self.T}")
+        window = self.T + 2 if self.window is None else int(self.window)
+        if window < self.T + 2:
+            raise KdaArgumentError("window", f"window too short for T={self.T}: expected L >= "
+                                             f"T + 2 = {self.T + 2} positions (default T + 2), "
+                                             f"got L = {window}")
+        if self.conv_layout not in CONV_LAYOUTS:
+            raise KdaArgumentError("conv_layout", f"expected one of {CONV_LAYOUTS}, got "
+                                                  f"{self.conv_layout!r}")
+        lb = self.lower_bound
+        if lb is not None:
+            if isinstance(lb, bool) or not isinstance(lb, numbers.Real):
+                raise KdaArgumentError("lower_bound", f"expected None or a float in [-5, 0), got "
+                                                      f"{type(lb).__name__} {lb!r}")
+            if not (math.isfinite(lb) and -5.0 <= lb < 0.0 and as_fp32(lb) < 0.0):
+                raise KdaArgumentError("lower_bound", f"expected None or a float in [-5, 0) (also "
+                                                      f"as fp32, the kernels' precision), got {lb!r}")
+        if self.gate_mode not in (0, 1):
+            raise KdaArgumentError("gate_mode", f"expected 0 or 1, got {self.gate_mode!r}")
+        for name in ("scale", "norm_eps"):
+            val = getattr(self, name)
+            if (isinstance(val, bool) or not isinstance(val, numbers.Real)
+                    or not (math.isfinite(val) and val > 0)):
+                raise KdaArgumentError(name, f"expected a finite float > 0, got "
+                                             f"{type(val).__name__} {val!r}")
+            f32 = as_fp32(val)
+            if not (math.isfinite(f32) and f32 >= FP32_MIN_NORMAL):
+                raise KdaArgumentError(name, f"expected a float > 0 that is finite and normal in "
+                                             f"fp32 (the kernels' precision: [{FP32_MIN_NORMAL:.4g}, "
+                                             f"3.403e+38]), got {val!r} (fp32: {f32!r})")
+        for name in ("has_conv_bias", "record"):
+            val = getattr(self, name)
+            # a bool, or numpy's bool_ (dtype kind "b")
+            if not (isinstance(val, bool) or getattr(getattr(val, "dtype", None), "kind", "") == "b"):
+                raise KdaArgumentError(name, f"expected a bool, got {type(val).__name__} {val!r}")
+        for name in ("conv_state_dtype", "conv_weight_dtype", "norm_weight_dtype"):
+            dt = getattr(self, name)
+            if dt not in (torch.bfloat16, torch.float32):
+                raise KdaArgumentError(name, f"expected torch.bfloat16 or torch.float32, got {dt}")
+        normal = dict(num_heads=int(self.num_heads), T=int(self.T), window=window,
+                      lower_bound=None if lb is None else float(lb),
+                      gate_mode=int(self.gate_mode), has_conv_bias=bool(self.has_conv_bias),
+                      record=bool(self.record), scale=float(self.scale),
+                      norm_eps=float(self.norm_eps))
+        for name, val in normal.items():
+            object.__setattr__(self, name, val)
 
     @property
     def dim(self) -> int:
@@ -103,8 +166,23 @@ class KdaConfig:
         return "-".join(parts)
 
 
+#: The smallest normal fp32 number: scale and norm_eps below it would be flushed to zero by
+#: kernels that do so (norm_eps = 0 turns an all-zero o into NaN).
+FP32_MIN_NORMAL = 2.0 ** -126
+
+
+def as_fp32(v: float) -> float:
+    """``v`` rounded to fp32 (inf beyond its range), as the kernels and the reference use it."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", float(v)))[0]
+    except OverflowError:
+        return math.copysign(math.inf, float(v))
+
+
 class KdaArgs(NamedTuple):
-    """The per-step tensors, already validated against a :class:`KdaConfig`.
+    """The tensors of one step, in the order of :func:`kda.kda_decode`'s parameters: the one
+    record carried from the public entry points (which build it) through validation and the
+    custom op to each backend's launcher.
 
     Shapes use R requests, T tokens per request, N = R*T token rows, dim = H*128, L the window.
     A backend's step function reads these and writes ``out``, ``state``, ``conv_state`` and
@@ -136,12 +214,17 @@ class KdaArgs(NamedTuple):
     dt_bias: torch.Tensor
     state: torch.Tensor
     state_indices: torch.Tensor
-    num_accepted_tokens: Optional[torch.Tensor]
     output_gate: torch.Tensor
     norm_weight: torch.Tensor
-    out: torch.Tensor
-    v_record: Optional[torch.Tensor]
-    kg_record: Optional[torch.Tensor]
+    num_accepted_tokens: Optional[torch.Tensor] = None
+    v_record: Optional[torch.Tensor] = None
+    kg_record: Optional[torch.Tensor] = None
+    out: Optional[torch.Tensor] = None
+
+    @classmethod
+    def of(cls, params: dict) -> "KdaArgs":
+        """The record of a call whose parameters are named as its fields (pass ``locals()``)."""
+        return cls(*(params[f] for f in cls._fields))
 
     @property
     def num_requests(self) -> int:

@@ -1,8 +1,9 @@
-"""The ``--kda_backend`` absl flag, defined once for any program that imports :mod:`kda`.
+"""The ``--kda_backend`` absl flag, for servers built on absl: importing this module defines it
+(once per process) and makes the registry read it.
 
-Servers built on absl get the flag for free; others use the ``KDA_BACKEND`` environment
-variable or the ``backend=`` argument. The flag wins over the variable (see
-:mod:`kda.registry`).
+``import kda`` does not import this module (nor absl): a server that wants the flag imports
+``kda.flags``; others use the ``KDA_BACKEND`` environment variable or the ``backend=``
+argument. The flag, when given, wins over the variable (see :mod:`kda.registry`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Optional
 
 from absl import flags
 
-from kda.registry import CHOICES
+from kda.registry import CHOICES, set_flag_source
 
 FLAGS = flags.FLAGS
 
@@ -26,3 +27,6 @@ def flag_value() -> Optional[str]:
     if not FLAGS.is_parsed():
         return None
     return FLAGS["kda_backend"].value
+
+
+set_flag_source(flag_value)

@@ -8,50 +8,15 @@ RMSNorm, with paged state, null slots and speculative verify.
 
 from __future__ import annotations
 
-import threading
-from typing import Dict, Optional, Tuple
+from typing import Optional
 
 import torch
 
-from kda import registry
-from kda.backend import StepFn
+from kda import registry, torch_op
 from kda.config import HEAD_DIM, KdaArgs, KdaConfig
-from kda.validate import (FIELD_ARG, KdaArgumentError, check_is_tensor, check_x_is_2d,
-                          config_from_args, validate_args, validate_config)
-
-_build_lock = threading.RLock()   # auto's build builds its candidates through _step_fn
-_steps: Dict[Tuple[str, KdaConfig, str], StepFn] = {}
-
-
-def _step_fn(backend, cfg: KdaConfig, device: torch.device) -> StepFn:
-    key = (getattr(backend, "cache_key", backend.name), cfg, str(device))
-    fn = _steps.get(key)
-    if fn is None:
-        with _build_lock:
-            fn = _steps.get(key)
-            if fn is None:
-                fn = backend.build(cfg, device)
-                _steps[key] = fn
-    return fn
-
-
-_resolved: Dict[tuple, StepFn] = {}
-
-
-def _resolved_step(cfg: KdaConfig, device: torch.device, explicit: Optional[str]) -> StepFn:
-    """The step function for this call's backend choice, resolved once per choice and config."""
-    key = (registry.requested_name(explicit), cfg, str(device))
-    fn = _resolved.get(key)
-    if fn is None:
-        fn = _step_fn(registry.resolve(cfg, device, explicit), cfg, device)
-        _resolved[key] = fn
-    return fn
-
-
-def _alloc_out(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """A new bf16 ``out`` [N, dim] on ``x``'s device (``x`` checked to be 2-D first)."""
-    check_x_is_2d(x)
-    return torch.empty(x.shape[0], dim, dtype=torch.bfloat16, device=x.device)
+from kda.dispatch import alloc_out, metadata_key, validated_step
+from kda.errors import KdaArgumentError, KdaBackendError
+from kda.validate import FIELD_ARG, check_is_tensor, config_from_args, validate_args
 
 
 def _host(v):
@@ -80,13 +45,13 @@ def kda_decode(
     norm_weight: torch.Tensor,
     *,
     num_accepted_tokens: Optional[torch.Tensor] = None,
+    v_record: Optional[torch.Tensor] = None,
+    kg_record: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     norm_eps: float = 1e-5,
     lower_bound: Optional[float] = None,
     gate_mode: int = 0,
-    v_record: Optional[torch.Tensor] = None,
-    kg_record: Optional[torch.Tensor] = None,
-    out: Optional[torch.Tensor] = None,
     backend: Optional[str] = None,
 ) -> torch.Tensor:
     """One fused KDA decode step for R requests x H heads; returns ``out``.
@@ -146,65 +111,21 @@ def kda_decode(
     Formulas: the contract, section 2 (after fla-core's ``naive_recurrent_kda`` and
     ``naive_kda_gate`` / ``naive_kda_lowerbound_gate``, with the rounding points of section 3).
     """
+    args = KdaArgs.of(locals())
     if torch.compiler.is_compiling():
-        from kda import torch_op
         check_is_tensor("x", x)
         if backend is not None and not isinstance(backend, str):
             registry.check_choice(backend, "argument")     # not a name: raises as resolve()
         if out is None and isinstance(A_log, torch.Tensor) and A_log.dim() == 1:
-            out = _alloc_out(x, A_log.shape[0] * HEAD_DIM)
-        return torch_op.decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log,
-                               dt_bias, state, state_indices, output_gate, norm_weight, out=out,
-                               num_accepted_tokens=num_accepted_tokens, scale=_host(scale),
-                               norm_eps=_host(norm_eps), lower_bound=_host(lower_bound),
-                               gate_mode=_host(gate_mode), v_record=v_record,
-                               kg_record=kg_record, backend=backend)
-    step, args = validated_step(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log,
-                                dt_bias, state, state_indices, output_gate, norm_weight,
-                                num_accepted_tokens=num_accepted_tokens, scale=scale,
-                                norm_eps=norm_eps, lower_bound=lower_bound, gate_mode=gate_mode,
-                                v_record=v_record, kg_record=kg_record, out=out, backend=backend)
+            args = args._replace(out=alloc_out(x, A_log.shape[0] * HEAD_DIM))
+        return torch_op.call(args, scale=_host(scale), norm_eps=_host(norm_eps),
+                             lower_bound=_host(lower_bound), gate_mode=_host(gate_mode),
+                             backend=backend)
+    step, args = validated_step(args, scale=scale, norm_eps=norm_eps, lower_bound=lower_bound,
+                                gate_mode=gate_mode, backend=backend)
     if state_indices.shape[0]:
         step(args)
     return args.out
-
-
-def validated_step(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias,
-                   state, state_indices, output_gate, norm_weight, *, num_accepted_tokens,
-                   scale, norm_eps, lower_bound, gate_mode, v_record, kg_record, out,
-                   backend) -> Tuple[StepFn, KdaArgs]:
-    """Everything :func:`kda_decode` does before launching: derive the configuration,
-    validate every argument, allocate ``out`` if None, resolve the backend's step function.
-
-    Returns:
-      (step, args): ``step(args)`` runs the step (skip it when R == 0).
-
-    Raises:
-      As :func:`kda_decode`; nothing has been written.
-    """
-    if (v_record is None) != (kg_record is None):
-        missing = "kg_record" if kg_record is None else "v_record"
-        raise KdaArgumentError(missing, "record mode needs both v_record and kg_record, got only one")
-    cfg = config_from_args(x, conv_weight, conv_bias, conv_state, state_indices, A_log, norm_weight,
-                           lower_bound=lower_bound, gate_mode=gate_mode, record=v_record is not None,
-                           scale=scale, norm_eps=norm_eps)
-    validate_config(cfg)
-    if out is None and isinstance(x, torch.Tensor):
-        out = _alloc_out(x, cfg.dim)
-    args = KdaArgs(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias, state,
-                   state_indices, num_accepted_tokens, output_gate, norm_weight, out, v_record,
-                   kg_record)
-    validate_args(cfg, args)
-    return _resolved_step(cfg, x.device, backend), args
-
-
-def metadata_key(args: KdaArgs) -> tuple:
-    """dtype, shape, strides and device of every argument (None for absent optional ones;
-    a non-tensor gives a value equal to nothing, so it is never taken as validated)."""
-    return tuple(None if t is None else
-                 (t.dtype, t.shape, t.stride(), t.device) if isinstance(t, torch.Tensor) else
-                 (object(),)
-                 for t in args)
 
 
 #: How many distinct argument metadata (e.g. batch sizes) a KdaDecode remembers as validated.
@@ -242,7 +163,8 @@ class KdaDecode:
 
     def __init__(self, cfg: KdaConfig, *, device=None, backend: Optional[str] = None,
                  validate: str = "first"):
-        validate_config(cfg)
+        if not isinstance(cfg, KdaConfig):
+            raise KdaArgumentError("cfg", f"expected a kda.KdaConfig, got {type(cfg).__name__}")
         if validate not in ("first", "always"):
             raise KdaArgumentError("validate", f"expected 'first' or 'always', got {validate!r}")
         if device is None:
@@ -250,20 +172,15 @@ class KdaDecode:
                 else torch.device("cpu")
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise registry.KdaBackendError(f"device {device}: torch sees no CUDA device here")
+            raise KdaBackendError(f"device {device}: torch sees no CUDA device here")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.cfg = cfg
         self.device = device
         self.backend = registry.resolve(cfg, device, backend)
-        self._step = _step_fn(self.backend, cfg, device)
+        self._step = registry.step_fn(self.backend, cfg, device)
         self._always = validate == "always"
         self._validated: set = set()     # metadata keys validated (at most VALIDATED_KEYS)
-        # the config's scalars as Python numbers, for the compiled path (dynamo turns numpy
-        # scalars into arrays, which the custom op's schema refuses)
-        self._scalars = (float(cfg.scale), float(cfg.norm_eps),
-                         None if cfg.lower_bound is None else float(cfg.lower_bound),
-                         int(cfg.gate_mode))
 
     @property
     def backend_name(self) -> str:
@@ -295,15 +212,11 @@ class KdaDecode:
         ``validate``.
         """
         check_is_tensor("x", x)
+        args = KdaArgs.of(locals())
         if out is None:
-            out = _alloc_out(x, self.cfg.dim)
+            args = args._replace(out=alloc_out(x, self.cfg.dim))
         if torch.compiler.is_compiling():
-            return self._compiled_call(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta,
-                                       A_log, dt_bias, state, state_indices, output_gate,
-                                       norm_weight, num_accepted_tokens, v_record, kg_record, out)
-        args = KdaArgs(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias,
-                       state, state_indices, num_accepted_tokens, output_gate, norm_weight, out,
-                       v_record, kg_record)
+            return self._compiled_call(args)
         # dtype, shape, strides and device of every argument: metadata not validated before
         # (a new batch size, another cache layout or window, a bias appearing, a tensor on
         # another device) is validated; a non-tensor always is (and fails there with a clear
@@ -317,36 +230,27 @@ class KdaDecode:
             self._validated.add(key)
         if state_indices.shape[0]:
             self._step(args)
-        return out
+        return args.out
 
     def _check_device(self, x: torch.Tensor) -> None:
         if x.device != self.device:
             raise KdaArgumentError("x", f"expected device {self.device} (this KdaDecode's), got {x.device}")
 
-    def _compiled_call(self, x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log,
-                       dt_bias, state, state_indices, output_gate, norm_weight,
-                       num_accepted_tokens, v_record, kg_record, out) -> torch.Tensor:
+    def _compiled_call(self, args: KdaArgs) -> torch.Tensor:
         """:meth:`__call__` under torch.compile: the tensors' static configuration (metadata
         only, resolved while tracing) must be this object's; then the custom op runs the step
         (validating the tensors when the graph runs)."""
-        from kda import torch_op
         c = self.cfg
-        self._check_device(x)
-        scale, norm_eps, lower_bound, gate_mode = self._scalars
-        got = config_from_args(x, conv_weight, conv_bias, conv_state, state_indices, A_log,
-                               norm_weight, lower_bound=lower_bound, gate_mode=gate_mode,
-                               record=v_record is not None or kg_record is not None,
-                               scale=scale, norm_eps=norm_eps)
+        self._check_device(args.x)
+        got = config_from_args(args, scale=c.scale, norm_eps=c.norm_eps,
+                               lower_bound=c.lower_bound, gate_mode=c.gate_mode)
         for field in ("num_heads", "T", "window", "conv_layout", "has_conv_bias", "record",
                       "conv_state_dtype", "conv_weight_dtype", "norm_weight_dtype"):
             if getattr(got, field) != getattr(c, field):
                 arg = FIELD_ARG[field]
-                if field == "record" and v_record is None and kg_record is not None:
+                if field == "record" and args.v_record is None and args.kg_record is not None:
                     arg = "kg_record"
                 raise KdaArgumentError(arg, f"expected {field} = {getattr(c, field)} (this "
                                             f"KdaDecode's configuration), got {getattr(got, field)}")
-        return torch_op.decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log,
-                               dt_bias, state, state_indices, output_gate, norm_weight, out=out,
-                               num_accepted_tokens=num_accepted_tokens, scale=scale,
-                               norm_eps=norm_eps, lower_bound=lower_bound, gate_mode=gate_mode,
-                               v_record=v_record, kg_record=kg_record, backend=self.backend.name)
+        return torch_op.call(args, scale=c.scale, norm_eps=c.norm_eps, lower_bound=c.lower_bound,
+                             gate_mode=c.gate_mode, backend=self.backend.name)

@@ -6,7 +6,8 @@ Names: ``reference``, ``triton``, ``cutedsl`` (the persistent streamed CuTe DSL 
 How a call's backend is chosen, first match wins:
 
 1. the ``backend=`` argument of :func:`kda.kda_decode` / :class:`kda.KdaDecode`;
-2. the absl flag ``--kda_backend`` (defined in :mod:`kda.flags`) when it was given;
+2. the absl flag ``--kda_backend`` when it was given (a server defines it by importing
+   :mod:`kda.flags`, which hands its value to :func:`set_flag_source`);
 3. the environment variable ``KDA_BACKEND``;
 4. ``auto``: the first backend of :func:`kda.auto.auto_order` that is available here and
    supports the configuration, per measured batch size; where that differs between batch
@@ -15,42 +16,53 @@ How a call's backend is chosen, first match wins:
 
 An explicit name that cannot serve the call raises :class:`KdaBackendError` with every
 reason; an unknown name raises listing the valid names. The backend actually used for each
-(requested name, configuration) is logged once.
+(requested name, configuration) is logged once (logger ``kda``, level INFO).
+
+Built step functions are cached per (backend, configuration, device) (:func:`step_fn`), so
+every entry point and ``auto``'s candidates share one build.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-from absl import logging
 
-from kda.backend import Backend
+from kda.auto import BatchAuto, plan
+from kda.backend import Backend, StepFn
 from kda.config import KdaConfig
+from kda.errors import KdaBackendError
 
 #: Every backend name, in the order the README lists them.
 BACKEND_NAMES = ("reference", "triton", "cutedsl", "cutedsl_wide", "cuda")
 #: Valid values of the flag / env var / ``backend=`` argument.
 CHOICES = ("auto",) + BACKEND_NAMES
 _MODULES = {
-    "reference": "backends.reference",
-    "triton": "backends.triton",
-    "cutedsl": "backends.cutedsl",
-    "cutedsl_wide": "backends.cutedsl",
-    "cuda": "backends.cuda",
+    "reference": "kda.backends.reference",
+    "triton": "kda.backends.triton",
+    "cutedsl": "kda.backends.cutedsl",
+    "cutedsl_wide": "kda.backends.cutedsl",
+    "cuda": "kda.backends.cuda",
 }
 ENV_VAR = "KDA_BACKEND"
 
+_log = logging.getLogger("kda")
 _lock = threading.Lock()
 _loaded: Dict[str, Backend] = {}
 _logged = set()
+#: Returns the --kda_backend flag's value when it was given, else None (see set_flag_source).
+_flag_source: Optional[Callable[[], Optional[str]]] = None
 
 
-class KdaBackendError(RuntimeError):
-    """The requested backend does not exist, is not available, or cannot serve the call."""
+def set_flag_source(source: Optional[Callable[[], Optional[str]]]) -> None:
+    """Install the function that reads the ``--kda_backend`` flag (:mod:`kda.flags` does, when a
+    server imports it); it returns the flag's value when given on the command line, else None."""
+    global _flag_source
+    _flag_source = source
 
 
 class _Missing(Backend):
@@ -118,8 +130,7 @@ def requested_name(explicit: Optional[str] = None) -> Tuple[str, str]:
     """
     if explicit is not None:
         return explicit, "argument"
-    from kda import flags as kda_flags  # local: defining the flag must not need this module
-    flag = kda_flags.flag_value()
+    flag = _flag_source() if _flag_source is not None else None
     if flag is not None:
         return flag, "flag --kda_backend"
     env = os.environ.get(ENV_VAR)
@@ -158,7 +169,6 @@ def resolve(cfg: KdaConfig, device: torch.device, explicit: Optional[str] = None
     name, source = requested_name(explicit)
     check_choice(name, source)
     if name == "auto":
-        from kda.auto import BatchAuto, plan
         candidates = {}
         for table_r, order in plan(cfg, device).items():
             ok, tried = [], []
@@ -174,7 +184,7 @@ def resolve(cfg: KdaConfig, device: torch.device, explicit: Optional[str] = None
             candidates[table_r] = ok
         firsts = {c[0].name: c[0] for c in candidates.values()}
         backend = (next(iter(firsts.values())) if len(firsts) == 1
-                   else BatchAuto(cfg, candidates))
+                   else BatchAuto(cfg, candidates, step_fn))
         _log_once(name, source, backend, cfg, device)
         return backend
     why = unsupported_reasons(name, cfg, device)
@@ -192,10 +202,30 @@ def _log_once(requested: str, source: str, backend: Backend, cfg: KdaConfig,
     if key in _logged:
         return
     _logged.add(key)
-    logging.info("KDA decode backend: %s (requested %s via %s) for %s on %s",
+    _log.info("KDA decode backend: %s (requested %s via %s) for %s on %s",
                  describe(backend), requested, source, cfg.short(), device)
 
 
 def describe(backend: Backend) -> str:
     """The backend's name, with the plan for ``auto`` when it depends on the batch size."""
     return backend.name if backend.name != "auto" else f"auto ({backend.description})"
+
+
+_steps: Dict[tuple, StepFn] = {}
+
+
+def step_fn(backend: Backend, cfg: KdaConfig, device: torch.device) -> StepFn:
+    """``backend``'s built step for ``cfg`` on ``device``: built on first need, then cached
+    for the process (shared by every entry point and by ``auto``'s candidates)."""
+    key = (getattr(backend, "cache_key", backend.name), cfg, str(device))
+    fn = _steps.get(key)
+    if fn is None:
+        with _build_lock:
+            fn = _steps.get(key)
+            if fn is None:
+                fn = backend.build(cfg, device)
+                _steps[key] = fn
+    return fn
+
+
+_build_lock = threading.RLock()   # auto's build builds its candidates through step_fn

@@ -72,12 +72,8 @@ def make_config(H: int, T: int, layout: str = "SD", lb=None, gm: int = 0, bias: 
 def call_public(args: KdaArgs, cfg: KdaConfig, backend: Optional[str]) -> torch.Tensor:
     """Run ``args`` through the public :func:`kda.kda_decode` with ``cfg``'s scalars."""
     import kda
-    return kda.kda_decode(
-        args.x, args.conv_weight, args.conv_bias, args.conv_state, args.f_a, args.f_b, args.beta,
-        args.A_log, args.dt_bias, args.state, args.state_indices, args.output_gate,
-        args.norm_weight, num_accepted_tokens=args.num_accepted_tokens, scale=cfg.scale,
-        norm_eps=cfg.norm_eps, lower_bound=cfg.lower_bound, gate_mode=cfg.gate_mode,
-        v_record=args.v_record, kg_record=args.kg_record, out=args.out, backend=backend)
+    return kda.kda_decode(**args._asdict(), scale=cfg.scale, norm_eps=cfg.norm_eps,
+                          lower_bound=cfg.lower_bound, gate_mode=cfg.gate_mode, backend=backend)
 
 
 def _randn(shape, dtype, device, gen, scale=1.0, offset=0.0):

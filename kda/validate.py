@@ -8,34 +8,15 @@ behaviour is defined by the contract (dead items, clamped counts) instead.
 
 from __future__ import annotations
 
-import math
 import numbers
-import struct
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
-from kda.config import CONV_LAYOUTS, GATE_RANK, HEAD_DIM, KdaArgs, KdaConfig
+from kda.config import GATE_RANK, HEAD_DIM, KdaArgs, KdaConfig
+from kda.errors import KdaArgumentError
 
 D = HEAD_DIM
-
-
-class KdaArgumentError(ValueError):
-    """A decode-step argument is invalid: ``KdaArgumentError(arg, message)``; ``arg`` names the
-    argument, ``str()`` reads "arg: message".
-
-    (No ``__init__`` of its own: torch.compile's dynamo raises such an exception from traced
-    code as it is, while one whose ``__init__`` calls ``super().__init__`` ended, under torch
-    2.11, in an internal AssertionError instead; with ``fullgraph=True`` a raise while tracing
-    is dynamo's "Observed exception" error, which quotes this one under torch 2.13.)
-    """
-
-    @property
-    def arg(self) -> str:
-        return self.args[0] if self.args else ""
-
-    def __str__(self) -> str:
-        return f"{self.args[0]}: {self.args[1]}" if len(self.args) == 2 else super().__str__()
 
 
 def _fmt_dtype(dt) -> str:
@@ -108,7 +89,7 @@ def conv_layout_of(conv_state: torch.Tensor) -> Optional[str]:
 def check_scalar_types(scale, norm_eps, lower_bound, gate_mode) -> None:
     """The call's scalars are host numbers of the right kind: ``scale`` (None allowed),
     ``norm_eps`` and ``lower_bound`` (None allowed) real numbers, ``gate_mode`` an int (not a
-    bool). Values are checked by :func:`validate_config`.
+    bool). Values are checked by :class:`kda.config.KdaConfig`.
 
     Raises:
       KdaArgumentError: named after the offending scalar.
@@ -126,13 +107,18 @@ def check_scalar_types(scale, norm_eps, lower_bound, gate_mode) -> None:
                                             f"{gate_mode!r}")
 
 
-def config_from_args(x, conv_weight, conv_bias, conv_state, state_indices, A_log,
-                     norm_weight, *, lower_bound=None, gate_mode=0, record=False,
-                     scale=None, norm_eps=1e-5) -> KdaConfig:
-    """Derive the static :class:`KdaConfig` of a call from its tensors and scalars.
+def config_from_args(args: KdaArgs, *, scale=None, norm_eps=1e-5, lower_bound=None,
+                     gate_mode=0) -> KdaConfig:
+    """Derive the static :class:`KdaConfig` of a call from its tensors (metadata only) and
+    scalars.
 
-    Raises KdaArgumentError for what the derivation itself needs (head count, layout, T).
+    Raises:
+      KdaArgumentError: named after the call argument a field comes from (``A_log`` for the
+        head count, ``state_indices`` for T, ``conv_state`` for the window, layout and dtype,
+        ``conv_weight`` / ``norm_weight`` for their dtypes, ``v_record`` for record mode; the
+        scalars under their own names).
     """
+    A_log, state_indices, conv_state = args.A_log, args.state_indices, args.conv_state
     if not isinstance(A_log, torch.Tensor) or A_log.dim() != 1 or A_log.shape[0] < 1:
         raise KdaArgumentError("A_log", "expected a 1-D tensor [H] with H >= 1, got "
                                + (f"shape {list(A_log.shape)}" if isinstance(A_log, torch.Tensor)
@@ -157,14 +143,21 @@ def config_from_args(x, conv_weight, conv_bias, conv_state, state_indices, A_log
     if scale is None:
         scale = D ** -0.5
     check_scalar_types(scale, norm_eps, lower_bound, gate_mode)
-    gate_mode = int(gate_mode)
-    return KdaConfig(
-        num_heads=H, T=T, window=conv_state.shape[2], conv_layout=layout,
-        lower_bound=None if lower_bound is None else float(lower_bound),
-        gate_mode=gate_mode, has_conv_bias=conv_bias is not None, record=bool(record),
-        scale=float(scale), norm_eps=float(norm_eps), conv_state_dtype=conv_state.dtype,
-        conv_weight_dtype=getattr(conv_weight, "dtype", torch.float32),
-        norm_weight_dtype=getattr(norm_weight, "dtype", torch.float32))
+    try:
+        return KdaConfig(
+            num_heads=H, T=T, window=conv_state.shape[2], conv_layout=layout,
+            lower_bound=lower_bound, gate_mode=gate_mode,
+            has_conv_bias=args.conv_bias is not None,
+            record=args.v_record is not None or args.kg_record is not None,
+            scale=scale, norm_eps=norm_eps, conv_state_dtype=conv_state.dtype,
+            conv_weight_dtype=getattr(args.conv_weight, "dtype", torch.float32),
+            norm_weight_dtype=getattr(args.norm_weight, "dtype", torch.float32))
+    except KdaArgumentError as e:
+        arg = FIELD_ARG.get(e.arg, e.arg)
+        if arg == e.arg:
+            raise
+        raise KdaArgumentError(arg, f"{e.arg} {e.message}" if e.arg != "window" else
+                               f"{e.message} (conv_state.shape[2])") from None
 
 
 #: The call argument each KdaConfig field is derived from: errors about a field name it.
@@ -173,88 +166,6 @@ FIELD_ARG = {"num_heads": "A_log", "T": "state_indices", "window": "conv_state",
              "conv_state_dtype": "conv_state", "conv_weight_dtype": "conv_weight",
              "norm_weight_dtype": "norm_weight", "gate_mode": "gate_mode",
              "lower_bound": "lower_bound", "scale": "scale", "norm_eps": "norm_eps"}
-
-
-def validate_config(cfg: KdaConfig) -> None:
-    """Check the static configuration's scalars and ranges (host only, nothing written).
-
-    Args:
-      cfg: the configuration (:class:`kda.config.KdaConfig`).
-
-    Raises:
-      KdaArgumentError: named after the call argument the field comes from (``A_log`` for
-        num_heads, ``state_indices`` for T, ``conv_state`` for the window, layout and cache
-        dtype, ``lower_bound``, ``gate_mode``, ``scale``, ``norm_eps``, ``conv_weight``,
-        ``norm_weight``, ``conv_bias`` for has_conv_bias, ``v_record`` for record): non-int
-        counts, H < 1, T < 1, a window shorter than T + 2, an unknown layout, lower_bound
-        outside [-5, 0) or not < 0 in fp32, gate_mode not 0/1, a scale / norm_eps that is not a
-        finite number > 0 or not finite and normal in fp32 (the kernels' precision),
-        has_conv_bias / record not a bool, unsupported dtypes.
-    """
-    if not isinstance(cfg, KdaConfig):
-        raise KdaArgumentError("cfg", f"expected a kda.KdaConfig, got {type(cfg).__name__}")
-    for name in ("num_heads", "T", "window", "gate_mode"):
-        arg, val = FIELD_ARG[name], getattr(cfg, name)
-        if isinstance(val, bool) or not isinstance(val, int):
-            raise KdaArgumentError(arg, f"expected an int {name}, got {type(val).__name__} {val!r}")
-    if cfg.num_heads < 1:
-        raise KdaArgumentError("A_log", f"expected H >= 1 heads, got {cfg.num_heads}")
-    if cfg.T < 1:
-        raise KdaArgumentError("state_indices", f"expected T >= 1, got {cfg.T}")
-    if cfg.window < cfg.T + 2:
-        raise KdaArgumentError("conv_state", f"window too short for T={cfg.T}: expected L >= T + 2 = "
-                                             f"{cfg.T + 2} positions (conv_state.shape[2]; "
-                                             f"KdaConfig.window, default T + 2), got L = {cfg.window}")
-    if cfg.conv_layout not in CONV_LAYOUTS:
-        raise KdaArgumentError("conv_state", f"expected layout in {CONV_LAYOUTS}, got {cfg.conv_layout!r}")
-    if cfg.lower_bound is not None:
-        lb = cfg.lower_bound
-        if isinstance(lb, bool) or not isinstance(lb, numbers.Real):
-            raise KdaArgumentError("lower_bound", f"expected None or a float in [-5, 0), got "
-                                                  f"{type(lb).__name__} {lb!r}")
-        if not (math.isfinite(lb) and -5.0 <= lb < 0.0 and _as_fp32(lb) < 0.0):
-            raise KdaArgumentError("lower_bound", f"expected None or a float in [-5, 0) (also as "
-                                                  f"fp32, the kernels' precision), got {lb!r}")
-    if cfg.gate_mode not in (0, 1):
-        raise KdaArgumentError("gate_mode", f"expected 0 or 1, got {cfg.gate_mode!r}")
-    for name in ("scale", "norm_eps"):
-        val = getattr(cfg, name)
-        if (isinstance(val, bool) or not isinstance(val, numbers.Real)
-                or not (math.isfinite(val) and val > 0)):
-            raise KdaArgumentError(name, f"expected a finite float > 0, got "
-                                         f"{type(val).__name__} {val!r}")
-        f32 = _as_fp32(val)
-        if not (math.isfinite(f32) and f32 >= _FP32_MIN_NORMAL):
-            raise KdaArgumentError(name, f"expected a float > 0 that is finite and normal in fp32 "
-                                         f"(the kernels' precision: [{_FP32_MIN_NORMAL:.4g}, "
-                                         f"3.403e+38]), got {val!r} (fp32: {f32!r})")
-    for name in ("has_conv_bias", "record"):
-        arg, val = FIELD_ARG[name], getattr(cfg, name)
-        # a bool, or numpy's bool_ (dtype kind "b")
-        if not (isinstance(val, bool) or getattr(getattr(val, "dtype", None), "kind", "") == "b"):
-            raise KdaArgumentError(arg, f"expected a bool {name}, got {type(val).__name__} {val!r}")
-    if cfg.conv_state_dtype not in (torch.bfloat16, torch.float32):
-        raise KdaArgumentError("conv_state", f"expected dtype bfloat16 or float32, got "
-                                             f"{_fmt_dtype(cfg.conv_state_dtype)}")
-    if cfg.conv_weight_dtype not in (torch.float32, torch.bfloat16):
-        raise KdaArgumentError("conv_weight", f"expected dtype float32 or bfloat16, got "
-                                              f"{_fmt_dtype(cfg.conv_weight_dtype)}")
-    if cfg.norm_weight_dtype not in (torch.float32, torch.bfloat16):
-        raise KdaArgumentError("norm_weight", f"expected dtype float32 or bfloat16, got "
-                                              f"{_fmt_dtype(cfg.norm_weight_dtype)}")
-
-
-#: The smallest normal fp32 number: scale and norm_eps below it would be flushed to zero by
-#: kernels that do so (norm_eps = 0 turns an all-zero o into NaN).
-_FP32_MIN_NORMAL = 2.0 ** -126
-
-
-def _as_fp32(v: float) -> float:
-    """``v`` rounded to fp32 (inf beyond its range), as the kernels and the reference use it."""
-    try:
-        return struct.unpack("<f", struct.pack("<f", float(v)))[0]
-    except OverflowError:
-        return math.copysign(math.inf, float(v))
 
 
 def check_conv_state_is_3d(conv_state) -> None:
@@ -274,8 +185,12 @@ def check_x_is_2d(x: torch.Tensor) -> None:
 
 def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
     """Check every tensor of a call against ``cfg``; raise :class:`KdaArgumentError` on the first
-    problem. Reads only metadata (never device values), writes nothing."""
-    validate_config(cfg)
+    problem. Reads only metadata (never device values), writes nothing.
+
+    Args:
+      cfg: the configuration (already checked by its construction).
+      args: the call's tensors.
+    """
     H, T, L, dim = cfg.num_heads, cfg.T, cfg.window, cfg.dim
     x = args.x
     check_is_tensor("x", x)

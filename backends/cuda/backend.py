@@ -1,7 +1,7 @@
 """The ``cuda`` backend: the streamed fused decode kernel in CUDA C++ (sm_90a).
 
-The kernel (``kda_decode.cu``) is compiled on first use by :mod:`backends.cuda.build` and
-cached on disk; ``python3 -m backends.cuda.build`` compiles it ahead of time.
+The kernel (``kda_decode.cu``) is compiled on first use by :mod:`kda.backends.cuda.build` and
+cached on disk; ``python3 -m kda.backends.cuda.build`` compiles it ahead of time.
 
 Environment:
   KDA_CUDA_PDL=0   launch without programmatic dependent launch (default: on).
@@ -123,7 +123,7 @@ class CudaBackend(Backend):
     """The ``cuda`` backend: the CUDA C++ extension (``kda_decode.cu``) for sm_90 GPUs.
 
     Available when torch sees an sm_90 GPU and the extension is built or nvcc can build it
-    (:mod:`backends.cuda.build`). Serves T <= :data:`MAX_T` (8, the kernel's instantiations);
+    (:mod:`kda.backends.cuda.build`). Serves T <= :data:`MAX_T` (8, the kernel's instantiations);
     every other axis of the contract (both layouts, gates, gate_mode, bias, records, any
     head count and window).
     """
@@ -137,7 +137,7 @@ class CudaBackend(Backend):
         why = gpu_reason(lambda cc: cc == (9, 0),
                          "an sm_90 GPU (H100 / H200); the kernel is built for sm_90a")
         if why is None:
-            from backends.cuda import build
+            from kda.backends.cuda import build
 
             built = build._built_library(build.cache_dir(), build.module_name()) is not None
             if not built and shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
@@ -154,7 +154,7 @@ class CudaBackend(Backend):
         return reasons
 
     def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:
-        from backends.cuda import build
+        from kda.backends.cuda import build
 
         ext = build.load()
         H, T, record = cfg.num_heads, cfg.T, cfg.record

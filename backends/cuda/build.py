@@ -10,7 +10,7 @@ A later process finds the built module there and imports it directly, without ni
 
 Ahead-of-time build (e.g. in a container image, or before timing anything)::
 
-    python3 -m backends.cuda.build          # builds if needed, prints the module path
+    python3 -m kda.backends.cuda.build          # builds if needed, prints the module path
 
 Compiling needs nvcc (CUDA 12.4 or newer, for sm_90a) and ninja; running needs an sm_90 GPU.
 
@@ -141,7 +141,7 @@ def _load_locked(name: str, build_dir: pathlib.Path, verbose: bool) -> ModuleTyp
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """``python3 -m backends.cuda.build [--verbose]``: build (or load) the extension ahead of
+    """``python3 -m kda.backends.cuda.build [--verbose]``: build (or load) the extension ahead of
     time and print where it lives; exit status 0 on success."""
     import argparse
 

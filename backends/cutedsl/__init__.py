@@ -4,7 +4,7 @@ Importing this package is cheap and works without CuTe DSL or a GPU: the DSL is 
 only when a backend's availability is checked or a step is built.
 """
 
-from backends.cutedsl.backend import KdaStreamBackend, KdaWideBackend, compile_seconds
+from kda.backends.cutedsl.backend import KdaStreamBackend, KdaWideBackend, compile_seconds
 
 BACKENDS = (KdaStreamBackend(), KdaWideBackend())
 

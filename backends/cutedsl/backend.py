@@ -1,9 +1,9 @@
 """The ``cutedsl`` (streamed) and ``cutedsl_wide`` (one CTA per item) backends.
 
 Both run the fused KDA decode step as one CuTe DSL kernel (nvidia-cutlass-dsl 4.8.1) whose
-per-item math is shared (:mod:`backends.cutedsl.common`), so the two produce bit-identical
+per-item math is shared (:mod:`kda.backends.cutedsl.common`), so the two produce bit-identical
 outputs, states, windows and records. See ``docs/kda-stream-design.md`` for the design and
-:mod:`backends.cutedsl.cache` for compilation and caching.
+:mod:`kda.backends.cutedsl.cache` for compilation and caching.
 
 Host path: a built step keeps one ctypes buffer holding every kernel argument (17 pointers,
 the strides, R, the runtime scalars scale / norm_eps / lower_bound, the stream) and the
@@ -82,7 +82,7 @@ def import_cutedsl() -> Optional[str]:
 def pdl_mode() -> tuple:
     """(pdl, early trigger) from ``KDA_CUTEDSL_PDL``: "0" off, "1" (default) on with the
     dependents' trigger after each CTA's last write, "early" on with the trigger right after
-    the prologue's loads (see :class:`backends.cutedsl.static.KernelStatic`)."""
+    the prologue's loads (see :class:`kda.backends.cutedsl.static.KernelStatic`)."""
     v = os.environ.get("KDA_CUTEDSL_PDL", "1").strip().lower()
     if v in ("0", "off", "false", "no"):
         return False, False
@@ -106,7 +106,7 @@ ITEMS_PER_CTA = {1: 4, 2: 2}
 
 
 #: Default of ``KDA_CUTEDSL_FB_SMEM``: the streamed kernel at T=1 walks items head-major and
-#: stages each head's f_b rows in shared memory (:class:`backends.cutedsl.static.KernelStatic`).
+#: stages each head's f_b rows in shared memory (:class:`kda.backends.cutedsl.static.KernelStatic`).
 #: Off: on the H200 (be8156f, H=32, T=1, step times at R = 32 / 128 / 256 / 512, two repeats
 #: each) 48.2 / 169.9 / 328.8 / 644.7 us with 4 items per CTA against 48.9 / 170.0 / 327.7 /
 #: 635.6 without (R=512 1.4% slower), 48.3 / 171.0 / 331.9 / 654.7 on the persistent grid.
@@ -118,7 +118,7 @@ FB_SMEM = False
 def page_last(kind: str, T: int) -> bool:
     """Whether the kernel ``kind`` ("wide" / "stream") at ``T`` tokens commits the (first)
     item's state page last, in its own cp.async group
-    (:attr:`backends.cutedsl.static.KernelStatic.page_last`): always for the wide kernel,
+    (:attr:`kda.backends.cutedsl.static.KernelStatic.page_last`): always for the wide kernel,
     for the streamed one from T=3 (where its CTAs take one item each by default).
 
     Measured on the H200 (H=32, step times at R = 32 / 128 / 512 in us, page last against
@@ -134,7 +134,7 @@ def page_last(kind: str, T: int) -> bool:
 
 def prefetch_distance() -> int:
     """The streamed kernel's L2-prefetch distance from ``KDA_CUTEDSL_PREFETCH`` (0 = off;
-    default :data:`PREFETCH_DISTANCE`; see :class:`backends.cutedsl.static.KernelStatic`).
+    default :data:`PREFETCH_DISTANCE`; see :class:`kda.backends.cutedsl.static.KernelStatic`).
 
     Raises:
       ValueError: the value is not one of :data:`kda.backend.PREFETCH_DISTANCES`.
@@ -156,7 +156,7 @@ def _set_carveout(compiled, smem_bytes: int, device_index: int) -> bool:
     try:
         import cuda.bindings.runtime as rt
 
-        from backends.cutedsl.static import carveout_percent
+        from kda.backends.cutedsl.static import carveout_percent
 
         pct = carveout_percent(smem_bytes)
         lib = compiled.library
@@ -179,13 +179,13 @@ class _Launcher:
 
     Args (constructor):
       kind: "stream" or "wide". cfg: the config. device: a CUDA device. compiled: the
-      CuTe DSL ``JitCompiledFunction`` from :func:`backends.cutedsl.cache.get_kernel`. ks: its
-      :class:`backends.cutedsl.static.KernelStatic`.
+      CuTe DSL ``JitCompiledFunction`` from :func:`kda.backends.cutedsl.cache.get_kernel`. ks: its
+      :class:`kda.backends.cutedsl.static.KernelStatic`.
     """
 
     def __init__(self, kind: str, cfg: KdaConfig, device: torch.device, compiled, ks):
-        from backends.cutedsl import cache
-        from backends.cutedsl.static import SmemPlan
+        from kda.backends.cutedsl import cache
+        from kda.backends.cutedsl.static import SmemPlan
 
         self.kind = kind
         self.cfg = cfg
@@ -283,8 +283,8 @@ class _CuteDslBackend(Backend):
         why = import_cutedsl()
         if why is not None:
             raise RuntimeError(why)
-        from backends.cutedsl import cache
-        from backends.cutedsl.static import KernelStatic
+        from kda.backends.cutedsl import cache
+        from kda.backends.cutedsl.static import KernelStatic
 
         pdl, early = pdl_mode()
         stream = self.kind == "stream"
@@ -298,7 +298,7 @@ class _CuteDslBackend(Backend):
 
 
 class KdaStreamBackend(_CuteDslBackend):
-    """``cutedsl``: the streamed kernel (:mod:`backends.cutedsl.stream`); each CTA walks a
+    """``cutedsl``: the streamed kernel (:mod:`kda.backends.cutedsl.stream`); each CTA walks a
     contiguous item range (a few items by default, see :data:`ITEMS_PER_CTA`)."""
 
     name = "cutedsl"
@@ -309,7 +309,7 @@ class KdaStreamBackend(_CuteDslBackend):
 
 
 class KdaWideBackend(_CuteDslBackend):
-    """``cutedsl_wide``: one CTA per item (:mod:`backends.cutedsl.wide`)."""
+    """``cutedsl_wide``: one CTA per item (:mod:`kda.backends.cutedsl.wide`)."""
 
     name = "cutedsl_wide"
     kind = "wide"
@@ -318,5 +318,5 @@ class KdaWideBackend(_CuteDslBackend):
 
 def compile_seconds(kind: Optional[str] = None) -> float:
     """Seconds this process spent compiling / loading CuTe DSL kernels (for the benchmark)."""
-    from backends.cutedsl import cache
+    from kda.backends.cutedsl import cache
     return cache.compile_seconds(kind)

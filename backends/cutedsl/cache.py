@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
-from backends.cutedsl.static import KernelStatic, default_cache_dir
+from kda.backends.cutedsl.static import KernelStatic, default_cache_dir
 
 log = logging.getLogger("kda.cutedsl")
 
@@ -128,10 +128,10 @@ def compile_args(kind: str, ks: KernelStatic) -> list:
 def kernel_object(kind: str, ks: KernelStatic):
     """The KdaWide / KdaStream instance for ``kind``."""
     if kind == "wide":
-        from backends.cutedsl.wide import KdaWide
+        from kda.backends.cutedsl.wide import KdaWide
         return KdaWide(ks)
     if kind == "stream":
-        from backends.cutedsl.stream import KdaStream
+        from kda.backends.cutedsl.stream import KdaStream
         return KdaStream(ks)
     raise ValueError(f"kind: expected 'wide' or 'stream', got {kind!r}")
 

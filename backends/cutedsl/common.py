@@ -51,8 +51,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from backends.cutedsl import ptx as P
-from backends.cutedsl.static import KernelStatic, SmemPlan
+from kda.backends.cutedsl import ptx as P
+from kda.backends.cutedsl.static import KernelStatic, SmemPlan
 
 D = 128
 NTHREADS = 256

@@ -44,7 +44,7 @@ class KernelStatic:
         the operand group, so that the item's phase A (conv, norms) runs while the page
         lands, as the streamed kernel's later items always do; False = page and operands
         one group, waited for together before phase A. The backend passes its choice,
-        ``backends.cutedsl.backend.page_last`` (False for the streamed kernel at T <= 2);
+        ``kda.backends.cutedsl.backend.page_last`` (False for the streamed kernel at T <= 2);
         the default here is only the wide kernel's.
     """
 

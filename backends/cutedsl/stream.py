@@ -2,7 +2,7 @@
 
 Grid = ``ncta`` CTAs (host: :func:`kda.backend.stream_grid`: 2 per SM -- persistent -- or
 ceil(items / k) for at most k items per CTA, ``ITEMS_PER_CTA`` by T in
-:mod:`backends.cutedsl.backend`); CTA ``i`` walks the contiguous item range
+:mod:`kda.backends.cutedsl.backend`); CTA ``i`` walks the contiguous item range
 ``[i*items // ncta, (i+1)*items // ncta)`` (items = R*H). Schedule per CTA:
 
   prologue  (``griddepcontrol.wait`` first under programmatic dependent launch: slot ids,
@@ -25,15 +25,15 @@ ceil(items / k) for at most k items per CTA, ``ITEMS_PER_CTA`` by T in
   end       fence + barrier + ``griddepcontrol.launch_dependents`` (after the prologue instead
             with ``KDA_CUTEDSL_PDL=early``; see ``README.md``).
 
-With ``fb_smem`` (T=1, :class:`backends.cutedsl.static.KernelStatic`; ``KDA_CUTEDSL_FB_SMEM``)
+With ``fb_smem`` (T=1, :class:`kda.backends.cutedsl.static.KernelStatic`; ``KDA_CUTEDSL_FB_SMEM``)
 items are numbered head-major (item = h*R + r), so a CTA's consecutive items share the head;
 the head's f_b rows are cp.async-staged into shared memory with the prologue and, when the
 next item's head differs, with group E(n+1); the gate then runs after the E(n) wait and
 barrier and reads its A fragments from there instead of loading 32 KiB of f_b from L2 for
 every item.
 
-The per-item math is :class:`backends.cutedsl.common.ItemMath`, the very same calls the wide
-kernel (:mod:`backends.cutedsl.wide`) makes, so results are bit-identical to it.
+The per-item math is :class:`kda.backends.cutedsl.common.ItemMath`, the very same calls the wide
+kernel (:mod:`kda.backends.cutedsl.wide`) makes, so results are bit-identical to it.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from backends.cutedsl import ptx as P
-from backends.cutedsl.common import NTHREADS, ItemMath, make_params
-from backends.cutedsl.static import KernelStatic, SmemPlan, carveout_percent
+from kda.backends.cutedsl import ptx as P
+from kda.backends.cutedsl.common import NTHREADS, ItemMath, make_params
+from kda.backends.cutedsl.static import KernelStatic, SmemPlan, carveout_percent
 
 #: The thread that issues the L2 prefetches (warp 7, lane 0).
 PF_THREAD = 224

@@ -14,8 +14,8 @@ Grid = R*H CTAs, CTA ``b`` processes item ``b`` (request ``b // H``, head ``b % 
      last write, so a dependent launch of the same step on the same buffers reads the
      results; ``KDA_CUTEDSL_PDL=early`` moves it after the prologue; see ``README.md``).
 
-The per-item math is :mod:`backends.cutedsl.common`, shared instruction for instruction with
-the streamed kernel (:mod:`backends.cutedsl.stream`), so both produce bit-identical results.
+The per-item math is :mod:`kda.backends.cutedsl.common`, shared instruction for instruction with
+the streamed kernel (:mod:`kda.backends.cutedsl.stream`), so both produce bit-identical results.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from backends.cutedsl import ptx as P
-from backends.cutedsl.common import NTHREADS, ItemMath, make_params
-from backends.cutedsl.static import KernelStatic, SmemPlan, carveout_percent
+from kda.backends.cutedsl import ptx as P
+from kda.backends.cutedsl.common import NTHREADS, ItemMath, make_params
+from kda.backends.cutedsl.static import KernelStatic, SmemPlan, carveout_percent
 
 
 class KdaWide:

@@ -1,5 +1,5 @@
 """The PyTorch reference as a backend (CPU and GPU): the numerics every other backend matches."""
 
-from backends.reference.backend import BACKEND
+from kda.backends.reference.backend import BACKEND
 
 __all__ = ["BACKEND"]

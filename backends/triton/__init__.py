@@ -4,6 +4,6 @@ Importing this package needs neither Triton nor a GPU (the kernel module is impo
 step function is built). ``BACKEND`` is registered in :mod:`kda.registry` as ``"triton"``.
 """
 
-from backends.triton.backend import BACKEND
+from kda.backends.triton.backend import BACKEND
 
 __all__ = ["BACKEND"]

@@ -1,4 +1,4 @@
-"""Registry entry for the Triton backend (:mod:`backends.triton.kda_decode`)."""
+"""Registry entry for the Triton backend (:mod:`kda.backends.triton.kda_decode`)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class TritonBackend(Backend):
     On a CUDA device (compute capability >= 8.0: bf16 tensor-core dots) it runs compiled;
     with ``TRITON_INTERPRET=1`` it runs on CPU tensors in Triton's interpreter (tests only).
     The launch variant comes from ``$KDA_TRITON_VARIANT`` (default ``auto``; see
-    :data:`backends.triton.kda_decode.VARIANTS`).
+    :data:`kda.backends.triton.kda_decode.VARIANTS`).
     """
 
     name = "triton"
@@ -65,7 +65,7 @@ class TritonBackend(Backend):
         return reasons
 
     def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:
-        from backends.triton.kda_decode import build_step
+        from kda.backends.triton.kda_decode import build_step
         return build_step(cfg, device)
 
 

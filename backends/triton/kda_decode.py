@@ -90,7 +90,7 @@ variant)`` or the environment variable ``KDA_TRITON_VARIANT``):
   ``num_stages=2`` -- because each item's addresses depend on its slot ids loaded in the same
   iteration; the variant is there to measure the cost of the grid alone.)
 * ``chunked`` (and ``chunked_bv16`` / ``chunked_s3`` / ``chunked_nocap``): another kernel,
-  :mod:`backends.triton.kda_decode_chunked`: one 4-warp program per item walking the page in
+  :mod:`kda.backends.triton.kda_decode_chunked`: one 4-warp program per item walking the page in
   32-row chunks (a software-pipelined loop: the next chunk is prefetched with async copies),
   <= 88 registers (5 CTAs per SM).
 * ``auto`` (the default, :class:`AutoStep`): when R*H is at least the SM count, a build of
@@ -587,7 +587,7 @@ class Variant:
         = Triton's choice); 128 with 8 warps lets two programs share an SM.
       split_maxnreg: the same for V-split launches (4 warps); 96 fits 5 programs per SM.
       kernel: "item" (:func:`_kda_decode_kernel`) or "chunked" (the kernel of
-        :mod:`backends.triton.kda_decode_chunked`: one 4-warp program per item walking the
+        :mod:`kda.backends.triton.kda_decode_chunked`: one 4-warp program per item walking the
         page in chunks of ``bv`` value rows, ``num_stages`` pipelining stages of that loop).
       bv: value rows per chunk of the ``chunked`` kernel.
       hold: ``chunked`` kernel, T > 1: keep q̂, k̂, α of the first 4 tokens in registers
@@ -813,7 +813,7 @@ class AutoStep:
     """
 
     def __init__(self, cfg: KdaConfig, device, variant: Variant):
-        from backends.triton.kda_decode_chunked import ChunkedStep
+        from kda.backends.triton.kda_decode_chunked import ChunkedStep
         self.cfg = cfg
         self.variant = variant
         self.small = TritonStep(cfg, device, variant)
@@ -853,14 +853,14 @@ def build_step(cfg: KdaConfig, device, variant: Optional[str] = None):
 
     Returns:
       A :class:`TritonStep` (``auto``: :class:`AutoStep`; the ``chunked`` kernel:
-      :class:`backends.triton.kda_decode_chunked.ChunkedStep`): ``step(args: KdaArgs) -> None``
+      :class:`kda.backends.triton.kda_decode_chunked.ChunkedStep`): ``step(args: KdaArgs) -> None``
       writes in place.
     """
     v = resolve_variant(variant)
     if v.name == "auto":
         return AutoStep(cfg, device, v)
     if v.kernel == "chunked":
-        from backends.triton.kda_decode_chunked import ChunkedStep
+        from kda.backends.triton.kda_decode_chunked import ChunkedStep
         return ChunkedStep(cfg, device, v)
     return TritonStep(cfg, device, v)
 
@@ -889,7 +889,7 @@ def compile_offline(cfg: KdaConfig, variant: str = "item", nv: Optional[int] = N
     """
     v = resolve_variant(variant)
     if v.kernel == "chunked":
-        from backends.triton.kda_decode_chunked import compile_chunked_offline
+        from kda.backends.triton.kda_decode_chunked import compile_chunked_offline
         return compile_chunked_offline(cfg, v, arch=arch, stride_divisible=stride_divisible,
                                        **options)
     nv = nv or v.nv or 1
@@ -997,14 +997,14 @@ def check_variants(variants: Optional[List[str]] = None, device="cuda",
 
 
 def _main(argv=None) -> int:
-    """``python3 -m backends.triton.kda_decode check ...`` (see --help).
+    """``python3 -m kda.backends.triton.kda_decode check ...`` (see --help).
 
     Variants are timed by the project's benchmark:
     ``python3 -m tools.bench.bench --backends=triton --triton_variants=item,vsplit4,...``.
     """
     import argparse
 
-    p = argparse.ArgumentParser(prog="python3 -m backends.triton.kda_decode")
+    p = argparse.ArgumentParser(prog="python3 -m kda.backends.triton.kda_decode")
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="every variant vs the reference on the conformance cases")
     c.add_argument("--variants", default="", help="comma-separated (default: all)")

@@ -1,5 +1,5 @@
 """The fused KDA decode step as one Triton launch, "chunked" over value rows, and its host
-wrapper (the ``chunked`` variant of :mod:`backends.triton.kda_decode`).
+wrapper (the ``chunked`` variant of :mod:`kda.backends.triton.kda_decode`).
 
 Contract: ``docs/contract.md`` (section 2 formulas, section 3 rounding points, section 6
 project decisions: liveness, per-token state writes for T>1, record mode, window rewrite,
@@ -120,7 +120,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backends.triton.kda_decode import (
+from kda.backends.triton.kda_decode import (
     D, _bf16_round, _decay, _delta_rule, _finish_rows, _fma, _gate_projection, _load_f32,
     _rowoff, _sigmoid, _store_state, _write_window, compile_kernel_offline, interpreter_enabled,
     interpreter_quiet, kernel_operands)
@@ -170,7 +170,7 @@ def _qka(scr_item, t, dd):
 
 @triton.jit
 def _delta_rule_kb(S, alpha, k, q, b, v):
-    """:func:`~backends.triton.kda_decode._delta_rule` on a state chunk held as a
+    """:func:`~kda.backends.triton.kda_decode._delta_rule` on a state chunk held as a
     [BV, 4, 32] tile (key column 32j + c at [row, j, c]; ``alpha``, ``k``, ``q`` [4, 32],
     ``v`` [BV]). Same operations and order per element; the row sums add the 4 column
     blocks in-thread first, then across lanes (fp32 reassociation, which the contract allows).
@@ -425,7 +425,7 @@ class ChunkedStep:
 def compile_chunked_offline(cfg: KdaConfig, variant, arch: int = 90,
                             stride_divisible: bool = True, **options):
     """Compile :func:`_kda_chunked_kernel` for ``cfg`` and the :class:`Variant` ``variant``
-    offline (no GPU), as :func:`backends.triton.kda_decode.compile_offline` does for the
+    offline (no GPU), as :func:`kda.backends.triton.kda_decode.compile_offline` does for the
     other kernel (same arguments and result)."""
     consts = dict(
         H=cfg.num_heads, T=cfg.T, L=cfg.window, SD=cfg.conv_layout == "SD",

@@ -61,9 +61,8 @@ class _Fake(Backend):
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """registry.resolve on a pretend CUDA device whose backends are fakes: returns
-    make(serves=..., fail=...) -> (runs, builds) logs; op's step cache starts empty."""
-    from kda import op
-    monkeypatch.setattr(op, "_steps", {})
+    make(serves=..., fail=...) -> (runs, builds) logs; the registry's step cache starts empty."""
+    monkeypatch.setattr(registry, "_steps", {})
     monkeypatch.delenv("KDA_BACKEND", raising=False)
     runs, builds = [], []
 

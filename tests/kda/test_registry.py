@@ -1,18 +1,23 @@
 """Backend choice: argument > --kda_backend flag > $KDA_BACKEND > auto; logging once; errors."""
 
 import logging as pylogging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from absl import flags
 
 import kda
+import kda.flags  # noqa: F401  (a server's import: defines --kda_backend)
 from kda import registry
 from kda.config import KdaConfig
-from kda.registry import KdaBackendError
+from kda.errors import KdaBackendError
 from kda.testing import CaseSpec, make_case
 
 FLAGS = flags.FLAGS
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CFG = KdaConfig(num_heads=2)
 
 
@@ -37,6 +42,14 @@ def test_default_is_auto_and_auto_picks_reference_on_cpu(monkeypatch):
     monkeypatch.delenv("KDA_BACKEND", raising=False)
     assert registry.requested_name() == ("auto", "default")
     assert registry.resolve(CFG, torch.device("cpu")).name == "reference"
+
+
+def test_import_kda_defines_no_flag_and_imports_no_absl():
+    """Only a server's ``import kda.flags`` defines --kda_backend; ``import kda`` leaves absl
+    alone (a fresh interpreter: this test process has imported kda.flags)."""
+    code = ("import sys, kda; assert 'absl' not in sys.modules, 'absl imported'; "
+            "assert 'kda.flags' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 def test_env_var(monkeypatch):
@@ -67,12 +80,10 @@ def test_unknown_env_name_lists_valid_names(monkeypatch):
 
 
 def test_choice_is_logged_once(monkeypatch, caplog):
-    from absl import logging as absl_logging
     monkeypatch.delenv("KDA_BACKEND", raising=False)
     registry._logged.clear()
-    absl_logging.set_verbosity(absl_logging.INFO)
     cfg = KdaConfig(num_heads=3)
-    with caplog.at_level(pylogging.INFO):
+    with caplog.at_level(pylogging.INFO, logger="kda"):
         for _ in range(3):
             registry.resolve(cfg, torch.device("cpu"), "reference")
     hits = [r for r in caplog.records if "KDA decode backend: reference" in r.getMessage()]

@@ -36,7 +36,7 @@ flags.DEFINE_list("backends", ["all"], "backends to measure (names, or 'all' = e
 flags.DEFINE_list("peers", ["auto"], "peers: fla_recurrent, fla_unfused, touch, touch_rows32, "
                   "'auto' (all that run here) or 'none'")
 flags.DEFINE_list("triton_variants", [], "also time these Triton launch variants, one column each "
-                  "(names from backends.triton.kda_decode.VARIANTS)")
+                  "(names from kda.backends.triton.kda_decode.VARIANTS)")
 flags.DEFINE_list("heads", ["32"], "H values (Kimi-Linear TP1..8: 32,16,8,4; K3-style: 12,24,48,96)")
 flags.DEFINE_list("batches", None, "R values (default GPU: 1,8,32,128,512; CPU: 1,8,32,128)")
 flags.DEFINE_list("tokens", ["1", "2", "5"], "T values")
@@ -71,7 +71,7 @@ flags.register_validator(
     message="--backends takes 'all' or names from: " + ", ".join(registry.BACKEND_NAMES))
 flags.register_validator(
     "triton_variants", lambda v: all(n in _triton_variant_names() for n in v),
-    message="--triton_variants: unknown name (see backends.triton.kda_decode.VARIANTS)")
+    message="--triton_variants: unknown name (see kda.backends.triton.kda_decode.VARIANTS)")
 flags.register_validator(
     "peers", lambda v: v in (["auto"], ["none"]) or all(n in peers.PEERS for n in v),
     message="--peers takes 'auto', 'none' or names from: " + ", ".join(peers.PEERS))
@@ -84,7 +84,7 @@ flags.register_validator("max_items", lambda v: v >= 1, message="--max_items mus
 
 def _triton_variant_names():
     """Variant names without importing Triton's kernels at flag-parse time when unused."""
-    from backends.triton.kda_decode import VARIANTS
+    from kda.backends.triton.kda_decode import VARIANTS
     return VARIANTS
 
 

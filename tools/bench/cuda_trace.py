@@ -132,7 +132,7 @@ def main(argv):
     import numpy as np
     import torch
 
-    from backends.cuda.backend import BACKEND
+    from kda.backends.cuda.backend import BACKEND
     from kda.config import KdaConfig
     from tools.bench.harness import Workload
 

@@ -224,8 +224,8 @@ def peer_step(name: str) -> Callable[[Workload], Callable[[int], None]]:
 
 
 def triton_variant_step(variant: str) -> Callable[[Workload], Callable[[int], None]]:
-    """make_step for one named launch variant of the Triton backend (``backends.triton.VARIANTS``)."""
-    from backends.triton.kda_decode import build_step
+    """make_step for one named launch variant of the Triton backend (``kda.backends.triton.VARIANTS``)."""
+    from kda.backends.triton.kda_decode import build_step
 
     def make(wl: Workload):
         step = build_step(wl.cfg, wl.device, variant)

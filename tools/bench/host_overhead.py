@@ -23,7 +23,7 @@ from absl import app, flags
 
 import kda
 import kda.torch_op
-from kda import registry
+from kda import dispatch, registry
 from kda.backend import Backend
 from kda.config import KdaConfig
 from kda.testing import CaseSpec, make_case
@@ -57,13 +57,11 @@ def _median_us(fn, calls: int) -> float:
 def measure(heads: int, batch: int, tokens: int, calls: int) -> dict:
     """{entry point: median us per call} with the null backend."""
     registry._loaded["reference"] = _Null()
-    from kda import op
-    op._steps.clear()
-    op._resolved.clear()
+    registry._steps.clear()
+    dispatch._resolved.clear()
     cfg = KdaConfig(num_heads=heads, T=tokens, window=tokens + 2)
     a = make_case(CaseSpec(cfg, R=batch, null_frac=0.0))
-    pos = (a.x, a.conv_weight, a.conv_bias, a.conv_state, a.f_a, a.f_b, a.beta, a.A_log,
-           a.dt_bias, a.state, a.state_indices, a.output_gate, a.norm_weight)
+    pos = a[:13]                # the positional parameters (KdaArgs has the public order)
     kw = dict(num_accepted_tokens=a.num_accepted_tokens, out=a.out)
     obj = kda.KdaDecode(cfg, device="cpu", backend="reference")
     try:
@@ -75,8 +73,8 @@ def measure(heads: int, batch: int, tokens: int, calls: int) -> dict:
         }
     finally:
         registry._loaded.pop("reference", None)
-        op._steps.clear()
-        op._resolved.clear()
+        registry._steps.clear()
+        dispatch._resolved.clear()
 
 
 def main(argv):

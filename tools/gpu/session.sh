@@ -80,7 +80,7 @@ PY
   cat "$L/env.log"; } > "$OUT/summary.txt"
 bg cudabuild python3 -c "
 import time; t = time.time()
-from backends.cuda import build
+from kda.backends.cuda import build
 print(build.load().__file__, f'ready in {time.time() - t:.1f} s')"
 wait
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from backends.cuda.backend import (FB_SMEM, SCHEDULE, STATIC_FRACTION, schedule_from_env,
+from kda.backends.cuda.backend import (FB_SMEM, SCHEDULE, STATIC_FRACTION, schedule_from_env,
                                    static_fraction_from_env)
 from kda.backend import flag_from_env
 

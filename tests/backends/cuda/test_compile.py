@@ -1,7 +1,7 @@
 """The CUDA backend's kernel compiles for sm_90a on a machine without a GPU, and fits.
 
 Compiles ``backends/cuda/kda_decode.cu`` with the machine's nvcc and the backend's own flags
-(``backends.cuda.build.CUDA_FLAGS``) plus ``-Xptxas -v``, then checks for every T
+(``kda.backends.cuda.build.CUDA_FLAGS``) plus ``-Xptxas -v``, then checks for every T
 instantiation (and the T=1 one with f_b staged in shared memory, ``fb_smem``): no spill
 stores or loads, no stack frame (no local memory), and that two 256-thread CTAs fit on one SM
 from the reported registers and the dynamic shared memory (read from the object itself
@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from backends.cuda import build
+from kda.backends.cuda import build
 
 SRC = build.HERE / "kda_decode.cu"
 NVCC = shutil.which("nvcc")

@@ -21,7 +21,7 @@ from kda.testing import CaseSpec, bits_equal, clone_args, compare_step, make_cas
 
 
 def _backend():
-    from backends.cuda import BACKEND
+    from kda.backends.cuda import BACKEND
     return BACKEND
 
 

@@ -444,10 +444,10 @@ def _from(vals, dtype):
 
 # ------------------------------------------------------------------------- the vocabulary
 class _P(types.ModuleType):
-    """Stand-in for ``backends.cutedsl.ptx`` (same function names and semantics)."""
+    """Stand-in for ``kda.backends.cutedsl.ptx`` (same function names and semantics)."""
 
 
-P = _P("backends.cutedsl.ptx")
+P = _P("kda.backends.cutedsl.ptx")
 
 
 def _pm(pred):
@@ -870,23 +870,23 @@ def load_kernels():
     global _loaded
     if _loaded is not None:
         return _loaded
-    import backends.cutedsl as pkg
+    import kda.backends.cutedsl as pkg
 
     fakes = _make_fake_modules()
-    names = list(fakes) + ["backends.cutedsl.ptx", "backends.cutedsl.common",
-                           "backends.cutedsl.wide", "backends.cutedsl.stream"]
+    names = list(fakes) + ["kda.backends.cutedsl.ptx", "kda.backends.cutedsl.common",
+                           "kda.backends.cutedsl.wide", "kda.backends.cutedsl.stream"]
     saved_mods = {n: sys.modules.get(n) for n in names}
     saved_attrs = {n: getattr(pkg, n, None) for n in ("ptx", "common", "wide", "stream")}
     mods = {}
     try:
         sys.modules.update(fakes)
-        sys.modules["backends.cutedsl.ptx"] = P
+        sys.modules["kda.backends.cutedsl.ptx"] = P
         pkg.ptx = P
         for name in ("common", "wide", "stream"):
-            spec = importlib.util.spec_from_file_location(f"backends.cutedsl.{name}",
+            spec = importlib.util.spec_from_file_location(f"kda.backends.cutedsl.{name}",
                                                           os.path.join(_SRC, f"{name}.py"))
             mod = importlib.util.module_from_spec(spec)
-            sys.modules[f"backends.cutedsl.{name}"] = mod
+            sys.modules[f"kda.backends.cutedsl.{name}"] = mod
             setattr(pkg, name, mod)
             spec.loader.exec_module(mod)
             mods[name] = mod
@@ -936,17 +936,17 @@ def run(kind: str, cfg, args, ncta: int = None, pdl: bool = True, prefetch: int 
       fb_smem: the streamed kernel's head-major order with f_b staged in shared memory
         (default: the backend's default at T=1; never at T > 1 or for the wide kernel).
       page_last: the (first) item's page committed as its own cp.async group (default: the
-        backend's choice, ``backends.cutedsl.backend.page_last``).
+        backend's choice, ``kda.backends.cutedsl.backend.page_last``).
 
     Returns:
       {"ctas": n, "barriers": total barriers executed}.
     """
-    from backends.cutedsl.cache import POINTER_ARGS
-    from backends.cutedsl.static import KernelStatic, SmemPlan
+    from kda.backends.cutedsl.cache import POINTER_ARGS
+    from kda.backends.cutedsl.static import KernelStatic, SmemPlan
 
     mods = load_kernels()
-    from backends.cutedsl.backend import FB_SMEM, PREFETCH_DISTANCE
-    from backends.cutedsl.backend import page_last as backend_page_last
+    from kda.backends.cutedsl.backend import FB_SMEM, PREFETCH_DISTANCE
+    from kda.backends.cutedsl.backend import page_last as backend_page_last
     if prefetch is None:
         prefetch = PREFETCH_DISTANCE if kind == "stream" else 0
     if fb_smem is None:

@@ -58,7 +58,7 @@ def bench(quick: bool):
     """Time both kernels at H=32 against the copy-bandwidth floor; print the table."""
     import torch
 
-    from backends.cutedsl import cache
+    from kda.backends.cutedsl import cache
     from kda.config import KdaConfig
     from kda.registry import get_backend
     from tools.bench import harness

@@ -33,9 +33,9 @@ cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installe
 
 import torch  # noqa: E402
 
-from backends.cutedsl import cache  # noqa: E402
-from backends.cutedsl.backend import PREFETCH_DISTANCE, page_last  # noqa: E402
-from backends.cutedsl.static import KernelStatic, SmemPlan  # noqa: E402
+from kda.backends.cutedsl import cache  # noqa: E402
+from kda.backends.cutedsl.backend import PREFETCH_DISTANCE, page_last  # noqa: E402
+from kda.backends.cutedsl.static import KernelStatic, SmemPlan  # noqa: E402
 from kda.config import KdaConfig  # noqa: E402
 
 bf16, f32 = torch.bfloat16, torch.float32
@@ -235,7 +235,7 @@ def test_disk_cache_round_trip():
 
 def test_package_imports_without_dsl_or_gpu():
     """The backend package and its availability checks never raise."""
-    import backends.cutedsl as pkg
+    import kda.backends.cutedsl as pkg
 
     names = sorted(b.name for b in pkg.BACKENDS)
     assert names == ["cutedsl", "cutedsl_wide"]
@@ -254,7 +254,7 @@ def test_launcher_packs_arguments(kind, monkeypatch):
     import struct
     from types import SimpleNamespace
 
-    from backends.cutedsl import backend as be
+    from kda.backends.cutedsl import backend as be
     from kda.testing import CaseSpec, make_case
 
     seen = {}

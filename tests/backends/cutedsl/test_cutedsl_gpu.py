@@ -293,8 +293,8 @@ def test_slot_offsets_beyond_2_31(name, device, require_backend):
 
 
 def test_compile_time_is_recorded(device, require_backend):
-    from backends.cutedsl import compile_seconds
-    from backends.cutedsl.cache import COMPILE_LOG
+    from kda.backends.cutedsl import compile_seconds
+    from kda.backends.cutedsl.cache import COMPILE_LOG
 
     _step("cutedsl", SPECS[0].cfg, device, require_backend)
     assert COMPILE_LOG and compile_seconds() > 0

@@ -69,7 +69,7 @@ def test_emulated_stream_schedules_bit_identical_to_wide(spec, ncta, prefetch):
 @pytest.mark.parametrize("page_last", [True, False])
 def test_emulated_page_last_either_way(spec, kind, ncta, page_last):
     """The (first) item's page committed last in its own cp.async group, or with the
-    operands (each kernel runs one of the two by T, see backends.cutedsl.backend.page_last):
+    operands (each kernel runs one of the two by T, see kda.backends.cutedsl.backend.page_last):
     the reference within tolerance and the wide kernel's (default) bits, with the emulator's
     check that no thread reads staged bytes before its wait covers them."""
     cfg = spec.cfg

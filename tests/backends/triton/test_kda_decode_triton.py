@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from backends.triton import kda_decode as kd  # noqa: E402
+from kda.backends.triton import kda_decode as kd  # noqa: E402
 from kda.backend import current_stream_handle  # noqa: E402
 from kda.config import KdaConfig  # noqa: E402
 from kda.reference import reference_step  # noqa: E402
@@ -130,7 +130,7 @@ def test_chunked_scratch_across_batch_sizes(device, monkeypatch):
     stream's) shared scratch grows once and is reused (no stale values leak between steps), a second step
     function (another layer) shares it, and the outgrown buffer stays alive (CUDA graphs
     captured before the growth keep valid pointers)."""
-    from backends.triton import kda_decode_chunked as kc
+    from kda.backends.triton import kda_decode_chunked as kc
     monkeypatch.setattr(kc, "_SCRATCH", {})
     cfg = KdaConfig(num_heads=2, T=3, window=5)
     step = kd.build_step(cfg, device, "chunked")
@@ -193,7 +193,7 @@ def test_registry_entry(device):
 _OFFLINE = r"""
 import json, re, sys, torch
 from kda.config import KdaConfig
-from backends.triton.kda_decode import compile_offline, resource_usage
+from kda.backends.triton.kda_decode import compile_offline, resource_usage
 cases = {
     "t1": (KdaConfig(num_heads=32), "item"),
     "t1ds": (KdaConfig(num_heads=32, conv_layout="DS", gate_mode=1, has_conv_bias=True), "item"),
@@ -313,7 +313,7 @@ def test_buffers_of_a_stream_first_seen_in_capture(variant, monkeypatch):
     spare zeroed by an eager step. Two graphs captured there share them; the second one
     replayed first, then both twice, match eager steps bit for bit (with counters made during
     capture, zeroed only by the first graph's fill node, B replayed first read garbage)."""
-    from backends.triton import kda_decode_chunked as kc
+    from kda.backends.triton import kda_decode_chunked as kc
     monkeypatch.setattr(kc, "_SCRATCH", {})
     cfg = KdaConfig(num_heads=2, T=2, window=4)
     step = kd.build_step(cfg, "cuda", variant)
@@ -341,7 +341,7 @@ def test_two_streams_at_once(variant, monkeypatch):
     micro-batches does): each stream has its own scratch (and counters), so both batches
     match the reference. The two launches of each round are held behind one event after a
     GPU sleep, so that they run at the same time (small grids: both fit on the GPU at once)."""
-    from backends.triton import kda_decode_chunked as kc
+    from kda.backends.triton import kda_decode_chunked as kc
     monkeypatch.setattr(kc, "_SCRATCH", {})
     cfg = KdaConfig(num_heads=4, T=2, window=4)
     step = kd.build_step(cfg, "cuda", variant)
