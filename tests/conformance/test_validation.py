@@ -12,9 +12,9 @@ import torch
 
 import kda
 from kda.config import KdaConfig
-from kda.registry import KdaBackendError
+from kda.errors import KdaBackendError
 from kda.testing import CaseSpec, bits_equal, clone_args, make_case
-from kda.validate import KdaArgumentError
+from kda.errors import KdaArgumentError
 
 CFG1 = KdaConfig(num_heads=2, T=1, window=3)
 CFG2 = KdaConfig(num_heads=2, T=2, window=4)

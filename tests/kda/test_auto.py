@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import kda
 from kda import auto, registry
 from kda.backend import Backend
 from kda.config import KdaConfig
@@ -124,7 +125,7 @@ def test_nothing_builds_raises(fake_gpu):
     fake_gpu(serves={"cuda", "triton"}, fail={"cuda", "triton"})
     cfg = KdaConfig(num_heads=32)
     backend = registry.resolve(cfg, torch.device("cuda"))
-    with pytest.raises(registry.KdaBackendError, match="no KDA backend builds"):
+    with pytest.raises(kda.KdaBackendError, match="no KDA backend builds"):
         backend.build(cfg, torch.device("cuda"))
 
 

@@ -45,7 +45,7 @@ def test_custom_op_matches_direct_call_and_compiles():
 def test_custom_op_refuses_a_missing_out_before_writing():
     """out=None used to run the step (caches advanced) and lose its output (found by a review)."""
     import pytest
-    from kda.validate import KdaArgumentError
+    from kda.errors import KdaArgumentError
     cfg = KdaConfig(num_heads=2, T=1, window=3)
     a = make_case(CaseSpec(cfg, R=3, seed=5))
     before = clone_args(a)
@@ -61,7 +61,7 @@ def test_custom_op_validates_again_when_metadata_changes():
     metadata run from the cache (and match the direct call step for step); a call whose
     metadata differs is validated again and refused before anything is written."""
     import pytest
-    from kda.validate import KdaArgumentError
+    from kda.errors import KdaArgumentError
     cfg = KdaConfig(num_heads=2, T=1, window=3)
     a = make_case(CaseSpec(cfg, R=3, seed=6))
     b = clone_args(a)
@@ -102,7 +102,7 @@ def test_custom_op_refuses_scalars_of_the_wrong_kind_before_writing():
     """The op's schema converts scalars (int(), float()); what kda_decode refuses must be
     refused before that conversion, naming the argument (found by a new-user trial)."""
     import pytest
-    from kda.validate import KdaArgumentError
+    from kda.errors import KdaArgumentError
     cfg = KdaConfig(num_heads=2, T=1, window=3)
     a = make_case(CaseSpec(cfg, R=3, seed=6))
     before = clone_args(a)
@@ -120,7 +120,7 @@ def test_custom_op_refuses_a_meta_argument_beside_real_ones_before_writing():
     which used to return quietly: no output, caches unchanged (found by a new-user trial). It
     must raise kda_decode's device error; all arguments on meta stay a valid no-op."""
     import pytest
-    from kda.validate import KdaArgumentError
+    from kda.errors import KdaArgumentError
     cfg = KdaConfig(num_heads=2, T=1, window=3)
     a = make_case(CaseSpec(cfg, R=3, seed=7))
     a = a._replace(out=torch.full_like(a.out, 7.0))
@@ -171,7 +171,7 @@ def test_compiled_kda_decode_object_refuses_tensors_of_another_configuration():
     the frame there and run it eagerly, whose validation names the same argument). With
     fullgraph=True the raise cannot leave the graph: torch's compile error reports it
     instead."""
-    from kda.validate import KdaArgumentError
+    from kda.errors import KdaArgumentError
     step = kda.KdaDecode(KdaConfig(num_heads=2, T=1, window=4), device="cpu", backend="reference")
     a = make_case(CaseSpec(KdaConfig(num_heads=2, T=1, window=3), R=2, seed=9))
     before = clone_args(a)
@@ -213,8 +213,8 @@ def test_compiled_entry_points_name_bad_arguments_as_eager():
     """Under torch.compile (not fullgraph: a raise cannot leave a full graph) the compile path
     names the argument as the eager one does: x not a tensor, a backend that is not a name,
     only kg_record given to a KdaDecode without record mode (found by a review)."""
-    from kda.registry import KdaBackendError
-    from kda.validate import KdaArgumentError
+    from kda.errors import KdaBackendError
+    from kda.errors import KdaArgumentError
     cfg = KdaConfig(num_heads=2, T=1, window=3)
     a = make_case(CaseSpec(cfg, R=2, seed=11))
     before = clone_args(a)
@@ -240,7 +240,7 @@ def test_compiled_entry_points_name_a_meta_tensor():
     """A meta tensor beside real ones under torch.compile: the op wrapper checks the devices
     while tracing, so the call gets kda_decode's device error (it used to reach inductor,
     which failed with "auto_functionalized_v2 was not removed"); nothing is written."""
-    from kda.validate import KdaArgumentError
+    from kda.errors import KdaArgumentError
     cfg = KdaConfig(num_heads=2, T=1, window=3)
     a = make_case(CaseSpec(cfg, R=2, seed=12))
     before = clone_args(a)

@@ -30,10 +30,10 @@ from typing import Dict, List
 import torch
 from absl import app, flags, logging
 
-import kda  # noqa: F401  (defines --kda_backend)
+import kda.flags  # noqa: F401  (defines --kda_backend)
 from kda import registry
 from kda.config import KdaConfig
-from kda.validate import KdaArgumentError
+from kda.errors import KdaArgumentError
 from kda.testing import TOLERANCES
 from tools.serve import checkpoint as ckpt
 from tools.serve.layer import KdaLayer
@@ -190,7 +190,7 @@ def main(argv):
         layer = KdaLayer(params, cfg, head0=FLAGS.tp_rank * H, device=device)
         check_op = kda.KdaDecode(cfg, device=device, backend=FLAGS.check_against) \
             if FLAGS.check_against else None
-    except (registry.KdaBackendError, KdaArgumentError) as e:
+    except (kda.KdaBackendError, KdaArgumentError) as e:
         _usage(str(e))
     requested, source = registry.requested_name()
     console.print(f"[bold]KDA layer[/] {label} parameters from {path}: hidden={layer.hidden}, "
