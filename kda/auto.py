@@ -1,22 +1,15 @@
 """How ``auto`` orders the backends for a configuration and a batch size: a table from
 measurements.
 
-On a CUDA device the order comes from :data:`MEASURED`, derived from
-``docs/results/2026-11-30-h200-b7ba337/bench-h200.json`` (NVIDIA H200, H=32, softplus gate, SD
-conv layout, all requests live, 8 GiB pool, CUDA graphs of 8 steps): for each measured T and
-batch size R in {1, 8, 32, 128, 512}, the GPU backends ranked by median step time. A call
-uses the row of the nearest measured T and, within it, of the measured R nearest (on a log
-scale; ties: the smaller R) to its own work in the table's units, ``R * H / 32`` (the kernels
-scale with the R*H items, and the table was measured at H=32). In that run the
-one-CTA-per-item ``cutedsl_wide`` was fastest at R <= 8 and the persistent ``cuda`` kernel at
-R >= 32, at every T (R=512 T=1: ``cuda`` 594.8 us, runner-up ``cutedsl_wide`` 630.9; R=8 T=1:
-``cutedsl_wide`` 14.4 us, ``cutedsl`` 16.1, ``cuda`` 16.1), so ``auto`` runs ``cutedsl_wide``
-up to 512 items (16 requests at H=32, 128 at H=4) and ``cuda`` above, as with the table's
-previous source (``docs/results/2026-11-29-h200-0145d86``). (That run's ``cutedsl`` cells at
-T <= 2 were measured with its first page committed last, which ``0f0b39f`` undid at T <= 2;
-only its place among the runners-up can differ.) Backends a row does not rank follow in the
-fixed order :data:`GPU_FALLBACK`; the registry skips whichever is unavailable or cannot serve
-the configuration. ``tests/kda/test_auto.py`` recomputes every row from the JSON, so the
+On a CUDA device the order comes from :data:`MEASURED`, the ranking by median step time of
+the GPU backends in the reference run :data:`SOURCE` (NVIDIA H200, H=32, softplus gate, SD
+conv layout, all requests live, CUDA graphs of rotating slot sets in a pool much larger than
+L2) for each measured T and batch size R. A call uses the row of the nearest measured T and,
+within it, of the measured R nearest (on a log scale; ties: the smaller R) to its own work in
+the table's units, ``R * H / 32`` (the kernels scale with the R*H items, and the table was
+measured at H=32). Backends a row does not rank follow in the fixed order
+:data:`GPU_FALLBACK`; the registry skips whichever is unavailable or cannot serve the
+configuration. ``tests/kda/test_auto.py`` recomputes every row from :data:`SOURCE`, so the
 table cannot drift from its measurement.
 
 So under ``auto`` the kernel that runs can depend on the batch size. ``cutedsl`` and

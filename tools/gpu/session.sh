@@ -5,20 +5,8 @@
 #
 #   env      environment and backend availability; build (or load) the CUDA extension
 #   bench    alone: the benchmark (the backends in $KDA_BENCH_BACKENDS, default
-#            $KDA_GPU_BACKENDS = every GPU backend; the Triton launch
-#            variants in $KDA_TRITON_VARIANTS, the fla-core peers; H=32) -> $OUT/bench-h200.json
-#   sweep    alone: the benchmark once per environment in $KDA_SWEEP (space-separated
-#            "label:VAR=value,VAR=value[:backend,backend]" entries, e.g.
-#            "pf0:KDA_CUDA_PREFETCH=0:cuda") for those backends (default $KDA_SWEEP_BACKENDS,
-#            else cuda,cutedsl; the Triton variants $KDA_SWEEP_TRITON_VARIANTS where triton is
-#            one) at R in $KDA_SWEEP_BATCHES (default 32,128,512) and T in $KDA_SWEEP_TOKENS
-#            (default 1,5), the peers in $KDA_SWEEP_PEERS (default none, e.g. touch,touch_rows32)
-#            -> sweep/bench-<label>.json and a fraction-of-floor table.
-#            Labels must be unique; values may not contain ',' or ':' (use separate entries).
-#   trace    alone: tools/bench/cuda_trace.py (the cuda kernel's per-CTA timestamps, trace
-#            build) once per entry of $KDA_TRACE (same "label:VAR=value,..." form as the sweep)
-#            at R in $KDA_TRACE_BATCHES (default 32,128,512), T in $KDA_TRACE_TOKENS (default
-#            1,5) -> trace/trace-<label>-R<R>-T<T>.npz, logs/trace-<label>.log
+#            $KDA_GPU_BACKENDS = every GPU backend; the fla-core and touch peers; the default
+#            grid of tools/bench/bench.py) -> $OUT/bench-h200.json
 #   hot      alone: the benchmark with --hot_state (every request of a step on one slot, so the
 #            state stays in L2: the kernels' compute / latency bound) for $KDA_HOT_BACKENDS
 #            (default all), R 128 and 512, T 1 and 5 -> $OUT/bench-hot-h200.json
@@ -37,19 +25,19 @@
 # Stages run in the order above; tests/kdatools/serve/bigmem/full run together in the
 # background.
 # $KDA_STAGES picks stages (default: all of them). $OUT gets summary.txt (also printed),
-# logs.tgz (every log, the sweep's JSONs) and bench-h200.json.
+# logs.tgz (every log) and bench-h200.json.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/kda-gpu-out}
 L=$OUT/logs
-rm -f "$L/_rc"; rm -rf "$OUT/sweep" "$OUT/trace"    # no stale stage results or sweep JSONs of an earlier run
+rm -f "$L/_rc"    # no stale stage results of an earlier run
 mkdir -p "$L"
 export COLUMNS=${COLUMNS:-250} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 KDA_CACHE_DIR=${KDA_CACHE_DIR:-/tmp/kda-cache}
 # The device's copy of the tree may carry a stale .git (seen: a JSON naming an older commit):
 # the commit recorded in the results is $KDA_COMMIT, never read from git there.
 export KDA_COMMIT=${KDA_COMMIT:-unknown}
 deadline=$((SECONDS + ${KDA_BUDGET:-560}))
-STAGES=" ${KDA_STAGES:-bench ncu tests kdatools serve bigmem full} "  # sweep: on request
+STAGES=" ${KDA_STAGES:-bench ncu tests kdatools serve bigmem full} "
 GPU=${KDA_GPU_BACKENDS:-triton cutedsl cutedsl_wide cuda}
 want() { [[ "$STAGES" == *" $1 "* ]]; }
 has() { [[ " $GPU " == *" $1 "* ]]; }
@@ -61,10 +49,9 @@ bg() {  # bg <name> <command...>: run in the background under the deadline, reco
 }
 finish() {
   { echo "== stages"; sort "$L/_rc" 2>/dev/null; } >> "$OUT/summary.txt"
-  # one archive (logs, sweep JSONs): the device tool returns only a few files per run; the
-  # loose copies are removed only once the archive is written
-  tar czf "$OUT/logs.tgz" -C "$OUT" logs $( [ -d "$OUT/sweep" ] && echo sweep ) \
-    $( [ -d "$OUT/trace" ] && echo trace ) && rm -rf "$L" "$OUT/sweep" "$OUT/trace"
+  # one archive: the device tool returns only a few files per run; the loose logs are
+  # removed only once the archive is written
+  tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"
   cat "$OUT/summary.txt"
 }
 trap finish EXIT
@@ -88,80 +75,9 @@ if want bench; then
   t0=$SECONDS
   B=${KDA_BENCH_BACKENDS:-$GPU}
   timeout "$(left)" python3 -m tools.bench.bench --backends="${B// /,}" --out_dir="$OUT" --tag=h200 \
-    --noplot --triton_variants="${KDA_TRITON_VARIANTS-item,vsplit2,vsplit4,item_w16_r64}" \
-    > "$L/bench.log" 2>&1
+    --noplot > "$L/bench.log" 2>&1
   echo "bench rc=$? $((SECONDS - t0))s" >> "$L/_rc"
   tail -n 30 "$L/bench.log" >> "$OUT/summary.txt"
-fi
-
-# entry_error <stage> <entry> <label> <assigns> <extra> <earlier file of this label>: why the
-# "label:VAR=value,..." entry of $KDA_SWEEP / $KDA_TRACE cannot run (recorded), or nothing
-entry_error() {
-  local bad=
-  [ -n "$3" ] && [ -z "$5" ] || bad="want label:VAR=value,...$( [ "$1" = sweep ] && echo '[:backends]')"
-  [ -e "$6" ] && bad="label $3 used twice"
-  for a in ${4//,/ }; do [[ "$a" == [A-Za-z_]*=* ]] || bad="not VAR=value: $a"; done
-  if [ -n "$bad" ]; then
-    echo "$1 entry '$2' skipped: $bad" | tee -a "$OUT/summary.txt" >&2
-    echo "$1-${3:-?} rc=2 0s :: $bad" >> "$L/_rc"
-    echo "$bad"
-  fi
-}
-
-if want sweep; then
-  mkdir -p "$OUT/sweep"
-  [ -n "${KDA_SWEEP:-}" ] || echo "sweep: \$KDA_SWEEP is empty, nothing to measure" >> "$OUT/summary.txt"
-  for entry in ${KDA_SWEEP:-}; do          # label:VAR=value,VAR=value[:backends]
-    t0=$SECONDS
-    IFS=: read -r label assigns backends extra <<< "$entry"
-    [ -n "$(entry_error sweep "$entry" "$label" "$assigns" "$extra" "$OUT/sweep/bench-$label.json")" ] \
-      && continue
-    backends=${backends:-${KDA_SWEEP_BACKENDS:-cuda,cutedsl}}
-    tv=; [[ ",$backends," == *,triton,* ]] && tv=${KDA_SWEEP_TRITON_VARIANTS:-}
-    env ${assigns//,/ } timeout "$(left)" python3 -m tools.bench.bench \
-      --backends="$backends" --peers="${KDA_SWEEP_PEERS:-none}" --noplot \
-      --batches="${KDA_SWEEP_BATCHES:-32,128,512}" --tokens="${KDA_SWEEP_TOKENS:-1,5}" \
-      --triton_variants="$tv" --out_dir="$OUT/sweep" --tag="$label" \
-      > "$L/sweep-$label.log" 2>&1
-    echo "sweep-$label rc=$? $((SECONDS - t0))s" >> "$L/_rc"
-  done
-  python3 - "$OUT/sweep" >> "$OUT/summary.txt" 2>&1 <<'PY'
-import glob, json, os, statistics, sys
-# Each entry is its own process with its own copy-bandwidth measurement (seen 2.8% apart in
-# one sweep): fractions are recomputed from the step times with the entries' median copy
-# bandwidth, so that the rows compare times.
-runs = [(os.path.basename(f)[6:-5], json.load(open(f)))
-        for f in sorted(glob.glob(os.path.join(sys.argv[1], "bench-*.json")))]
-bw = statistics.median(r["meta"]["copy_bandwidth_Bps"] for _, r in runs) if runs else 0.0
-rows = {}
-for label, r in runs:
-    for c in r["cells"]:
-        if c.get("time_us"):
-            rows.setdefault((label, c["backend"]), {})[(c["R"], c["T"])] = \
-                c["bytes"] / bw / (c["time_us"] * 1e-6)
-cells = sorted({k for v in rows.values() for k in v}, key=lambda rt: (rt[1], rt[0]))
-print(f"== sweep: fraction of the copy-bandwidth floor at the entries' median copy bandwidth "
-      f"({bw / 1e12:.3f} TB/s; per entry: "
-      + ", ".join(f"{l} {r['meta']['copy_bandwidth_Bps'] / 1e12:.3f}" for l, r in runs) + ")")
-print(f"{'label':14s} {'backend':24s} " + " ".join(f"R{r}T{t}".rjust(8) for r, t in cells))
-for (label, b), v in sorted(rows.items()):
-    print(f"{label:14s} {b:24s} " + " ".join(f"{v.get(k, float('nan')):8.3f}" for k in cells))
-PY
-fi
-
-if want trace; then
-  mkdir -p "$OUT/trace"
-  for entry in ${KDA_TRACE:-base:KDA_X=0}; do          # label:VAR=value,VAR=value
-    t0=$SECONDS
-    IFS=: read -r label assigns extra <<< "$entry"
-    [ -n "$(entry_error trace "$entry" "$label" "$assigns" "$extra" "$L/trace-$label.log")" ] \
-      && continue
-    env ${assigns//,/ } timeout "$(left)" python3 -m tools.bench.cuda_trace \
-      --batches="${KDA_TRACE_BATCHES:-32,128,512}" --tokens="${KDA_TRACE_TOKENS:-1,5}" \
-      --out_dir="$OUT/trace" --tag="$label" > "$L/trace-$label.log" 2>&1
-    echo "trace-$label rc=$? $((SECONDS - t0))s" >> "$L/_rc"
-    { echo "== trace $label"; grep -E "^== |^ *step|^  med" "$L/trace-$label.log"; } >> "$OUT/summary.txt"
-  done
 fi
 
 if want hot; then       # alone: every request on one slot per set (state in L2): compute bound
