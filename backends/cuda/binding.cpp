@@ -21,18 +21,21 @@ void check_cuda(const at::Tensor& t, const at::Tensor& ref, const char* name) {
               ", expected ", ref.device());
 }
 
+// One decode step, in place. The tensors come in the order of kda.config.KdaArgs's fields (the
+// launcher passes the record itself, `ext.step(*args, ...)`), then the configuration, then the
+// launch policy: `sched` the current stream's two int32 counters of the item schedule (zero
+// before the first launch, left at zero by each), `static_fraction` and `fb_smem` from
+// backends/cuda/policy.py (see KdaParams in kda_decode.h).
 void step(const at::Tensor& x, const at::Tensor& conv_weight,
           const c10::optional<at::Tensor>& conv_bias, const at::Tensor& conv_state,
           const at::Tensor& f_a, const at::Tensor& f_b, const at::Tensor& beta,
           const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& state,
-          const at::Tensor& state_indices, const c10::optional<at::Tensor>& num_accepted,
-          const at::Tensor& output_gate, const at::Tensor& norm_weight, const at::Tensor& out,
+          const at::Tensor& state_indices, const at::Tensor& output_gate,
+          const at::Tensor& norm_weight, const c10::optional<at::Tensor>& num_accepted_tokens,
           const c10::optional<at::Tensor>& v_record, const c10::optional<at::Tensor>& kg_record,
-          int64_t num_heads, int64_t T, double scale, double norm_eps,
-          c10::optional<double> lower_bound, int64_t gate_mode, bool record, bool use_pdl,
-          int64_t prefetch_distance, int64_t items_per_cta,
-          const c10::optional<at::Tensor>& sched, bool fb_smem, bool early_params,
-          bool early_trigger, const c10::optional<at::Tensor>& trace, double static_fraction) {
+          const at::Tensor& out, int64_t num_heads, int64_t T, double scale, double norm_eps,
+          c10::optional<double> lower_bound, int64_t gate_mode, bool record,
+          const at::Tensor& sched, double static_fraction, bool fb_smem) {
   TORCH_CHECK(x.is_cuda(), "kda cuda: tensors must be on a CUDA device");
   for (const auto* t : {&conv_weight, &conv_state, &f_a, &f_b, &beta, &A_log, &dt_bias, &state,
                         &state_indices, &output_gate, &norm_weight, &out}) {
@@ -59,7 +62,7 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
     check_cuda(*conv_bias, x, "conv_bias");
     TORCH_CHECK(aligned(*conv_bias, 16), "kda cuda: conv_bias must be 16-byte aligned");
   }
-  if (num_accepted) check_cuda(*num_accepted, x, "num_accepted");
+  if (num_accepted_tokens) check_cuda(*num_accepted_tokens, x, "num_accepted_tokens");
   if (record) {
     TORCH_CHECK(v_record && kg_record, "kda cuda: record mode needs v_record and kg_record");
     check_cuda(*v_record, x, "v_record");
@@ -78,7 +81,7 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
   p.dt_bias = dt_bias.data_ptr<float>();
   p.state = state.data_ptr<float>();
   p.state_indices = state_indices.data_ptr<int32_t>();
-  p.num_accepted = num_accepted ? num_accepted->data_ptr<int32_t>() : nullptr;
+  p.num_accepted = num_accepted_tokens ? num_accepted_tokens->data_ptr<int32_t>() : nullptr;
   p.output_gate = output_gate.data_ptr();
   p.norm_weight = norm_weight.data_ptr();
   p.out = out.data_ptr();
@@ -110,43 +113,17 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
   p.conv_state_fp32 = conv_state.scalar_type() == at::kFloat ? 1 : 0;
   p.conv_weight_bf16 = conv_weight.scalar_type() == at::kBFloat16 ? 1 : 0;
   p.norm_weight_bf16 = norm_weight.scalar_type() == at::kBFloat16 ? 1 : 0;
-  p.use_pdl = use_pdl ? 1 : 0;
-  TORCH_CHECK(prefetch_distance >= 0 && prefetch_distance <= 64,
-              "kda cuda: prefetch_distance must be in [0, 64], got ", prefetch_distance);
-  p.prefetch_distance = static_cast<int>(prefetch_distance);
-  TORCH_CHECK(items_per_cta >= 0 && items_per_cta <= 4096,
-              "kda cuda: items_per_cta must be in [0, 4096], got ", items_per_cta);
-  p.items_per_cta = static_cast<int>(items_per_cta);
-  TORCH_CHECK(!fb_smem || T == 1, "kda cuda: fb_smem serves T=1 only, got T=", T);
+  TORCH_CHECK(fb_smem == (T == 1), "kda cuda: the T=", T, " build ",
+              T == 1 ? "stages" : "does not stage", " f_b in shared memory, got fb_smem=", fb_smem);
   p.fb_smem = fb_smem ? 1 : 0;
-  p.sched = nullptr;
-  if (sched.has_value()) {
-    const at::Tensor& c = *sched;
-    check_cuda(c, x, "sched");
-    TORCH_CHECK(c.scalar_type() == at::kInt && c.numel() >= 2 && c.is_contiguous(),
-                "kda cuda: sched must be a contiguous int32 tensor of >= 2 elements, got ",
-                c.scalar_type(), " with ", c.numel(), " elements");
-    p.sched = c.data_ptr<int32_t>();
-  }
-
+  check_cuda(sched, x, "sched");
+  TORCH_CHECK(sched.scalar_type() == at::kInt && sched.numel() >= 2 && sched.is_contiguous(),
+              "kda cuda: sched must be a contiguous int32 tensor of >= 2 elements, got ",
+              sched.scalar_type(), " with ", sched.numel(), " elements");
+  p.sched = sched.data_ptr<int32_t>();
   TORCH_CHECK(static_fraction >= 0.0 && static_fraction <= 1.0,
               "kda cuda: static_fraction must be in [0, 1], got ", static_fraction);
   p.static_fraction = static_cast<float>(static_fraction);
-  p.early_params = early_params ? 1 : 0;
-  p.early_trigger = early_trigger ? 1 : 0;
-#ifdef KDA_TRACE
-  p.trace = nullptr;
-  if (trace.has_value()) {
-    check_cuda(*trace, x, "trace");
-    TORCH_CHECK(trace->scalar_type() == at::kLong && trace->is_contiguous() &&
-                    trace->numel() >= static_cast<int64_t>(KDA_TRACE_CTAS) * KDA_TRACE_STRIDE,
-                "kda cuda: trace must be a contiguous int64 tensor of >= ",
-                static_cast<int64_t>(KDA_TRACE_CTAS) * KDA_TRACE_STRIDE, " elements");
-    p.trace = reinterpret_cast<long long*>(trace->data_ptr<int64_t>());
-  }
-#else
-  TORCH_CHECK(!trace.has_value(), "kda cuda: trace needs a build with KDA_CUDA_TRACE=1");
-#endif
 
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaError_t err = kda_decode_launch(&p, at::cuda::getCurrentCUDAStream().stream());
@@ -160,15 +137,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step", &step, "One fused KDA decode step, in place (see backends/cuda/kda_decode.h)",
         py::arg("x"), py::arg("conv_weight"), py::arg("conv_bias"), py::arg("conv_state"),
         py::arg("f_a"), py::arg("f_b"), py::arg("beta"), py::arg("A_log"), py::arg("dt_bias"),
-        py::arg("state"), py::arg("state_indices"), py::arg("num_accepted"),
-        py::arg("output_gate"), py::arg("norm_weight"), py::arg("out"), py::arg("v_record"),
-        py::arg("kg_record"), py::arg("num_heads"), py::arg("T"), py::arg("scale"),
-        py::arg("norm_eps"), py::arg("lower_bound"), py::arg("gate_mode"), py::arg("record"),
-        py::arg("use_pdl"), py::arg("prefetch_distance"), py::arg("items_per_cta"),
-        py::arg("sched") = py::none(), py::arg("fb_smem") = false,
-        py::arg("early_params") = false, py::arg("early_trigger") = false,
-        py::arg("trace") = py::none(), py::arg("static_fraction") = 0.0);
-  m.def("smem_bytes", &kda_decode_smem_bytes,
-        "Dynamic shared memory per CTA for T tokens, with f_b staged in shared memory or not",
-        py::arg("T"), py::arg("fb_smem") = 0);
+        py::arg("state"), py::arg("state_indices"), py::arg("output_gate"),
+        py::arg("norm_weight"), py::arg("num_accepted_tokens"), py::arg("v_record"),
+        py::arg("kg_record"), py::arg("out"), py::arg("num_heads"), py::arg("T"),
+        py::arg("scale"), py::arg("norm_eps"), py::arg("lower_bound"), py::arg("gate_mode"),
+        py::arg("record"), py::arg("sched"), py::arg("static_fraction"), py::arg("fb_smem"));
 }

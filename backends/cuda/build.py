@@ -13,9 +13,6 @@ Ahead-of-time build (e.g. in a container image, or before timing anything)::
     python3 -m kda.backends.cuda.build          # builds if needed, prints the module path
 
 Compiling needs nvcc (CUDA 12.4 or newer, for sm_90a) and ninja; running needs an sm_90 GPU.
-
-``KDA_CUDA_TRACE=1`` builds (into its own cache directory) the debugging variant whose kernel
-writes per-CTA timestamps into a ``trace`` tensor (``tools/bench/cuda_trace.py``).
 """
 
 from __future__ import annotations
@@ -47,15 +44,6 @@ CUDA_FLAGS = [
 CXX_FLAGS = ["-O3", "-std=c++17"]
 
 
-def _flags():
-    """(nvcc flags, C++ flags) of this process's build: ``-DKDA_TRACE`` added under
-    ``KDA_CUDA_TRACE=1``."""
-    from kda.backend import flag_from_env
-
-    trace = ["-DKDA_TRACE"] if flag_from_env("KDA_CUDA_TRACE", False) else []
-    return CUDA_FLAGS + trace, CXX_FLAGS + trace
-
-
 _lock = threading.Lock()
 _module: Optional[ModuleType] = None
 
@@ -67,7 +55,7 @@ def _fingerprint() -> str:
     for name in SOURCES + HEADERS:
         h.update(name.encode())
         h.update((HERE / name).read_bytes())
-    h.update(repr((*_flags(), torch.__version__, torch.version.cuda,
+    h.update(repr((CUDA_FLAGS, CXX_FLAGS, torch.__version__, torch.version.cuda,
                    sys.version_info[:2])).encode())
     return h.hexdigest()[:16]
 
@@ -127,12 +115,11 @@ def _load_locked(name: str, build_dir: pathlib.Path, verbose: bool) -> ModuleTyp
     if lib is None:
         from torch.utils import cpp_extension
 
-        cuda_flags, cxx_flags = _flags()
         return cpp_extension.load(
             name=name,
             sources=[str(HERE / s) for s in SOURCES],
-            extra_cflags=cxx_flags,
-            extra_cuda_cflags=cuda_flags,
+            extra_cflags=CXX_FLAGS,
+            extra_cuda_cflags=CUDA_FLAGS,
             extra_include_paths=[str(HERE)],
             build_directory=str(build_dir),
             verbose=verbose,

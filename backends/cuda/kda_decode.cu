@@ -2,21 +2,20 @@
 //
 // Design note
 // ===========
-// Work item = (request r, head h). The kernel is persistent: two CTAs per SM (the occupancy
-// query decides), CTA b walks the contiguous item range [b*I/G, (b+1)*I/G) of I = R*H items.
-// Items are numbered head-major, item = h*R + r (the CuTe DSL design uses r*H + h): consecutive
-// items of a CTA then share the head, so the head's conv taps / conv bias / dt_bias are staged
-// only when the head changes. Measured on the H200 together with the other changes of the same
-// round (see README.md); not isolated.
+// Work item = (request r, head h), numbered head-major: item = h*R + r (the CuTe DSL design
+// uses r*H + h), so that consecutive items of a CTA share the head and the head's conv taps /
+// conv bias / dt_bias (and at T=1 its f_b rows) are staged only when the head changes. The grid
+// is persistent: as many CTAs as are resident (two per SM, from the occupancy query), never
+// more than there are items.
 //
 // The step is memory bound (per live item: a 64 KiB fp32 state page read, T pages written, a
 // few KiB of operands), so the loop keeps one state page in flight per CTA almost always.
 // cp.async groups per item: L (its slot row, one item ahead), E (x / output-gate / f_a rows,
 // conv window, head parameters, beta words) and S (the 64 KiB page), committed E then S.
 //
-//   top of item n:   wait for E(n) (S(n) may still be landing); issue L(n+1); f_b fragments
-//                    (T=1: from shared memory after B1, see below; else L2/L1) into
-//                    registers; B1.
+//   top of item n:   wait for E(n) (S(n) may still be landing); take item n+1 and issue
+//                    L(n+1); f_b fragments (T=1: from shared memory after B1, see below;
+//                    else L2/L1) into registers; B1.
 //   gate MMA (mma.sync m16n8k16 bf16 -> fp32, raw gate rounded to bf16 into smem), conv +
 //   SiLU + window write-back, sigmoid(output gate), per-token write offsets.
 //   wait for S(n), L(n+1); B2.
@@ -26,17 +25,14 @@
 //   L2-normalise q, k. Warps 4-7: decay alpha from the raw gate (accurate expf/log1pf). B3.
 //   Recurrence for T tokens on the register-resident page, 16-byte state stores per token,
 //   per-warp sums of bf16(o)^2 for the RMSNorm; B4; gated RMSNorm epilogue (bf16 out).
-//   (S(n+1) was issued after B3, behind the norms and the decay, until the sixth session:
-//   requesting it before them measured on the H200 (749d079, same sweep, step times) 1.5% /
-//   1.0% faster at R = 128 / 512, T=1, 2.9% / 3.3% / 1.4% at R = 32 / 128 / 512, T=5, and
-//   2.2% slower at R=32 T=1.)
+//   S(n+1) is requested before the norms and the decay rather than after B3: on the H200
+//   1.5% / 1.0% faster at T=1 (R = 128 / 512; 2.2% slower at R=32) and 1.4-3.3% at T=5.
 //
 // Thread layout (256 threads): thread tid holds value rows tid/8 + 32m (m = 0..3) and in
 // each row the key columns 4*(tid%8 + 8c)..+3 (c = 0..3): 16 float4 = 64 fp32 registers. A
 // row's 8 lanes are consecutive, so every state load / store instruction of a warp covers
 // 4 rows x 128 contiguous bytes (whole L2 lines; the 4-lanes-per-row layout of the CuTe DSL
-// design gives 8 rows x 64 B, half lines: twice the L2 requests. This layout and the 16-byte
-// f_b loads below were the largest gain of the development runs). Row dot products: in-
+// design gives 8 rows x 64 B, half lines: twice the L2 requests). Row dot products: in-
 // thread over two partial sums (x,z and y,w components, chunks in order), combined p0 + p1,
 // then across the 8 lanes with xor-shuffles 1, 2, 4, so all 8 lanes hold the same value.
 // Threads 0-127 own q and k channel tid (conv, squares, output gate, RMSNorm); threads 128-255
@@ -48,40 +44,30 @@
 // (the straightforward fragment order needs 32 scattered 4-byte loads, twice the L2 sectors).
 // gate_mode 1's four chains are exactly those 32-column slices, summed ((c0+c1)+c2)+c3.
 //
-// f_b in shared memory (T=1, KdaParams.fb_smem, the default): the head's 128 f_b rows (32 KiB)
+// f_b in shared memory (the T=1 build, KdaParams.fb_smem): the head's 128 f_b rows (32 KiB)
 // are staged with the head's other parameters (group E, only when the head changes) and the
 // MMA's A fragments are read from there after B1 (16-byte loads, chunks XOR-swizzled by row
 // so that a quarter warp hits 32 distinct banks); the conv bias then comes from global
-// memory (its shared-memory copy would not fit). With the static head-major ranges a CTA
-// stages the rows once or twice per launch instead of reading 32 KiB from L2 for every item:
-// measured on the H200 (e1356bb) 4-6% faster at T=1 (R=128: 164.4 against 171.8 us; R=512:
-// 613.3 against 649.0 us). T >= 2 has no such build: 32 KiB more does not fit two CTAs per SM
-// next to T tokens' buffers, and the dynamic schedule used there changes heads between most
-// consecutive items.
+// memory (its shared-memory copy would not fit). Within its static range a CTA stages the
+// rows once or twice per launch instead of reading 32 KiB from L2 for every item. The T >= 2
+// builds read the fragments from L2: 32 KiB more does not fit two CTAs per SM next to T
+// tokens' buffers. Measurements: backends/cuda/policy.py.
 //
-// Schedule: static, CTA b walks the contiguous range [b*I/G, (b+1)*I/G). With
-// KdaParams.sched (KDA_CUDA_SCHEDULE=dynamic) CTA b starts with item b and takes each next
-// item from an atomic counter (thread 0, at the top of the current item, so that the next
-// item's slot row is still requested one item ahead); the last CTA to finish resets the
-// counters. Measured on the H200 (1b62e9a, step times): 0.6-0.9% slower at T=1 (the next
-// item's slot row waits for the atomic, and consecutive items rarely share a head), 3-4%
-// faster at T >= 2 (R >= 128).
-// KdaParams.static_fraction f (with sched): CTA b first walks the contiguous range [b*S,
-// (b+1)*S), S = floor(f * items / CTAs), and only then takes items from the counter (which
-// starts at CTAs * S): head-major locality for most items, balance for the rest. A per-CTA
-// trace (a3af7e4, tools/bench/cuda_trace.py) showed why the static ranges lose: the SMs run
-// at different speeds (per-item time per SM 8.7-9.7 us at R=512 T=1, the same SMs slow from
-// step to step), so the CTAs of equal ranges left over 525-608 us at R=512 and 129-161 us at
-// R=128 (8155583: static ranges). f = 0.8 at T=1 measured 3.3% / 2.0%
-// faster at R = 128 / 512 than the static ranges (and at T=5 1.3% slower than f = 0). The
-// backend's default: dynamic at every T, f = 0.8 at T=1, 0 above.
+// Schedule: CTA b first walks the contiguous range [b*S, (b+1)*S) of S = KdaParams.static_items
+// items (S = 0 counts as 1: the range is item b alone), then takes each next item from an
+// atomic counter (thread 0, at the top of the current item, so that the next item's slot row
+// is still requested one item ahead), which hands out items G*S onwards; the last CTA to
+// finish resets the counters. The static ranges keep the head-major locality for most items;
+// the counter evens out the SMs, which run at different speeds (per-item time per SM 8.7-9.7
+// us at R=512 T=1 on the H200, the same SMs slow from step to step). The launcher sets
+// S = floor(f * items / CTAs) from the fraction f that backends/cuda/policy.py gives by T.
 //
 // Shared memory per CTA: 64 KiB state staging laid out [16 chunk][256 thread][4 floats]
 // (each thread reads back only what it copied: no barrier needed for the page itself, no bank
 // conflicts), operand staging T*1296 B (f_a rows padded to 136 bf16), conv window 4.5 KiB,
-// head parameters 8 KiB, q/k/v/alpha/o/sigmoid(og) as fp32 [T][128] (3 KiB per token), small
-// bookkeeping. T=1: 83,536 B (with f_b staged: 115,264 B); T=8: 114,416 B; two CTAs per SM
-// need <= 115,712 B each
+// head parameters 8 KiB (T=1: 32 KiB more for the f_b rows, 1.5 KiB less without the conv
+// bias), q/k/v/alpha/o/sigmoid(og) as fp32 [T][128] (3 KiB per token), small bookkeeping.
+// T=1: 115,264 B; T=2: 87,952 B; T=8: 114,416 B; two CTAs per SM need <= 115,712 B each
 // (static_assert below; tests/backends/cuda/test_compile.py checks the built object).
 //
 // Registers: __launch_bounds__(256, 2) caps at 128 per thread. During the recurrence the live
@@ -91,39 +77,31 @@
 // the same reason the staging functions pass tid / strides through opaque() so that ptxas
 // cannot hoist their address arithmetic out of the item loop. No T spills (checked in CI).
 //
-// Programmatic dependent launch: only model weights are read before griddepcontrol.wait (the
-// norm weight; with KdaParams.early_params also the first item's head parameters); the slot
-// ids, windows, pages and operands may all come from the predecessor (slot ids from a
-// server's input preparation, windows and pages from the previous step on the same cache),
-// and launch_dependents alone does not make a primary's writes visible to a dependent
-// (earlier versions read the first item's slot row, page and window before the wait, relying
-// on the trigger's placement; the H200 measured no difference either way). The first item's
-// page is requested behind its operands, in its own cp.async group, so that item 0's conv and
-// gate overlap its arrival as every later item's do. The trigger for dependents is issued at
-// the end of each CTA, after its last stores and a fence; with KdaParams.early_trigger right
-// after the wait. Either is safe for a dependent that reads our outputs only after its own
-// griddepcontrol.wait, which waits for this whole grid and its memory; a dependent that
-// writes, before its wait, a buffer this kernel reads would race with an early trigger (this
-// kernel itself writes nothing before its wait). On the H200 the PDL attribute measured no
-// difference; the early knobs see backend.py.
+// Programmatic dependent launch: the kernel is always launched with programmatic stream
+// serialization. Only the norm weight (a model weight) is read before griddepcontrol.wait;
+// the slot ids, windows, pages and operands may all come from the predecessor (slot ids from
+// a server's input preparation, windows and pages from the previous step on the same cache),
+// and launch_dependents alone does not make a primary's writes visible to a dependent. The
+// first item's page is requested behind its operands, in its own cp.async group, so that item
+// 0's conv and gate overlap its arrival as every later item's do. The trigger for dependents
+// is issued at the end of each CTA, after its last stores and a fence; a dependent reads our
+// outputs only after its own griddepcontrol.wait, which waits for this whole grid and its
+// memory.
 //
 // Numerics follow docs/contract.md section 2. Rounding points y, rg, o, out are bf16; all else
 // fp32. Not built with --use_fast_math: the decay alpha = exp(gk) is not rounded and
 // multiplies every state element; where it is exactly 1 in the reference, an approximate exp
 // gives 1 - 1ulp and moves state elements the reference leaves bit-identical (seen on the
 // H200). The decay path therefore uses accurate expf / log1pf / division. (Such elements can
-// still differ by fp32 reassociation of u; see tests/backends/cuda/test_cuda_gpu.py.) SiLU and
-// the sigmoids of beta and of the output gate, which a bf16 rounding or the fp32 tolerance
-// follows, use __expf / __fdividef.
-// L2 prefetch, off by default (runtime parameter, KDA_CUDA_PREFETCH): prefetch_distance d >= 2 has thread 224 read item n+d's slot ids during item n and issue a
-// cp.async.bulk.prefetch.L2 of its page next to item n+1's cp.async (two pages in flight per
-// CTA without a second staging buffer). Measured on the H200 (c3bcd08, H=32): R=128 T=1
-// 0.788 -> 0.655 (d=2) / 0.603 (d=3) of the floor, every cell slower. Likely cause (not
-// measured): at ~4 TB/s the 50 MB L2 turns over in about 12 us, about one item's time per
-// CTA, so prefetched pages are evicted before their cp.async reads them and are read twice.
-// Streaming state stores (st.global.cs) instead of write-back ones measured the same within
-// run-to-run noise (6ff17fa: R=128 T=1 0.775 vs 0.781, T=5 0.797 vs 0.790), so not kept.
-// State loads use plain cp.async.cg: the L2::cache_hint form miscompiled with nvcc 13.0 for
+// still differ by fp32 reassociation of u.) SiLU and the sigmoids of beta and of the output
+// gate, which a bf16 rounding or the fp32 tolerance follows, use __expf / __fdividef.
+//
+// What the kernel does not do, and why: an L2 prefetch of item n+d's page during item n
+// (cp.async.bulk.prefetch.L2) is slower in every cell on the H200 (R=128 T=1: 0.655 / 0.603 of
+// the bandwidth floor at d = 2 / 3 against 0.788 without; at ~4 TB/s the 50 MB L2 turns over in
+// about one item's time per CTA, so the prefetched pages are evicted before use). Streaming
+// state stores (st.global.cs) measure the same as write-back ones within run-to-run noise.
+// State loads use plain cp.async.cg: the L2::cache_hint form miscompiles with nvcc 13.0 for
 // T=1 (uniform descriptor registers read but never written; illegal-instruction fault on the
 // H200). All slot offsets are 64-bit.
 
@@ -178,15 +156,13 @@ struct __align__(16) Smem {
   float nw[kD];                         // norm weight
   long long woff[T];                    // per token: state page offset to write (-1: none), or
                                         // in record mode the v_record row offset
-  int item_end;                         // items >= item_end are past this CTA's work (static:
-                                        // its range's end; dynamic: R * H); kept out of registers
+  int item_end;                         // R * H: items >= item_end are past the work (kept
+                                        // out of registers)
   int item_idx[2];                      // item index of iterations n and n+1 (by parity)
-  int item_beg;                         // static schedule: item of iteration 0
-  int static_end;                       // dynamic schedule: end of the CTA's static range
+  int static_end;                       // end of the CTA's static range
   int slots[2][12];                     // state_indices row [0, T) and num_accepted [8], by parity of iteration
   Item info[2];                         // items n and n+1 (by parity), derived once from slots
   int params_head;                      // head whose cw / cbias / dtb are staged (-1: none)
-  int pf_src;                           // L2 prefetch: slot id (or accepted count) being read
 };
 
 __device__ __forceinline__ float bf2f(uint16_t raw) {
@@ -256,33 +232,8 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// L2 prefetch (see the design note): thread kPfThread reads item `item`'s slot ids itself,
-// in two halves so that no load is waited for right after it is issued. pf_first: T=1 the
-// source slot, T>1 the accepted count; pf_second (T>1): the source slot from that count.
-constexpr int kPfThread = 224;  // warp 7, lane 0
-__device__ __forceinline__ int pf_first(const KdaParams& p, int T, int item) {
-  const int r = item % p.num_requests;
-  return T == 1 ? __ldcg(p.state_indices + static_cast<int64_t>(r) * p.idx_row)
-                : __ldcg(p.num_accepted + r);
-}
-__device__ __forceinline__ int pf_second(const KdaParams& p, int T, int item, int first) {
-  if (T == 1) return first;
-  const int r = item % p.num_requests;
-  const int a = min(max(first, 1), T);
-  return __ldcg(p.state_indices + static_cast<int64_t>(r) * p.idx_row + (a - 1));
-}
-// Bulk L2 prefetch of the item's 64 KiB page (4 x 16 KiB), skipped for ids outside (0, slots).
-__device__ __forceinline__ void pf_page(const KdaParams& p, int item, int src) {
-  if (static_cast<unsigned>(src) - 1u >= static_cast<unsigned>(p.num_slots) - 1u) return;
-  const float* page = p.state + static_cast<int64_t>(src) * p.state_slot +
-                      static_cast<int64_t>(item / p.num_requests) * (kD * kD);
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], 16384;\n" ::"l"(page + i * 4096) : "memory");
-}
-
 // cp.async of request r's slot row (and accepted count) into sm.slots[iter & 1], by threads
-// 0..8 (warp 0 only: the dynamic schedule hands the next item to warp 0 alone).
+// 0..8 (warp 0 only: before B2 the next item's index is known to warp 0 alone).
 template <int T, bool FB>
 __device__ __forceinline__ void issue_slots(const KdaParams& p, Smem<T, FB>& sm, int iter, int r, int tid) {
   if (tid < T) cp_async4(&sm.slots[iter & 1][tid], p.state_indices + static_cast<int64_t>(r) * p.idx_row + tid);
@@ -484,78 +435,34 @@ __device__ __forceinline__ float beta_value(const KdaParams& p, const Smem<T, FB
   return bf2f(static_cast<uint16_t>((b & 2) ? (w >> 16) : (w & 0xffffu)));
 }
 
-#ifdef KDA_TRACE
-// Debugging builds (KDA_TRACE): thread 0 of CTA b < kTraceCtas writes p.trace[b * kTraceStride
-// + slot]: 0 / 1 globaltimer (ns) at entry / exit, 2 the SM id, 3 / 4 / 5 / 6 clock64 at entry /
-// after griddepcontrol.wait / the loop's start / exit, 7 the iterations walked; iteration n <
-// kTraceItems: 8 + 8n + {0: top (its operands arrived), 1: after B1, 2: gate and conv done,
-// 3: after B2 (its page arrived), 4: after B3, 5: recurrence done, 6: after B4, 7: its end},
-// clock64. tools/bench/cuda_trace.py reads them.
-constexpr int kTraceCtas = KDA_TRACE_CTAS, kTraceStride = KDA_TRACE_STRIDE, kTracePoints = 8;
-constexpr int kTraceItems = (kTraceStride - 8) / kTracePoints;
-__device__ __forceinline__ long long global_timer() {
-  long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ int sm_id() {
-  int s;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
-  return s;
-}
-#define TRACE(slot, value)                                                       \
-  do {                                                                           \
-    if (p.trace != nullptr && tid == 0 && blockIdx.x < kTraceCtas)               \
-      p.trace[static_cast<int64_t>(blockIdx.x) * kTraceStride + (slot)] = (value); \
-  } while (0)
-#define TRACE_ITEM(n, k)                                       \
-  do {                                                         \
-    if ((n) < kTraceItems) TRACE(8 + kTracePoints * (n) + (k), clock64()); \
-  } while (0)
-#else
-#define TRACE(slot, value) \
-  do {                     \
-  } while (0)
-#define TRACE_ITEM(n, k) \
-  do {                   \
-  } while (0)
-#endif
-
 template <int T, bool FB>
 __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_constant__ KdaParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Smem<T, FB>& sm = *reinterpret_cast<Smem<T, FB>*>(smem_raw);
 
   const int tid = threadIdx.x;
-  TRACE(0, global_timer());
-  TRACE(3, clock64());
   const int warp = tid >> 5, lane = tid & 31;
   const int H = p.num_heads;
   const int dim = H * kD;
   const int num_items = p.num_requests * H;
   const int G = gridDim.x;
-  // Static schedule: CTA b walks the contiguous range [beg, end). Dynamic (p.sched): CTA b
-  // starts with item b and takes every next item from an atomic counter, so CTAs finish within
-  // about one item of each other whatever their items cost (see the design note).
-  // With p.static_items = S > 0 the dynamic schedule first walks the contiguous range
-  // [b*S, (b+1)*S) and takes items from the counter only after it (the counter's items start
-  // at G*S); S = 0 behaves as S = 1 (the range is item b alone).
-  const bool dynamic = p.sched != nullptr;
+  // CTA b walks the contiguous range [b*S1, (b+1)*S1), then takes every next item from the
+  // atomic counter, whose items start at G*S1 (see the design note); S = 0 counts as S1 = 1
+  // (the range is item b alone).
   const int S1 = max(p.static_items, 1);
-  const int beg = dynamic ? static_cast<int>(blockIdx.x) * S1
-                          : static_cast<int>((static_cast<int64_t>(blockIdx.x) * num_items) / G);
-  const int end = dynamic ? num_items
-                          : static_cast<int>((static_cast<int64_t>(blockIdx.x + 1) * num_items) / G);
+  const int beg = static_cast<int>(blockIdx.x) * S1;
 
   if (tid == 0) {
-    sm.item_end = end;
+    sm.item_end = num_items;
     sm.item_idx[0] = beg;
-    sm.item_beg = beg;
-    sm.static_end = dynamic ? beg + S1 : end;
+    sm.static_end = beg + S1;
   }
   if (tid < kD) {  // norm weight, shared by all heads
-    sm.nw[tid] = p.norm_weight_bf16 ? bf2f(static_cast<const uint16_t*>(p.norm_weight)[tid])
-                                    : static_cast<const float*>(p.norm_weight)[tid];
+    // (its index through opaque(): otherwise ptxas keeps this store's shared-memory address
+    // for the loop's [tid] accesses, a register held across the item loop that spills at T=8)
+    const int i = opaque(tid);
+    sm.nw[i] = p.norm_weight_bf16 ? bf2f(static_cast<const uint16_t*>(p.norm_weight)[i])
+                                  : static_cast<const float*>(p.norm_weight)[i];
   }
 
   // ---- prologue: first item ----
@@ -563,22 +470,10 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
   // so its conv taps / biases are staged once per head, and at T=1 (FB) its f_b rows too. (At
   // T >= 2 the f_b fragments are re-read from L2 every item; the L1 hit rate measured ~3%.)
   const int R = p.num_requests;
-  // With p.early_params the first item's head parameters (model weights, like the norm
-  // weight) are requested before the wait, so that they may arrive while the predecessor
-  // drains.
-  if (p.early_params) {
-    issue_params<T>(p, sm, beg / R, tid);
-    cp_async_commit();
-  }
-  // Everything else below may read what the predecessor kernel wrote (slot ids, windows,
-  // pages, operands): wait for it first.
+  // Everything below may read what the predecessor kernel wrote (slot ids, windows, pages,
+  // operands): wait for it first.
   grid_dependency_wait();
-  TRACE(4, clock64());
-  // p.early_trigger: a PDL successor may be scheduled from now on; its griddepcontrol.wait
-  // still waits for this whole grid and its memory.
-  if (p.early_trigger) trigger_dependents();
-  // The first slot row by plain loads (not cp.async: the wait for it would include the early
-  // parameters' group).
+  // The first slot row, by plain loads.
   {
     const int64_t row = static_cast<int64_t>(beg % R) * p.idx_row;
     if (tid < T) sm.slots[0][tid] = __ldcg(p.state_indices + row + tid);
@@ -589,19 +484,12 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
     const Item first = item_at<T>(p, sm, 0, beg % R, beg / R);
     if (tid == 0) {
       sm.info[0] = first;
-      sm.params_head = p.early_params ? first.h : first.src > 0 ? first.h : -1;
+      sm.params_head = first.src > 0 ? first.h : -1;
     }
     if (first.src > 0) {
       issue_window<T>(p, sm, first, tid);
-      if (!p.early_params) issue_params<T>(p, sm, first.h, tid);
+      issue_params<T>(p, sm, first.h, tid);
       cp_async_commit();
-    }
-    // L2 prefetch of the pages of items beg+1 .. beg+d-1 (the loop prefetches n+d from n).
-    if (tid == kPfThread && !dynamic) {
-      for (int i = 1; i < p.prefetch_distance && beg + i < end; ++i)
-        pf_page(p, beg + i, pf_second(p, T, beg + i, pf_first(p, T, beg + i)));
-    }
-    if (first.src > 0) {
       issue_operands<T>(p, sm, first, tid);
       issue_beta<T>(p, sm, first, 0, tid);
       cp_async_commit();
@@ -613,7 +501,6 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
     cp_async_wait<1>();  // everything of item 0 but its page
     __syncthreads();     // sm.info[0], sm.item_idx[0], item 0's operands
   }
-  TRACE(5, clock64());
 
   // n counts this CTA's iterations; its item's index is sm.item_idx[n & 1], (r, h) in
   // sm.info[n & 1]. Every buffer kept per item parity is kept per iteration parity.
@@ -622,18 +509,17 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
     // order one iteration ago; wait for E only, so that the conv and gate below overlap the
     // page's arrival.
     cp_async_wait<1>();
-    TRACE_ITEM(n, 0);
-    // The next item (static: the range's next; dynamic: from the counter, by thread 0 for
-    // warp 0), its index parked for everyone (read after B2), and its slot row (group L),
-    // needed when it is prefetched below.
+    // The next item (the static range's next, then the counter's, by thread 0 for warp 0),
+    // its index parked for everyone (read after B2), and its slot row (group L), needed when
+    // it is prefetched below.
     if (warp == 0) {
       int nx = 0;
       if (lane == 0) {
         nx = sm.item_idx[n & 1] + 1;
         // (no counter when the static ranges hold every item, e.g. items <= CTAs: the
-        // atomic's latency would only delay the next slot row; H200: R=8 T=1 17.0 us with it
-        // at 670986e, 15.9 without at d9455f5, 16.0 with the static ranges)
-        if (dynamic && nx >= sm.static_end)
+        // atomic's latency would only delay the next slot row; H200, R=8 T=1: 15.9 us
+        // against 17.0 with the atomic)
+        if (nx >= sm.static_end)
           nx = G * S1 >= sm.item_end ? sm.item_end : G * S1 + atomicAdd(p.sched, 1);
       }
       nx = __shfl_sync(0xffffffffu, nx, 0);
@@ -641,15 +527,6 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       if (nx < sm.item_end) issue_slots<T>(p, sm, n + 1, nx % R, tid);
     }
     cp_async_commit();
-    // L2 prefetch of item n+d's page: its slot ids are read now (first half; the wait for it
-    // overlaps the f_b fragment loads) and before B2 (second half, T>1; overlaps the wait for
-    // the page), kept in shared memory (a register live across the item spilled at T=8); the
-    // prefetch is issued after B3, next to item n+1's cp.async.
-    // (pf_item and pf are recomputed through opaque() at each use: held across the item they
-    // pushed T=8 over the register cap.)
-#define PF_ITEM (sm.item_beg + opaque(n) + p.prefetch_distance)  // static schedule only
-#define PF (p.prefetch_distance > 0 && !dynamic && tid == kPfThread && PF_ITEM < sm.item_end)
-    if (PF) sm.pf_src = pf_first(p, T, PF_ITEM);  // its own word: no barrier needed
     // Item info lives in shared memory (written once per item by thread 0), not in registers.
 #define CUR (sm.info[n & 1])
     const bool live = CUR.src > 0;
@@ -699,7 +576,6 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       if (!FB) load_afr();
       if (tid < T) sm.beta[tid] = sigmoidf_fast(beta_value<T>(p, sm, CUR, n, tid));
       __syncthreads();  // B1: operands, window, parameters (FB: f_b rows), beta visible
-      TRACE_ITEM(n, 1);
       if (FB) load_afr();
 
       const bool rec = p.record != 0;
@@ -823,11 +699,8 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
     // Warps 4-7 own gate feature tid-128 after B2; its dt_bias is read now, before item n+1's
     // parameters may overwrite sm.dtb.
     const float dtb_f = (live && tid >= kD) ? sm.dtb[tid - kD] : 0.f;
-    if (T > 1 && PF) sm.pf_src = pf_second(p, T, PF_ITEM, sm.pf_src);
-    TRACE_ITEM(n, 2);
     cp_async_wait<0>();  // item n's state page (S) and item n+1's slot row (L)
     __syncthreads();     // B2: conv outputs, partial sums, raw gate visible; slots of n+1 visible
-    TRACE_ITEM(n, 3);
 
     // ---- prefetch item n+1, part E: operands, window, parameters, beta (their buffers are
     // free: the conv and gate are done). Issued before the page moves into registers. ----
@@ -859,7 +732,6 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       issue_state<T>(p, sm, nxt, tid);
       cp_async_commit();
     }
-    if (PF) pf_page(p, PF_ITEM, sm.pf_src);
     if (live) {
       if (tid < kD) {
         // ---- warps 0-3: L2 norm of q (with scale) and k, in place ----
@@ -896,7 +768,6 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       }
     }
     __syncthreads();  // B3: normalised q, k, alpha visible
-    TRACE_ITEM(n, 4);
     if (tid == 0 && next_live) sm.params_head = nxt.h;  // all threads read it before B3
 
     if (live) {
@@ -957,7 +828,9 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
         // The gated RMSNorm's sum of bf16(o)^2 is formed here, so that the epilogue needs one
         // barrier (B4): over this thread's 4 rows (every lane of a row holds the same o), then
         // over the warp's 4 rows (lanes 0, 8, 16, 24); one partial per warp in sm.red (free
-        // since B3: the q/k partial sums were read before it).
+        // since B3: the q/k partial sums were read before it). On the H200 0.3-1.1% faster
+        // than sums formed in the epilogue behind a second barrier (R = 32 / 128 / 512, T = 1
+        // and 5).
         float osq = 0.f;
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
@@ -988,14 +861,9 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
               *reinterpret_cast<float4*>(base + m * 32 * kD + 32 * c) = S[m][c];
         }
       }
-      TRACE_ITEM(n, 5);
       __syncthreads();  // B4: o and the 8 warps' sums of squares complete
-      TRACE_ITEM(n, 6);
 
       // ---- epilogue: gated RMSNorm over the 128 o values of each token ----
-      // (Until the seventh session the sums of squares were formed here, by warps 0-3 over
-      // o[tid], with a second barrier; the H200 measured the fused form 0.3-1.1% faster in
-      // every cell of c2cb4cd's sweep, R = 32 / 128 / 512, T = 1 and 5.)
       if (tid < kD) {
         const float* red = &sm.red[0][0][0];
 #pragma unroll
@@ -1009,19 +877,15 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
         }
       }
     }
-    TRACE_ITEM(n, 7);
-    TRACE(7, n + 1);
 #undef CUR
 #undef H_CUR
-#undef PF_ITEM
-#undef PF
 #undef ROW0
   }
 
-  // Dynamic schedule: the last CTA to finish (it took its last item after every other CTA took
-  // theirs) leaves both counters at zero for the next launch, which reads them only after its
-  // griddepcontrol.wait (or plain stream order).
-  if (dynamic && tid == 0) {
+  // The last CTA to finish (it took its last item after every other CTA took theirs) leaves
+  // both counters at zero for the next launch, which reads them only after its
+  // griddepcontrol.wait.
+  if (tid == 0) {
     __threadfence();
     if (atomicAdd(p.sched + 1, 1) == G - 1) {
       p.sched[0] = 0;
@@ -1030,13 +894,8 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
   }
   // Dependents may be scheduled once every CTA got here (they read nothing we write before
   // their griddepcontrol.wait, which waits for this whole grid and its memory).
-  if (!p.early_trigger) {
-    __threadfence();
-    trigger_dependents();
-  }
-  TRACE(6, clock64());
-  TRACE(1, global_timer());
-  TRACE(2, sm_id());
+  __threadfence();
+  trigger_dependents();
 }
 
 template <int T, bool FB = false>
@@ -1069,14 +928,9 @@ cudaError_t launch_t(const KdaParams& p, cudaStream_t stream) {
 
   const int64_t items = static_cast<int64_t>(p.num_requests) * p.num_heads;
   if (items <= 0) return cudaSuccess;
-  int64_t grid = ctas[dev];
-  if (p.items_per_cta > 0) {
-    const int64_t want = (items + p.items_per_cta - 1) / p.items_per_cta;
-    if (want > grid) grid = want;
-  }
-  if (items < grid) grid = items;
+  const int64_t grid = items < ctas[dev] ? items : ctas[dev];  // persistent: the resident CTAs
   KdaParams q = p;
-  q.static_items = p.sched != nullptr ? kda_decode_static_items(items, grid, p.static_fraction) : 0;
+  q.static_items = kda_decode_static_items(items, grid, p.static_fraction);
 
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
@@ -1087,7 +941,7 @@ cudaError_t launch_t(const KdaParams& p, cudaStream_t stream) {
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = p.use_pdl ? 1 : 0;
+  cfg.numAttrs = 1;
   return cudaLaunchKernelEx(&cfg, kda_decode_kernel<T, FB>, q);
 }
 
@@ -1102,13 +956,12 @@ extern "C" cudaError_t kda_decode_launch(const KdaParams* params, cudaStream_t s
   if (p->num_heads < 1 || p->num_requests < 0 || p->window < p->T + 2) return cudaErrorInvalidValue;
   if (static_cast<int64_t>(p->num_requests) * p->num_heads > INT32_MAX) return cudaErrorInvalidValue;
   if (p->T > 1 && p->num_accepted == nullptr) return cudaErrorInvalidValue;
-  if (p->prefetch_distance < 0 || p->prefetch_distance > 64) return cudaErrorInvalidValue;
-  if (p->items_per_cta < 0) return cudaErrorInvalidValue;
+  if (p->sched == nullptr) return cudaErrorInvalidValue;
   if (!(p->static_fraction >= 0.f && p->static_fraction <= 1.f)) return cudaErrorInvalidValue;
-  if (p->fb_smem != 0 && (p->fb_smem != 1 || p->T != 1)) return cudaErrorInvalidValue;
+  if (p->fb_smem != (p->T == 1 ? 1 : 0)) return cudaErrorInvalidValue;  // no such build
   if (p->record && (p->v_record == nullptr || p->kg_record == nullptr)) return cudaErrorInvalidValue;
   switch (p->T) {
-    case 1: return p->fb_smem ? launch_t<1, true>(*p, stream) : launch_t<1>(*p, stream);
+    case 1: return launch_t<1, true>(*p, stream);
     case 2: return launch_t<2>(*p, stream);
     case 3: return launch_t<3>(*p, stream);
     case 4: return launch_t<4>(*p, stream);
@@ -1121,9 +974,9 @@ extern "C" cudaError_t kda_decode_launch(const KdaParams* params, cudaStream_t s
 }
 
 extern "C" size_t kda_decode_smem_bytes(int T, int fb_smem) {
-  if (fb_smem) return T == 1 ? sizeof(Smem<1, true>) : 0;
+  if (fb_smem != (T == 1 ? 1 : 0)) return 0;  // no such build
   switch (T) {
-    case 1: return sizeof(Smem<1>);
+    case 1: return sizeof(Smem<1, true>);
     case 2: return sizeof(Smem<2>);
     case 3: return sizeof(Smem<3>);
     case 4: return sizeof(Smem<4>);

@@ -56,60 +56,39 @@ typedef struct KdaParams {
   int conv_state_fp32;
   int conv_weight_bf16;
   int norm_weight_bf16;
-  int use_pdl;        // launch with programmatic stream serialization
-  int prefetch_distance;  // 0 = off; 2..64: L2 prefetch of item n+d's state page during item n
-  int items_per_cta;      // 0 = persistent grid (resident CTAs); k >= 1: ceil(items / k) CTAs,
-                          // never fewer than the persistent grid (at most k items per CTA)
-  // Dynamic schedule: two int32 counters in device memory, zero before the first launch and
-  // left at zero by every launch (the last CTA resets them). CTA b starts with item b and
-  // takes each next item from counter 0 (atomicAdd); counter 1 counts finished CTAs. nullptr:
-  // static contiguous item ranges. One counter pair must not serve two launches that run at
-  // the same time (e.g. on two streams).
+  // The item schedule's two int32 counters in device memory (required), zero before the first
+  // launch and left at zero by every launch (the last CTA resets them). CTA b first walks its
+  // static range (below), then takes each next item from counter 0 (atomicAdd); counter 1
+  // counts finished CTAs. One counter pair must not serve two launches that run at the same
+  // time (e.g. on two streams).
   int* sched;
-  // With sched: the fraction f in [0, 1] of the items walked in static contiguous ranges
-  // before the counter's: CTA b first walks [b*S, (b+1)*S), S = floor(f * items / CTAs), then
-  // takes items from counter 0 (which hands out items CTAs*S onwards). 0 = from the second
-  // item on (CTA b starts with item b).
+  // The fraction f in [0, 1] of the items walked in static contiguous ranges before the
+  // counter's: CTA b first walks [b*S, (b+1)*S), S = floor(f * items / CTAs), then takes items
+  // from counter 0 (which hands out items CTAs*S onwards). 0 = from the second item on (CTA b
+  // starts with item b).
   float static_fraction;
   int static_items;  // S (filled by the launcher)
-  // 1 = stage the head's f_b rows (32 KiB) in shared memory once per head instead of reading
-  // the MMA fragments from L2 for every item (T=1 only; 0 = off). Pays off when a CTA's
-  // consecutive items share the head (the static schedule's head-major ranges).
+  // Selects the build: 1 = the head's f_b rows (32 KiB) are staged in shared memory once per
+  // head instead of the MMA fragments being read from L2 for every item. The builds are T=1
+  // with it and T=2..8 without; any other (T, fb_smem) is rejected.
   int fb_smem;
-  // 1 = issue the first item's head parameters (conv taps / bias, dt_bias; f_b rows when
-  // fb_smem) before griddepcontrol.wait: they are model weights, which no predecessor writes
-  // (as the norm weight, always read before it). 0 = after the wait, with the item's window.
-  int early_params;
-  // 1 = griddepcontrol.launch_dependents right after griddepcontrol.wait (a dependent's own
-  // wait still waits for this whole grid and its memory), so that a PDL successor's CTAs can
-  // start as this grid's CTAs retire; 0 = at the end of each CTA.
-  int early_trigger;
-#ifdef KDA_TRACE
-  // Debugging builds only (build.py with KDA_CUDA_TRACE=1; this field changes the struct's
-  // layout): KDA_TRACE_STRIDE timestamps for each of the first KDA_TRACE_CTAS CTAs, see
-  // kda_decode.cu; nullptr = none.
-  long long* trace;
-#endif
 } KdaParams;
 
-#ifdef KDA_TRACE
-#define KDA_TRACE_CTAS 1024
-#define KDA_TRACE_STRIDE 512
-#endif
-
-// Launches one decode step on `stream`. Returns the launch's error code (cudaSuccess when
-// nothing needs doing, e.g. R == 0). Never synchronizes.
+// Launches one decode step on `stream`, with programmatic stream serialization (PDL), on the
+// persistent grid (the resident CTAs, at most R * H). Returns the launch's error code
+// (cudaSuccess when nothing needs doing, e.g. R == 0; cudaErrorInvalidValue for parameters
+// outside the above). Never synchronizes.
 cudaError_t kda_decode_launch(const KdaParams* params, cudaStream_t stream);
 
-// Dynamic shared memory one CTA of the T-token kernel uses, in bytes, with f_b staged in
-// shared memory (fb_smem = 1) or not (0 for an instantiation that does not exist).
+// Dynamic shared memory one CTA of the T-token build uses, in bytes; 0 for a (T, fb_smem) pair
+// that has no build (see KdaParams.fb_smem).
 size_t kda_decode_smem_bytes(int T, int fb_smem);
 
 // Number of threads per CTA.
 int kda_decode_threads(void);
 
-// Items of each CTA's static range under the dynamic schedule: floor(static_fraction * items /
-// ctas) (0 when ctas < 1).
+// Items of each CTA's static range: floor(static_fraction * items / ctas) (0 when ctas < 1 or
+// items < 1).
 int kda_decode_static_items(long long items, long long ctas, float static_fraction);
 
 #ifdef __cplusplus

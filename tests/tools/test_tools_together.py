@@ -5,10 +5,9 @@ from absl import flags
 
 def test_bench_and_serve_import_together():
     from tools.bench import bench  # noqa: F401
-    from tools.bench import cuda_trace  # noqa: F401
     from tools.serve import serve  # noqa: F401
     names = set(flags.FLAGS)
-    assert {"gate_mode", "kda_backend", "backends", "spec_tokens", "trace_steps"} <= names
+    assert {"gate_mode", "kda_backend", "backends", "spec_tokens"} <= names
 
 
 def test_path_flags_are_relative_to_the_users_directory(monkeypatch, tmp_path):
