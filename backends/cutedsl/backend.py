@@ -12,23 +12,11 @@ buffer with one slice assignment and calls the launcher (which issues ``cuLaunch
 on torch's current stream). No device values are read, nothing is allocated, nothing is
 synchronized, so the step can be captured in a CUDA graph.
 
+Both kernels are launched with programmatic dependent launch, dependents triggered after each
+CTA's last write. The measured defaults (the streamed kernel's items per CTA, page-last by
+kernel and T) are :mod:`kda.backends.cutedsl.policy`.
+
 Environment:
-  KDA_CUTEDSL_PDL     "1" (default): programmatic dependent launch, dependents triggered
-                      after each CTA's last write; "early": triggered after the prologue's
-                      loads (the kernels read nothing before their griddepcontrol.wait, so a
-                      successor of the same kind stays correct; not measured faster); "0":
-                      no PDL.
-  KDA_CUTEDSL_PREFETCH  streamed kernel: L2-prefetch distance in items (2..8; 0 = off, default).
-  KDA_CUTEDSL_ITEMS_PER_CTA  streamed kernel: at most k items per CTA, ceil(R*H / k) CTAs but
-                      never fewer than 2 per SM (0 = persistent grid; default by T:
-                      ITEMS_PER_CTA).
-  KDA_CUTEDSL_FB_SMEM  streamed kernel at T=1: "1" walks items head-major and stages each
-                      head's f_b rows in shared memory once per head instead of loading the
-                      gate MMA's A fragments from L2 for every item; "0" does not (default:
-                      FB_SMEM; no effect at T > 1 or on the wide kernel).
-  (KDA_CUTEDSL_PDL / _PREFETCH / _ITEMS_PER_CTA / _FB_SMEM are read when a step is built: kda_decode /
-  KdaDecode keep built steps for the process, so a later change needs a new process or a new
-  build().)
   KDA_CACHE_DIR       compile cache root (kernels go to ``$KDA_CACHE_DIR/cutedsl``;
                       default ``~/.cache/kda/cutedsl``).
   CUTE_DSL_ARCH       target architecture when compiling without a GPU (e.g. sm_90a).
@@ -44,9 +32,10 @@ from typing import List, Optional
 
 import torch
 
-from kda.backend import (Backend, StepFn, current_stream_handle, flag_from_env, gpu_reason,
-                         items_per_cta_from_env, kernel_config_reasons,
-                         prefetch_distance_from_env, stream_grid)
+from kda.backend import (Backend, StepFn, current_stream_handle, gpu_reason,
+                         kernel_config_reasons, stream_grid)
+from kda.backends.cutedsl import policy
+from kda.backends.cutedsl.static import KernelStatic, SmemPlan
 from kda.config import KdaArgs, KdaConfig
 
 #: Tokens per request the kernels support (the gate MMA has 8 token columns).
@@ -79,67 +68,9 @@ def import_cutedsl() -> Optional[str]:
         return _import_error
 
 
-def pdl_mode() -> tuple:
-    """(pdl, early trigger) from ``KDA_CUTEDSL_PDL``: "0" off, "1" (default) on with the
-    dependents' trigger after each CTA's last write, "early" on with the trigger right after
-    the prologue's loads (see :class:`kda.backends.cutedsl.static.KernelStatic`)."""
-    v = os.environ.get("KDA_CUTEDSL_PDL", "1").strip().lower()
-    if v in ("0", "off", "false", "no"):
-        return False, False
-    return True, v == "early"
-
-
-#: Default L2-prefetch distance of the streamed kernel, in items (``KDA_CUTEDSL_PREFETCH``).
-#: Off: on the H200 (c3bcd08) distance 2 / 3 took R=128 T=1 from 0.768 to 0.625 / 0.584 of
-#: the floor.
-PREFETCH_DISTANCE = 0
-
-#: Default items per CTA of the streamed kernel by T (``KDA_CUTEDSL_ITEMS_PER_CTA`` overrides;
-#: 0 = persistent grid; T not listed: 1). Measured on the H200 (H=32, fraction of the floor
-#: at R=128 / R=512, persistent grid in brackets): 95e0754 T=1 k=4 0.773 / 0.829 (0.759 /
-#: 0.807), T=2 k=2 0.748 / 0.761 (0.726 / 0.757), T=5 k=1 0.800 / 0.825 (0.751 / 0.774);
-#: checked at 5f303cd with these defaults: T=1 0.781 / 0.838 (0.773 / 0.823), T=2 0.755 /
-#: 0.775 (0.739 / 0.772), T=3 0.784 / 0.816 (0.743 / 0.774), T=5 0.807 / 0.827 (0.765 /
-#: 0.791). With one item per CTA a CTA prefetches nothing of its own: the overlap comes
-#: from the other CTA on the SM and from the hardware starting a CTA whenever one retires.
-ITEMS_PER_CTA = {1: 4, 2: 2}
-
-
-#: Default of ``KDA_CUTEDSL_FB_SMEM``: the streamed kernel at T=1 walks items head-major and
-#: stages each head's f_b rows in shared memory (:class:`kda.backends.cutedsl.static.KernelStatic`).
-#: Off: on the H200 (be8156f, H=32, T=1, step times at R = 32 / 128 / 256 / 512, two repeats
-#: each) 48.2 / 169.9 / 328.8 / 644.7 us with 4 items per CTA against 48.9 / 170.0 / 327.7 /
-#: 635.6 without (R=512 1.4% slower), 48.3 / 171.0 / 331.9 / 654.7 on the persistent grid.
-#: The CUDA kernel gains 4-6% from the same staging; this kernel already ran the gate (and
-#: its f_b loads) before waiting for the item's staging, which the staged rows must follow.
-FB_SMEM = False
-
-
-def page_last(kind: str, T: int) -> bool:
-    """Whether the kernel ``kind`` ("wide" / "stream") at ``T`` tokens commits the (first)
-    item's state page last, in its own cp.async group
-    (:attr:`kda.backends.cutedsl.static.KernelStatic.page_last`): always for the wide kernel,
-    for the streamed one from T=3 (where its CTAs take one item each by default).
-
-    Measured on the H200 (H=32, step times at R = 32 / 128 / 512 in us, page last against
-    one group, two interleaved repeats each; ``docs/results/2026-11-30-h200-4fdb6b0`` and
-    ``-4fdb6b0-t23``): wide T=1 164.3 / 627.3 at R = 128 / 512 against 168.2 / 645.2, T=2
-    67.0 / 242.9 / 998 against 68.3 / 250.2 / 989, T=3 84.7 / 316.2 / 1214.2 against 86.0 /
-    317.6 / 1225.3, T=5 unchanged; stream T=3 90.7 / 329.4 / 1263.4 against 91.0 / 335.9 /
-    1281.4, T=5 0.1% faster, T=1 within 0.4% either way, but T=2 (2 items per CTA) 73.4 /
-    270.9 / 1055.2 against 71.1 / 260.9 / 1026.3, 2.8-3.8% slower, so not below T=3.
-    """
-    return kind != "stream" or T >= 3
-
-
-def prefetch_distance() -> int:
-    """The streamed kernel's L2-prefetch distance from ``KDA_CUTEDSL_PREFETCH`` (0 = off;
-    default :data:`PREFETCH_DISTANCE`; see :class:`kda.backends.cutedsl.static.KernelStatic`).
-
-    Raises:
-      ValueError: the value is not one of :data:`kda.backend.PREFETCH_DISTANCES`.
-    """
-    return prefetch_distance_from_env("KDA_CUTEDSL_PREFETCH", PREFETCH_DISTANCE)
+def kernel_static(kind: str, cfg: KdaConfig) -> KernelStatic:
+    """What kernel ``kind`` ("wide" / "stream") is compiled for to serve ``cfg``."""
+    return KernelStatic.from_config(cfg, page_last=policy.page_last(kind, cfg.T))
 
 
 def _f32_bits(x: float) -> int:
@@ -185,7 +116,6 @@ class _Launcher:
 
     def __init__(self, kind: str, cfg: KdaConfig, device: torch.device, compiled, ks):
         from kda.backends.cutedsl import cache
-        from kda.backends.cutedsl.static import SmemPlan
 
         self.kind = kind
         self.cfg = cfg
@@ -206,14 +136,10 @@ class _Launcher:
         self.buf[idx["eps"]] = _f32_bits(cfg.norm_eps)
         self.buf[idx["lb"]] = _f32_bits(lb)
         self.ks = ks
-        self.carveout_set = _set_carveout(compiled, SmemPlan(ks.T, ks.fb_smem).total,
-                                          self.device_index)
+        self.carveout_set = _set_carveout(compiled, SmemPlan(ks.T).total, self.device_index)
         self.n_sm = torch.cuda.get_device_properties(self.device_index).multi_processor_count
         self.max_ctas = 2 * self.n_sm
-        self.items_per_cta = 0
-        if kind == "stream":
-            self.items_per_cta = items_per_cta_from_env("KDA_CUTEDSL_ITEMS_PER_CTA",
-                                                        ITEMS_PER_CTA.get(self.T, 1))
+        self.items_per_cta = policy.items_per_cta(self.T) if kind == "stream" else 0
         # fast path: the launcher's packed argument array is built once (its entries are the
         # fixed addresses of self.buf's slots); fall back to the executor's own packing.
         self._capi = None
@@ -239,13 +165,9 @@ class _Launcher:
         if R == 0:
             return
         x = a.x.data_ptr()
-        opt = lambda t: x if t is None else t.data_ptr()  # noqa: E731 - absent: never read
-        vals = [
-            x, a.conv_weight.data_ptr(), opt(a.conv_bias), a.conv_state.data_ptr(),
-            a.f_a.data_ptr(), a.f_b.data_ptr(), a.beta.data_ptr(), a.A_log.data_ptr(),
-            a.dt_bias.data_ptr(), a.state.data_ptr(), a.state_indices.data_ptr(),
-            opt(a.num_accepted_tokens), a.output_gate.data_ptr(), a.norm_weight.data_ptr(),
-            a.out.data_ptr(), opt(a.v_record), opt(a.kg_record),
+        # the kernels take the record's tensors in its field order; an absent one (None) is
+        # never read: x's address stands in
+        vals = [x if t is None else t.data_ptr() for t in a] + [
             R, a.state.shape[0], a.x.stride(0), a.f_a.stride(0), a.beta.stride(0),
             a.output_gate.stride(0), a.out.stride(0), a.state.stride(0), a.conv_state.stride(0),
         ]
@@ -284,27 +206,20 @@ class _CuteDslBackend(Backend):
         if why is not None:
             raise RuntimeError(why)
         from kda.backends.cutedsl import cache
-        from kda.backends.cutedsl.static import KernelStatic
 
-        pdl, early = pdl_mode()
-        stream = self.kind == "stream"
-        ks = KernelStatic.from_config(cfg, pdl=pdl, pdl_early=early,
-                                      prefetch=prefetch_distance() if stream else 0,
-                                      fb_smem=stream and cfg.T == 1
-                                      and flag_from_env("KDA_CUTEDSL_FB_SMEM", FB_SMEM),
-                                      page_last=page_last(self.kind, cfg.T))
+        ks = kernel_static(self.kind, cfg)
         compiled = cache.get_kernel(self.kind, ks)
         return _Launcher(self.kind, cfg, device, compiled, ks)
 
 
 class KdaStreamBackend(_CuteDslBackend):
     """``cutedsl``: the streamed kernel (:mod:`kda.backends.cutedsl.stream`); each CTA walks a
-    contiguous item range (a few items by default, see :data:`ITEMS_PER_CTA`)."""
+    contiguous item range (a few items, :data:`kda.backends.cutedsl.policy.ITEMS_PER_CTA`)."""
 
     name = "cutedsl"
     kind = "stream"
     description = ("CuTe DSL streamed kernel: CTAs walking item ranges (4 / 2 / 1 items at T = "
-                   "1 / 2 / >= 3 by default), next item's state page and rows prefetched with "
+                   "1 / 2 / >= 3), next item's state page and rows prefetched with "
                    "cp.async during the recurrence, mma.sync gate, PDL")
 
 

@@ -25,19 +25,23 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from kda.backends.cutedsl.static import KernelStatic, default_cache_dir
+from kda.config import KdaArgs
 
-log = logging.getLogger("kda.cutedsl")
+log = logging.getLogger("kda")
 
 _SOURCES = ("ptx.py", "common.py", "static.py", "wide.py", "stream.py", "cache.py")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
-#: Pointer arguments, in kernel order: (name, dtype key, assumed alignment in bytes).
+#: Pointer arguments, in kernel order, which is :class:`kda.config.KdaArgs`' field order (the
+#: launcher passes the record's tensors as they come): (name, dtype key, assumed alignment in
+#: bytes).
 POINTER_ARGS = (
     ("x", "bf16", 16), ("cw", "cw", 4), ("cb", "f32", 4), ("cs", "cs", 16), ("fa", "bf16", 16),
     ("fb", "bf16", 4), ("beta", "bf16", 2), ("alog", "f32", 4), ("dtb", "f32", 4),
-    ("state", "f32", 16), ("si", "i32", 4), ("na", "i32", 4), ("og", "bf16", 16),
-    ("nw", "nw", 4), ("out", "bf16", 16), ("vrec", "f32", 4), ("kgrec", "bf16", 2),
+    ("state", "f32", 16), ("si", "i32", 4), ("og", "bf16", 16), ("nw", "nw", 4),
+    ("na", "i32", 4), ("vrec", "f32", 4), ("kgrec", "bf16", 2), ("out", "bf16", 16),
 )
+assert len(POINTER_ARGS) == len(KdaArgs._fields)
 #: Scalar arguments after the pointers: (name, kind) with kind i32 / i64 / f32.
 SCALAR_ARGS = (
     ("R", "i32"), ("slots", "i32"), ("x_rs", "i32"), ("fa_rs", "i32"), ("beta_rs", "i32"),

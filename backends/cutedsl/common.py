@@ -73,7 +73,7 @@ class ItemMath:
         self.T = ks.T
         self.H = ks.H
         self.dim = ks.H * D
-        self.plan = SmemPlan(ks.T, ks.fb_smem)
+        self.plan = SmemPlan(ks.T)
 
     # ------------------------------------------------------------------ item descriptors
     # The slot ids of a request are T+1 raw values: state_indices[r, 0..T-1] and (T > 1) the
@@ -107,35 +107,6 @@ class ItemMath:
             v = v | P.gld_nc_b32_or0(p.na + r, valid & Int32(tid == T))
         return v
 
-    def prefetch_slot_first(self, p, item, pred):
-        """L2 prefetch, first half: where ``pred``, load item ``item``'s source slot (T = 1)
-        or its request's accepted count (T > 1) and keep it in PF (the loading thread's own
-        word: it alone reads it back)."""
-        r, _ = self.item_rh(p, item)
-        if self.T == 1:
-            v = P.gld_nc_b32_or0(p.si + r, pred)
-        else:
-            v = P.gld_nc_b32_or0(p.na + r, pred)
-        P.sst_b32(p.sb + self.plan.PF, v, pred)
-
-    def prefetch_slot_second(self, p, item, pred):
-        """L2 prefetch, second half (T > 1): PF = state_indices[r, clamp(PF, 1, T) - 1]."""
-        if self.T > 1:
-            r, _ = self.item_rh(p, item)
-            a = P.clamp_i32(P.sld_b32_or0(p.sb + self.plan.PF, pred), 1, self.T)
-            P.sst_b32(p.sb + self.plan.PF, P.gld_nc_b32_or0(p.si + (r * self.T + a - 1), pred),
-                      pred)
-
-    def prefetch_page(self, p, item, pred):
-        """L2 prefetch of item ``item``'s state page (slot from PF; skipped for ids outside
-        (0, slots)): four 16 KiB bulk prefetches."""
-        src = P.sld_b32_or0(p.sb + self.plan.PF, pred)
-        ok = P.live_flag(src, src, p.slots, pred)
-        _, h = self.item_rh(p, item)
-        base = p.state + (Int64(src) * p.state_ss + Int64(h * (D * D)))
-        for i in range(4):
-            P.prefetch_l2_16k(base + i * 4096, ok)
-
     def store_slot_lane(self, p, v, q):
         """Counterpart of :meth:`load_slot_lane`: SL[q][tid] = v for tid <= T."""
         P.sst_b32(p.sb + self.plan.SL + q * 64 + p.tid * 4, v, Int32(p.tid <= self.T))
@@ -148,12 +119,7 @@ class ItemMath:
         return vals, na
 
     def item_rh(self, p, item):
-        """(request r, head h) of ``item``: item = r*H + h, or with ``fb_smem`` (streamed kernel,
-        T=1) head-major, item = h*R + r (``p.R``), so that a CTA's consecutive items share the
-        head whose f_b rows it has staged."""
-        if (self.ks.fb_smem):
-            h = item // p.R
-            return item - h * p.R, h
+        """(request r, head h) of ``item``: item = r*H + h."""
         r = item // self.H
         return r, item - r * self.H
 
@@ -185,19 +151,16 @@ class ItemMath:
         desc[5] = live
 
     # ------------------------------------------------------------------------- staging
-    def issue_first(self, p, desc, wreg, also=None):
-        """A kernel's first item: the window history, the x / output-gate rows, beta and
-        whatever ``also()`` issues (the streamed kernel's f_b rows) as one cp.async group,
-        then, with :attr:`KernelStatic.page_last`, the state page as a group of its own (phase
-        A may then run while it lands); without it the page is issued first, in that one
-        group."""
+    def issue_first(self, p, desc, wreg):
+        """A kernel's first item: the window history, the x / output-gate rows and beta as one
+        cp.async group, then, with :attr:`KernelStatic.page_last`, the state page as a group of
+        its own (phase A may then run while it lands); without it the page is issued first, in
+        that one group."""
         if not self.ks.page_last:
             self.issue_state(p, desc)
         self.load_window(p, desc, wreg)
         self.issue_operands(p, desc)
         self.load_beta(p, desc, wreg)
-        if also is not None:
-            also()
         P.cp_async_commit()
         if self.ks.page_last:
             self.issue_state(p, desc)
@@ -373,12 +336,11 @@ class ItemMath:
             hp.ba = Float32(0.0)
             hp.bb = Float32(0.0)
         krow = p.warp * 16 + p.g
-        if (not ks.fb_smem):
-            fb0 = p.fb + ((h * D + krow) * D + 2 * p.tig)
-            fb8 = fb0 + 8 * D
-            hp.fb = [(P.gld_nc_b32(fb0 + 16 * s), P.gld_nc_b32(fb8 + 16 * s),
-                      P.gld_nc_b32(fb0 + (16 * s + 8)), P.gld_nc_b32(fb8 + (16 * s + 8)))
-                     for s in range(8)]
+        fb0 = p.fb + ((h * D + krow) * D + 2 * p.tig)
+        fb8 = fb0 + 8 * D
+        hp.fb = [(P.gld_nc_b32(fb0 + 16 * s), P.gld_nc_b32(fb8 + 16 * s),
+                  P.gld_nc_b32(fb0 + (16 * s + 8)), P.gld_nc_b32(fb8 + (16 * s + 8)))
+                 for s in range(8)]
         hp.dtb = [P.gld_nc_f32(p.dtb + (h * D + krow)), P.gld_nc_f32(p.dtb + (h * D + krow + 8))]
         hp.alog = P.gld_nc_f32(p.alog + h)
         return hp
@@ -391,43 +353,21 @@ class ItemMath:
         return [(P.gld_nc_b32_or0(fa_row + 16 * s, gvalid),
                  P.gld_nc_b32_or0(fa_row + (16 * s + 8), gvalid)) for s in range(8)]
 
-    def issue_fb(self, p, h, pred):
-        """``fb_smem``: cp.async head ``h``'s 128 f_b rows into FB (row k at FB + k * FB_ROW;
-        8 chunks of 16 bytes per thread), where ``pred``."""
-        pl = self.plan
-        for k in range(D * 16 // NTHREADS):
-            i = p.tid + NTHREADS * k
-            row = i >> 4
-            c16 = i & 15
-            P.cp_async16(p.sb + pl.FB + row * pl.FB_ROW + c16 * 16,
-                         p.fb + ((h * D + row) * D + c16 * 8), pred)
-
-    def _fb_smem_frags(self, p):
-        """``fb_smem``: the gate MMA's A fragments from the staged rows (the same words
-        :meth:`head_loads` reads from global)."""
-        pl = self.plan
-        a0 = p.sb + pl.FB + (p.warp * 16 + p.g) * pl.FB_ROW + 4 * p.tig
-        a8 = a0 + 8 * pl.FB_ROW
-        return [(P.sld_b32(a0 + 32 * s), P.sld_b32(a8 + 32 * s),
-                 P.sld_b32(a0 + (32 * s + 16)), P.sld_b32(a8 + (32 * s + 16)))
-                for s in range(8)]
-
     def gate(self, p, desc, hp):
         """Gate projection on the tensor cores, decay alpha into shared memory, rg record.
 
         rg[k, t] = bf16(sum_j f_b[h*128+k, j] * f_a[n_t, j]); x = rg + dt_bias;
         gk = -exp(A_log) * softplus(x) (or lower_bound * sigmoid(exp(A_log) * x));
-        alpha = exp(gk). A fragments from :meth:`head_loads` (global), or with ``fb_smem``
-        from the staged rows (FB must be visible: after the barrier that follows their
-        cp.async); B fragments = f_a rows from global (:meth:`gate_b`). Without ``fb_smem``
-        it needs no staged data, so the kernels run it before waiting for the staging; it
-        only writes CA (free once the previous item's phase B is over).
+        alpha = exp(gk). A fragments from :meth:`head_loads` (global), B fragments = f_a rows
+        from global (:meth:`gate_b`): it needs no staged data, so the kernels run it before
+        waiting for the staging; it only writes CA (free once the previous item's phase B is
+        over).
         """
         ks, T, pl = self.ks, self.T, self.plan
         r, h, cslot = desc[0], desc[1], desc[3]
         g, tig = p.g, p.tig
         krow = p.warp * 16 + g
-        a = self._fb_smem_frags(p) if ks.fb_smem else hp.fb
+        a = hp.fb
         b = self.gate_b(p, desc)
         zero = Float32(0.0)
         if (ks.gate_mode == 0):

@@ -113,12 +113,6 @@ def sld_b32(addr):
     return asm("ld.shared.b32 $0, [$1];", [Int32], [addr], memory=True)
 
 
-def sld_b32_or0(addr, pred):
-    """32-bit shared load, 0 where ``pred`` is false."""
-    return asm(_pred("mov.b32 $0, 0; @p ld.shared.b32 $0, [$1];", 2), [Int32], [addr, pred],
-               memory=True, early=True)
-
-
 def sld_u16(addr):
     """A raw 16-bit element, zero-extended."""
     return asm("ld.shared.u16 $0, [$1];", [Int32], [addr], memory=True)
@@ -149,13 +143,6 @@ def cp_async16_multi(sbase, gbase, offsets, pred):
     body = " ".join("@p cp.async.cg.shared.global [$0+%d], [$1+%d], 16;" % (so, go)
                     for so, go in offsets)
     asm(_pred(body, 2), [], [sbase, gbase, pred], memory=True)
-
-
-def prefetch_l2_16k(gptr, pred):
-    """Bulk L2 prefetch of the 16 KiB at ``gptr`` (``cp.async.bulk.prefetch.L2``), where
-    ``pred``; a hint only (no completion to wait for, no effect on results)."""
-    asm(_pred("@p cp.async.bulk.prefetch.L2.global [$0], 16384;", 1), [], [gptr, pred],
-        memory=True)
 
 
 def cp_async_commit():

@@ -29,23 +29,16 @@ class KernelStatic:
       gate_mode: 0 (one accumulator chain) or 1 (four chains).
       has_bias: a conv bias is passed. record: record mode.
       cs_bf16 / cw_bf16 / nw_bf16: conv_state / conv_weight / norm_weight are bf16 (else fp32).
-      pdl: launched with programmatic dependent launch (``griddepcontrol.wait`` first, before
-        any global read: slot ids, windows, pages and operands may be the predecessor's).
-      pdl_early: trigger ``griddepcontrol.launch_dependents`` right after the prologue's loads
-        (as the design notes suggest) instead of after each CTA's last write. Correct for
-        any successor that, like these kernels, reads nothing before its own
-        ``griddepcontrol.wait``; off by default (not measured faster).
-      prefetch: streamed kernel only (0 for the wide one): during item n, L2-prefetch item
-        n+prefetch's state page (``cp.async.bulk.prefetch.L2``); 0 = off.
-      fb_smem: streamed kernel at T=1 only (False elsewhere): items are walked head-major
-        (item = h * R + r) and each head's f_b rows are staged in shared memory once per head
-        (:class:`SmemPlan` region FB) instead of being loaded from L2 for every item.
       page_last: the (first) item's state page is committed as its own cp.async group after
         the operand group, so that the item's phase A (conv, norms) runs while the page
         lands, as the streamed kernel's later items always do; False = page and operands
         one group, waited for together before phase A. The backend passes its choice,
-        ``kda.backends.cutedsl.backend.page_last`` (False for the streamed kernel at T <= 2);
+        ``kda.backends.cutedsl.policy.page_last`` (False for the streamed kernel at T <= 2);
         the default here is only the wide kernel's.
+
+    Both kernels are launched with programmatic dependent launch: ``griddepcontrol.wait``
+    before any global read (slot ids, windows, pages and operands may be the predecessor's),
+    ``griddepcontrol.launch_dependents`` after each CTA's last write.
     """
 
     H: int
@@ -59,33 +52,17 @@ class KernelStatic:
     cs_bf16: bool
     cw_bf16: bool
     nw_bf16: bool
-    pdl: bool = True
-    pdl_early: bool = False
-    prefetch: int = 0
-    fb_smem: bool = False
     page_last: bool = True
 
-    def __post_init__(self):
-        if self.fb_smem and self.T != 1:
-            raise ValueError(f"fb_smem serves T=1 only (shared memory), got T={self.T}")
-
     @classmethod
-    def from_config(cls, cfg: KdaConfig, pdl: bool = True, pdl_early: bool = False,
-                    prefetch: int = 0, fb_smem: bool = False,
-                    page_last: bool = True) -> "KernelStatic":
-        """The static part of ``cfg`` (scale, norm_eps and lower_bound's value excluded).
-
-        Raises:
-          ValueError: ``fb_smem`` with T != 1.
-        """
+    def from_config(cls, cfg: KdaConfig, page_last: bool = True) -> "KernelStatic":
+        """The static part of ``cfg`` (scale, norm_eps and lower_bound's value excluded)."""
         return cls(H=cfg.num_heads, T=cfg.T, L=cfg.window, layout=cfg.conv_layout,
                    bounded=cfg.lower_bound is not None, gate_mode=cfg.gate_mode,
                    has_bias=cfg.has_conv_bias, record=cfg.record,
                    cs_bf16=cfg.conv_state_dtype == torch.bfloat16,
                    cw_bf16=cfg.conv_weight_dtype == torch.bfloat16,
-                   nw_bf16=cfg.norm_weight_dtype == torch.bfloat16, pdl=pdl,
-                   pdl_early=pdl and pdl_early, prefetch=prefetch, fb_smem=fb_smem,
-                   page_last=page_last)
+                   nw_bf16=cfg.norm_weight_dtype == torch.bfloat16, page_last=page_last)
 
     def tag(self) -> str:
         """A file-name friendly identifier, e.g. ``H32_T1_L3_SD_sp_g0``."""
@@ -98,11 +75,6 @@ class KernelStatic:
         parts.append("cs16" if self.cs_bf16 else "cs32")
         parts.append("cw16" if self.cw_bf16 else "cw32")
         parts.append("nw16" if self.nw_bf16 else "nw32")
-        parts.append(("pdle" if self.pdl_early else "pdl") if self.pdl else "nopdl")
-        if self.prefetch:
-            parts.append(f"pf{self.prefetch}")
-        if self.fb_smem:
-            parts.append("fbs")
         if not self.page_last:
             parts.append("pj")
         return "_".join(parts)
@@ -120,19 +92,10 @@ class SmemPlan:
       CQ, CK, CV, CA, CO  q-hat, k-hat, v, alpha, o: [T][128] fp32 each
       CB  beta [8] fp32; SL raw slot ids [2 parity][16] int32 (T slots + accepted count)
       CRQ, CRK, CRO  per-warp partial sums [9][4] fp32 (q^2, k^2, ob^2)
-      PF  the L2 prefetch's slot word (streamed kernel)
-    With ``fb`` (:attr:`KernelStatic.fb_smem`):
-      FB  the head's f_b rows [128][136] bf16 (rows padded to 272 bytes, so that the MMA's
-          A-fragment words of one warp -- 8 rows x 4 consecutive words -- hit 32 distinct
-          banks; 34 KiB)
     """
 
-    #: bytes per staged f_b row (128 bf16 + 16 bytes of padding)
-    FB_ROW = 272
-
-    def __init__(self, T: int, fb: bool = False):
+    def __init__(self, T: int):
         self.T = T
-        self.fb = fb
         off = 0
 
         def take(n):
@@ -156,8 +119,6 @@ class SmemPlan:
         self.CRQ = take(144)
         self.CRK = take(144)
         self.CRO = take(144)
-        self.PF = take(16)
-        self.FB = take(D * self.FB_ROW) if fb else -1
         self.total = (off + 127) // 128 * 128
 
 

@@ -3,7 +3,7 @@
 Grid = R*H CTAs, CTA ``b`` processes item ``b`` (request ``b // H``, head ``b % H``):
 
   1. read the slots (contract section 2 liveness);
-  2. (after ``griddepcontrol.wait`` under programmatic dependent launch: everything below
+  2. (after ``griddepcontrol.wait``, for programmatic dependent launch: everything below
      may read the predecessor's output) load the window history, stage x / output-gate rows
      and load beta (cp.async group 1), then stage the state page (group 2; with
      ``KernelStatic.page_last`` off, the page first and everything one group);
@@ -12,7 +12,7 @@ Grid = R*H CTAs, CTA ``b`` processes item ``b`` (request ``b // H``, head ``b % 
      wait for the page, a barrier, :meth:`ItemMath.phase_b` (or zeros for a dead item);
   4. fence + barrier + ``griddepcontrol.launch_dependents`` (the trigger comes after this CTA's
      last write, so a dependent launch of the same step on the same buffers reads the
-     results; ``KDA_CUTEDSL_PDL=early`` moves it after the prologue; see ``README.md``).
+     results).
 
 The per-item math is :mod:`kda.backends.cutedsl.common`, shared instruction for instruction with
 the streamed kernel (:mod:`kda.backends.cutedsl.stream`), so both produce bit-identical results.
@@ -39,14 +39,14 @@ class KdaWide:
     def __init__(self, ks: KernelStatic):
         self.ks = ks
         self.math = ItemMath(ks)
-        self.plan = SmemPlan(ks.T, ks.fb_smem)
+        self.plan = SmemPlan(ks.T)
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, cw: cute.Pointer, cb: cute.Pointer, cs: cute.Pointer,
                fa: cute.Pointer, fb: cute.Pointer, beta: cute.Pointer, alog: cute.Pointer,
-               dtb: cute.Pointer, state: cute.Pointer, si: cute.Pointer, na: cute.Pointer,
-               og: cute.Pointer, nw: cute.Pointer, out: cute.Pointer, vrec: cute.Pointer,
-               kgrec: cute.Pointer, R: Int32, slots: Int32, x_rs: Int32, fa_rs: Int32,
+               dtb: cute.Pointer, state: cute.Pointer, si: cute.Pointer, og: cute.Pointer,
+               nw: cute.Pointer, na: cute.Pointer, vrec: cute.Pointer, kgrec: cute.Pointer,
+               out: cute.Pointer, R: Int32, slots: Int32, x_rs: Int32, fa_rs: Int32,
                beta_rs: Int32, og_rs: Int32, out_rs: Int32, state_ss: Int64, cs_ss: Int64,
                scale: Float32, eps: Float32, lb: Float32):
         """Device code: CTA ``blockIdx.x`` processes item ``blockIdx.x`` (see the module docstring)."""
@@ -64,17 +64,14 @@ class KdaWide:
         S = cute.make_rmem_tensor(cute.make_layout((64,)), Float32)
         ogr = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
 
-        # Under PDL, wait for the predecessor before reading anything: slot ids, windows,
-        # pages and operands may all be its output (launch_dependents alone does not make
-        # its writes visible here).
-        if cutlass.const_expr(self.ks.pdl):
-            P.griddep_wait()
+        # Wait for the predecessor (programmatic dependent launch) before reading anything:
+        # slot ids, windows, pages and operands may all be its output (launch_dependents
+        # alone does not make its writes visible here).
+        P.griddep_wait()
         vals, nacc = self.math.slot_values(p, Int32(item), Int32(1))
         self.math.make_desc(p, Int32(item), Int32(1), vals, nacc, desc)
         self.math.stage_slot_values(p, vals, nacc, Int32(0))
         self.math.issue_first(p, desc, wreg)  # page_last: operands, then the page
-        if cutlass.const_expr(self.ks.pdl_early):
-            P.griddep_launch()
         hp = self.math.head_loads(p, desc[1])
         live = desc[5]
         if live != 0:
@@ -96,23 +93,22 @@ class KdaWide:
             self.math.phase_b(p, desc, Int32(0), S, ogr)
         else:
             self.math.write_zeros(p, desc)
-        if cutlass.const_expr(self.ks.pdl and not self.ks.pdl_early):
-            P.fence_gpu()
-            P.bar_sync()
-            P.griddep_launch()
+        P.fence_gpu()
+        P.bar_sync()
+        P.griddep_launch()
 
     @cute.jit
     def launch(self, x: cute.Pointer, cw: cute.Pointer, cb: cute.Pointer, cs: cute.Pointer,
                fa: cute.Pointer, fb: cute.Pointer, beta: cute.Pointer, alog: cute.Pointer,
-               dtb: cute.Pointer, state: cute.Pointer, si: cute.Pointer, na: cute.Pointer,
-               og: cute.Pointer, nw: cute.Pointer, out: cute.Pointer, vrec: cute.Pointer,
-               kgrec: cute.Pointer, R: Int32, slots: Int32, x_rs: Int32, fa_rs: Int32,
+               dtb: cute.Pointer, state: cute.Pointer, si: cute.Pointer, og: cute.Pointer,
+               nw: cute.Pointer, na: cute.Pointer, vrec: cute.Pointer, kgrec: cute.Pointer,
+               out: cute.Pointer, R: Int32, slots: Int32, x_rs: Int32, fa_rs: Int32,
                beta_rs: Int32, og_rs: Int32, out_rs: Int32, state_ss: Int64, cs_ss: Int64,
                scale: Float32, eps: Float32, lb: Float32, stream: cuda.CUstream):
         """Host entry: launch R*H CTAs of 256 threads on ``stream``."""
-        self.kernel(x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, na, og, nw, out, vrec,
-                    kgrec, R, slots, x_rs, fa_rs, beta_rs, og_rs, out_rs, state_ss, cs_ss,
+        self.kernel(x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, og, nw, na, vrec,
+                    kgrec, out, R, slots, x_rs, fa_rs, beta_rs, og_rs, out_rs, state_ss, cs_ss,
                     scale, eps, lb).launch(
             grid=[R * self.ks.H, 1, 1], block=[NTHREADS, 1, 1], stream=stream,
-            use_pdl=self.ks.pdl, min_blocks_per_mp=2,
+            use_pdl=True, min_blocks_per_mp=2,
             preferred_smem_carveout=carveout_percent(self.plan.total))

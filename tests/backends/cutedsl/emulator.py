@@ -5,7 +5,7 @@ traces; every device operation they perform goes through the small instruction v
 ``backends/cutedsl/ptx.py``. This module loads the *same* kernel sources with stand-ins for
 CuTe DSL and for that vocabulary, and executes one CTA at a time with all 256 threads in
 lockstep: every value is a numpy array with one lane per thread. So the kernels' index math,
-liveness, staging layout, schedule (including the streamed kernel's prefetch of item n+1 while
+liveness, staging layout, schedule (including the streamed kernel's staging of item n+1 while
 item n computes), tensor-core fragment layout, shuffles, barriers and predication run on the
 CPU against the PyTorch reference, with checks a GPU would not give:
 
@@ -18,7 +18,7 @@ CPU against the PyTorch reference, with checks a GPU would not give:
 * a shared-memory race between the threads of a CTA within one barrier epoch (a byte one
   thread writes, a cp.async included, read or written by another thread with no barrier in
   between, or written after another thread read it), on the staging regions (state page,
-  operand rows, window, staged f_b rows; see ``CTA.check_races``).
+  operand rows, window; see ``CTA.check_races``).
 
 What it cannot check: other concurrency (lockstep execution satisfies every barrier; races
 on the per-item compute buffers, which the race check does not cover), the compiler, and
@@ -40,7 +40,6 @@ import numpy as np
 import torch
 
 NT = 256
-D_ROWS = 128     # f_b rows of a head
 _I32 = (-(1 << 31), (1 << 31) - 1)
 
 
@@ -306,9 +305,9 @@ class CTA:
         self.checked[start:end] = True
 
     # Race check, on the bytes given to check_races (run() gives the staging regions: the state
-    # page, the operand rows and window, the staged f_b rows; not the per-item compute
-    # buffers, where the epilogue's loads for tokens t >= T read past CO into neighbouring
-    # buffers and discard the values, which this check cannot tell from a racing read).
+    # page, the operand rows and window; not the per-item compute buffers, where the
+    # epilogue's loads for tokens t >= T read past CO into neighbouring buffers and discard
+    # the values, which this check cannot tell from a racing read).
     # Between two CTA barriers (one epoch) the threads of a CTA run in any order on a GPU, so
     # a shared byte that one thread writes may not be read or written by another thread in the
     # same epoch, nor written after another thread read it in that epoch. A cp.async counts
@@ -485,13 +484,6 @@ def _sld_b32(addr):
     return V(_bytes_to(_cta().sload(_saddr(addr), 4, np.ones(NT, bool), "ld.shared.b32"), np.int32)[:, 0], "i32")
 
 
-@_reg("sld_b32_or0")
-def _sld_b32_or0(addr, pred):
-    m = _pm(pred)
-    d = _bytes_to(_cta().sload(_saddr(addr), 4, m, "ld.shared.b32"), np.int32)[:, 0]
-    return V(np.where(m, d, 0), "i32")
-
-
 @_reg("sld_u16")
 def _sld_u16(addr):
     return V(_bytes_to(_cta().sload(_saddr(addr), 2, np.ones(NT, bool), "ld.shared.u16"), np.uint16)[:, 0], "i32")
@@ -524,13 +516,6 @@ def _commit():
     if not _active().all():
         raise EmulationError("cp.async.commit_group emulated only CTA-wide")
     _cta().commit()
-
-
-@_reg("prefetch_l2_16k")
-def _prefetch_l2_16k(gptr, pred):
-    # A hint without effect; its first and last words must lie in device memory (where pred).
-    _gload(gptr, 4, pred, "cp.async.bulk.prefetch.L2 (first word)")
-    _gload(Ptr(gptr.addr + 16380, 1), 4, pred, "cp.async.bulk.prefetch.L2 (last word)")
 
 
 @_reg("cp_async_wait_group")
@@ -926,45 +911,30 @@ def load_kernels():
 _ESIZE = {torch.bfloat16: 2, torch.float32: 4, torch.int32: 4}
 
 
-def run(kind: str, cfg, args, ncta: int = None, pdl: bool = True, prefetch: int = None,
-        fb_smem: bool = None, page_last: bool = None) -> dict:
+def run(kind: str, cfg, args, ncta: int = None, page_last: bool = None) -> dict:
     """Run kernel ``kind`` ("wide" / "stream") on the CPU tensors ``args`` in place.
 
     Args:
       ncta: CTAs of the streamed kernel (default min(items, 5), so CTAs walk several items).
-      prefetch: the streamed kernel's L2-prefetch distance (default: the backend's default).
-      fb_smem: the streamed kernel's head-major order with f_b staged in shared memory
-        (default: the backend's default at T=1; never at T > 1 or for the wide kernel).
       page_last: the (first) item's page committed as its own cp.async group (default: the
-        backend's choice, ``kda.backends.cutedsl.backend.page_last``).
+        backend's choice, ``kda.backends.cutedsl.policy.page_last``).
 
     Returns:
       {"ctas": n, "barriers": total barriers executed}.
     """
     from kda.backends.cutedsl.cache import POINTER_ARGS
+    from kda.backends.cutedsl.policy import page_last as policy_page_last
     from kda.backends.cutedsl.static import KernelStatic, SmemPlan
 
     mods = load_kernels()
-    from kda.backends.cutedsl.backend import FB_SMEM, PREFETCH_DISTANCE
-    from kda.backends.cutedsl.backend import page_last as backend_page_last
-    if prefetch is None:
-        prefetch = PREFETCH_DISTANCE if kind == "stream" else 0
-    if fb_smem is None:
-        fb_smem = FB_SMEM and kind == "stream" and cfg.T == 1
     if page_last is None:
-        page_last = backend_page_last(kind, cfg.T)
-    ks = KernelStatic.from_config(cfg, pdl=pdl, prefetch=prefetch, fb_smem=fb_smem,
-                                  page_last=page_last)
+        page_last = policy_page_last(kind, cfg.T)
+    ks = KernelStatic.from_config(cfg, page_last=page_last)
     obj = mods[kind].KdaWide(ks) if kind == "wide" else mods[kind].KdaStream(ks)
     gmem = GlobalMemory()
-    tensors = dict(x=args.x, cw=args.conv_weight, cb=args.conv_bias, cs=args.conv_state,
-                   fa=args.f_a, fb=args.f_b, beta=args.beta, alog=args.A_log, dtb=args.dt_bias,
-                   state=args.state, si=args.state_indices, na=args.num_accepted_tokens,
-                   og=args.output_gate, nw=args.norm_weight, out=args.out, vrec=args.v_record,
-                   kgrec=args.kg_record)
     ptrs = []
-    for name, _, _ in POINTER_ARGS:
-        t = tensors[name]
+    # the kernels take the tensors in the record's field order (cache.POINTER_ARGS)
+    for (name, _, _), t in zip(POINTER_ARGS, args):
         if t is None:
             ptrs.append(Ptr(gmem.register(args.x, "x"), 2))
         else:
@@ -983,13 +953,11 @@ def run(kind: str, cfg, args, ncta: int = None, pdl: bool = True, prefetch: int 
         scalars.append(Int32(grid))
     else:
         grid = items
-    plan = SmemPlan(cfg.T, ks.fb_smem)
+    plan = SmemPlan(cfg.T)
     total_bar = 0
     for b in range(grid):
         _State.cta = CTA(b, plan.total, gmem)
         _State.cta.check_races(plan.ST, plan.CQ)          # state page, x / og rows, window
-        if plan.FB >= 0:
-            _State.cta.check_races(plan.FB, plan.FB + D_ROWS * plan.FB_ROW)
         _State.active = [np.ones(NT, bool)]
         with np.errstate(all="ignore"):     # garbage lanes (t >= T etc.) may hold NaN
             obj.kernel(*ptrs, *scalars)

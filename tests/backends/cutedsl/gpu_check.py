@@ -6,8 +6,8 @@ Run on the H200 from the repository root (after CuTe DSL is installed there):
     python3 tests/backends/cutedsl/gpu_check.py --no-tests # benchmark only
     python3 tests/backends/cutedsl/gpu_check.py --quick    # fewer cells
 
-1. runs ``tests/backends/cutedsl/test_cutedsl_gpu.py`` (both kernels vs the reference, wide ==
-   stream bit for bit, chained steps, CUDA graphs, 64-bit slot offsets) with pytest;
+1. runs ``tests/backends/cutedsl/test_cutedsl_gpu.py`` (wide == stream bit for bit, grid sizes
+   bit for bit, chained steps against the reference) with pytest;
 2. times both kernels at H=32 on an 8 GiB state pool with rotating slot sets (CUDA-graph
    replays, median; ``tools.bench.harness`` semantics) against the copy-bandwidth floor, plus
    the host cost of one eager call and the compile / load time of every kernel.

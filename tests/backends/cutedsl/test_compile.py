@@ -1,12 +1,12 @@
 """Compile both CuTe DSL kernels for sm_90a on a machine without a GPU, across every axis.
 
-Every configuration axis (T in {1, 2, 5, 8}, both conv layouts, both gates, gate_mode 0/1,
-conv bias, record mode, conv_state fp32, bf16 conv / norm weights, odd head counts, long
-windows, PDL on and off) is exercised by *both* kernels through a covering set of
-configurations (the full product would take too long on 2 cores). For each compiled kernel
-the PTX is checked for the instructions the design relies on (tensor-core gate MMA, 16-byte
-cp.async staging, 16-byte state stores, griddepcontrol) and, when ``cuobjdump`` is available,
-the register count for 2 CTAs per SM. Also checked without a GPU: the runtime scalars
+Every configuration axis (T in {1, 2, 3, 5, 7, 8}, both conv layouts, both gates, gate_mode
+0/1, conv bias, record mode, conv_state fp32, bf16 conv / norm weights, odd head counts, long
+windows) is exercised by *both* kernels, built as the backend builds them, through a covering
+set of configurations (the full product would take too long on 2 cores). For each compiled
+kernel the PTX is checked for the instructions the design relies on (tensor-core gate MMA,
+16-byte cp.async staging, 16-byte state stores, griddepcontrol) and, when ``cuobjdump`` is
+available, the register count for 2 CTAs per SM. Also checked without a GPU: the runtime scalars
 (scale, norm_eps, lower_bound) are not part of the compile key, the shared-memory plan fits
 two CTAs per SM, and the on-disk cache round-trips.
 
@@ -34,7 +34,7 @@ cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installe
 import torch  # noqa: E402
 
 from kda.backends.cutedsl import cache  # noqa: E402
-from kda.backends.cutedsl.backend import PREFETCH_DISTANCE, page_last  # noqa: E402
+from kda.backends.cutedsl.backend import kernel_static  # noqa: E402
 from kda.backends.cutedsl.static import KernelStatic, SmemPlan  # noqa: E402
 from kda.config import KdaConfig  # noqa: E402
 
@@ -59,17 +59,12 @@ CONFIGS = [
     KdaConfig(num_heads=6, T=7, window=9, conv_layout="DS", lower_bound=-3.0, gate_mode=1,
               norm_weight_dtype=bf16),
 ]
-#: Which of CONFIGS compile without PDL (the launch attribute and griddepcontrol are a variant),
-#: and which with the early dependents' trigger (KDA_CUTEDSL_PDL=early).
-NO_PDL = {2, 6}
-EARLY = {3, 7}
 
 
 def _cases():
     for kind in ("wide", "stream"):
         for i, cfg in enumerate(CONFIGS):
-            pdl = "-nopdl" if i in NO_PDL else "-pdlearly" if i in EARLY else ""
-            yield pytest.param(kind, i, id=f"{kind}-{cfg.short()}{pdl}")
+            yield pytest.param(kind, i, id=f"{kind}-{cfg.short()}")
 
 
 def _cuobjdump():
@@ -105,9 +100,7 @@ def _resource_usage(cubin: bytes):
 @pytest.mark.parametrize("kind,i", list(_cases()))
 def test_compiles(kind, i):
     cfg = CONFIGS[i]
-    ks = KernelStatic.from_config(cfg, pdl=i not in NO_PDL, pdl_early=i in EARLY,
-                                  prefetch=PREFETCH_DISTANCE if kind == "stream" else 0,
-                                  page_last=page_last(kind, cfg.T))
+    ks = kernel_static(kind, cfg)
     compiled, secs = cache.compile_kernel(kind, ks)
     assert compiled is not None
     print(f"{kind} {ks.tag()}: compiled in {secs:.2f} s")
@@ -122,14 +115,11 @@ def test_compiles(kind, i):
         assert "st.global.v4.f32" not in ptx, "record mode must not write the state"
     else:
         assert "st.global.v4.f32" in ptx, "state stores must be 16-byte vectors"
-    assert ("cp.async.bulk.prefetch.L2.global" in ptx) == (ks.prefetch > 0)
-    assert ("griddepcontrol.wait" in ptx) == ks.pdl
-    assert ("griddepcontrol.launch_dependents" in ptx) == ks.pdl
-    if ks.pdl:   # the trigger follows the wait (early) or a GPU-scope fence at the end (late)
-        i_wait = ptx.index("griddepcontrol.wait")
-        i_trig = ptx.index("griddepcontrol.launch_dependents")
-        assert i_trig > i_wait
-        assert ("fence.acq_rel.gpu" in ptx) == (not ks.pdl_early)
+    # programmatic dependent launch: the wait first, the trigger after a GPU-scope fence at the end
+    assert ptx.count("griddepcontrol.wait") == 1
+    assert ptx.count("griddepcontrol.launch_dependents") == 1
+    i_wait, i_trig = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+    assert i_wait < ptx.index("fence.acq_rel.gpu") < i_trig
     assert "ld.local" not in ptx and "st.local" not in ptx, "local arrays left in the PTX"
     usage = _resource_usage(compiled.__cubin__)
     if usage is not None:
@@ -138,54 +128,11 @@ def test_compiles(kind, i):
         assert usage["STACK"] <= 512, "register spills grew out of bounds"
 
 
-@pytest.mark.parametrize("i", [0, 2])
-def test_stream_compiles_with_l2_prefetch(i):
-    """The streamed kernel's optional L2 prefetch (KDA_CUTEDSL_PREFETCH, off by default)
-    compiles for sm_90a: 4 bulk prefetches per prefetched page, in the prologue and the loop."""
-    ks = KernelStatic.from_config(CONFIGS[i], prefetch=3,
-                                  page_last=page_last("stream", CONFIGS[i].T))
-    compiled, _ = cache.compile_kernel("stream", ks)
-    ptx = compiled.__ptx__
-    if not isinstance(ptx, str) or ".entry" not in ptx:
-        pytest.skip("PTX not kept (CuTe DSL was imported before CUTE_DSL_KEEP was set)")
-    # prologue: items start+1, start+2 (4 each); loop: one page in each of the two branches
-    assert ptx.count("cp.async.bulk.prefetch.L2.global") == 16, ptx.count("cp.async.bulk.prefetch")
-    usage = _resource_usage(compiled.__cubin__)
-    if usage is not None:
-        assert usage["REG"] <= 128 and usage["STACK"] <= 512, usage
-
-
 def test_smem_fits_two_ctas_per_sm():
-    for T, fb in [(t, False) for t in range(1, 9)] + [(1, True)]:
-        plan = SmemPlan(T, fb)
+    for T in range(1, 9):
+        plan = SmemPlan(T)
         # 228 KiB per SM, 1 KiB reserved per CTA, 2 CTAs
-        assert 2 * (plan.total + 1024) <= 228 * 1024, (T, fb, plan.total)
-    with pytest.raises(ValueError, match="fb_smem serves T=1 only"):
-        KernelStatic.from_config(CONFIGS[1], fb_smem=True)
-
-
-@pytest.mark.parametrize("i", [0, 6])
-def test_stream_compiles_with_fb_smem(i):
-    """The streamed kernel's T=1 build with f_b staged in shared memory (KDA_CUTEDSL_FB_SMEM):
-    the gate's A fragments come from shared memory (no global f_b loads left in the loop: 32
-    per item without it), 8 extra 16-byte copies per thread where the head changes, and it
-    fits two CTAs per SM."""
-    pl = page_last("stream", CONFIGS[i].T)          # the backend's choice, as it builds them
-    ks = KernelStatic.from_config(CONFIGS[i], fb_smem=True, page_last=pl)
-    assert "fbs" in ks.tag()
-    compiled, secs = cache.compile_kernel("stream", ks)
-    print(f"stream {ks.tag()}: compiled in {secs:.2f} s")
-    ptx = compiled.__ptx__
-    if not isinstance(ptx, str) or ".entry" not in ptx:
-        pytest.skip("PTX not kept (CuTe DSL was imported before CUTE_DSL_KEEP was set)")
-    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)) == 8
-    plain, _ = cache.compile_kernel("stream", KernelStatic.from_config(CONFIGS[i], page_last=pl))
-    n_nc = lambda text: len(re.findall(r"ld\.global\.nc\.b32", text))   # noqa: E731
-    assert n_nc(plain.__ptx__) - n_nc(ptx) == 32, (n_nc(plain.__ptx__), n_nc(ptx))
-    usage = _resource_usage(compiled.__cubin__)
-    if usage is not None:
-        print(f"  resources: {usage}")
-        assert usage["REG"] <= 128 and usage["STACK"] <= 512, usage
+        assert 2 * (plan.total + 1024) <= 228 * 1024, (T, plan.total)
 
 
 def test_runtime_scalars_do_not_recompile():
