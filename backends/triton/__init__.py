@@ -1,6 +1,6 @@
 """The Triton backend of the fused KDA decode step: one Triton launch per step.
 
-Importing this package needs neither Triton nor a GPU (the kernel module is imported when a
+Importing this package needs neither Triton nor a GPU (the kernel modules are imported when a
 step function is built). ``BACKEND`` is registered in :mod:`kda.registry` as ``"triton"``.
 """
 

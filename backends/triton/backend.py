@@ -1,4 +1,12 @@
-"""Registry entry for the Triton backend (:mod:`kda.backends.triton.kda_decode`)."""
+"""Registry entry for the Triton backend.
+
+Modules: :mod:`~kda.backends.triton.common` (device helpers shared by both kernels),
+:mod:`~kda.backends.triton.kda_decode` (the per-item kernel and its builds),
+:mod:`~kda.backends.triton.kda_decode_chunked` (the chunked kernel and its builds),
+:mod:`~kda.backends.triton.policy` (which build runs a batch), :mod:`~kda.backends.triton.auto`
+(the step function), :mod:`~kda.backends.triton.offline` (compilation without a GPU). This
+module imports none of them until a step function is built.
+"""
 
 from __future__ import annotations
 
@@ -20,12 +28,11 @@ def _interpreter() -> bool:
 
 
 class TritonBackend(Backend):
-    """The whole decode step in one Triton kernel launch (see ``kda_decode.py``).
+    """The whole decode step in one Triton kernel launch, the build chosen per call by
+    :mod:`kda.backends.triton.policy`.
 
     On a CUDA device (compute capability >= 8.0: bf16 tensor-core dots) it runs compiled;
     with ``TRITON_INTERPRET=1`` it runs on CPU tensors in Triton's interpreter (tests only).
-    The launch variant comes from ``$KDA_TRITON_VARIANT`` (default ``auto``; see
-    :data:`kda.backends.triton.kda_decode.VARIANTS`).
     """
 
     name = "triton"
@@ -65,8 +72,8 @@ class TritonBackend(Backend):
         return reasons
 
     def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:
-        from kda.backends.triton.kda_decode import build_step
-        return build_step(cfg, device)
+        from kda.backends.triton.auto import AutoStep
+        return AutoStep(cfg, device)
 
 
 BACKEND = TritonBackend()

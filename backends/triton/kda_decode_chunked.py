@@ -1,36 +1,23 @@
-"""The fused KDA decode step as one Triton launch, "chunked" over value rows, and its host
-wrapper (the ``chunked`` variant of :mod:`kda.backends.triton.kda_decode`).
+"""The chunked kernel of the fused KDA decode step (one Triton launch), and its host wrapper.
 
 Contract: ``docs/contract.md`` (section 2 formulas, section 3 rounding points, section 6
 project decisions: liveness, per-token state writes for T>1, record mode, window rewrite,
 64-bit slot offsets). The device helpers (bf16 rounding, fma, the gate projection, the decay,
-the gated RMSNorm epilogue, the window rewrite) are those of ``kda_decode.py``.
-
-Why another kernel
-------------------
-Measured on an H200 (H=32, fraction of the copy-bandwidth floor): the ``item`` kernel (one
-8-warp program per item, the 128x128 fp32 page held in registers, 128 registers) reaches 0.49
-at R=128 T=1, 0.50 at R=512 T=1, 0.36 at R=128 T=5; its V-split variants are slower. Nsight
-Compute (``item``, R=128 T=1): DRAM 41%, L1/TEX 73% (L1-bound: values parked in global memory
-and operands reloaded per token, layout conversions through shared memory), occupancy 25%
-(2 CTAs/SM, register-limited). fla-core's ``fused_recurrent_kda_fwd`` (recurrence only: 4
-programs per item, each a 32x128 fp32 block, 4 warps, ``num_stages=2``, ~32 state floats per
-thread, many CTAs per SM) reaches 0.79.
+the delta rule, the gated RMSNorm epilogue, the window rewrite) are those of
+:mod:`kda.backends.triton.common`.
 
 Work decomposition
 ------------------
 The delta-rule update is independent per value row: row v of S evolves with k, q, the decay
 vector, beta and v[v] only; just the gated RMSNorm at the end needs all 128 values of o. So
 one program (``num_warps`` warps) per item ``(r, h) = divmod(pid, H)`` walks the page in
-chunks of ``BV`` value rows, holding only one [BV, 128] fp32 chunk (BV=32 with 4 warps, or
-BV=16 with 2 warps: 32 floats per thread) instead of the page. ``auto`` mostly runs 2-warp
-programs on 16-row chunks (more independent programs per SM; measured faster, see
-``AUTO_CHUNKED`` in ``kda_decode.py``); the register figures below are for the 4-warp build:
+chunks of ``BV`` value rows, holding only one [BV, 128] fp32 chunk (32 floats per thread with
+BV=32 and 4 warps or BV=16 and 2 warps, 16 with BV=16 and 4 warps) instead of the page:
 
-1. slots and liveness (as ``kda_decode``): T=1 ``src = conv_slot = state_indices[r]``; T>1
-   ``a = clamp(nacc[r], 1, T)``, ``src = state_indices[r, a-1]``, ``conv_slot =
-   state_indices[r, 0]``, ``off = a-1``; live iff ``0 < src < slots`` and ``0 < conv_slot <
-   slots``; slot offsets in int64.
+1. slots and liveness (as :mod:`kda.backends.triton.kda_decode`): T=1 ``src = conv_slot =
+   state_indices[r]``; T>1 ``a = clamp(nacc[r], 1, T)``, ``src = state_indices[r, a-1]``,
+   ``conv_slot = state_indices[r, 0]``, ``off = a-1``; live iff ``0 < src < slots`` and
+   ``0 < conv_slot < slots``; slot offsets in int64.
 2. per item, before the row loop: conv + SiLU of the q, k and v channels of all T tokens as
    [TP, 128] tiles (TP = T padded to a power of two), y rounded to bf16, the L2 norms of q
    and k (eps 1e-6 on the sum of squares), the gate projection (``_gate_projection``: bf16
@@ -38,33 +25,25 @@ programs on 16-row chunks (more independent programs per SM; measured faster, se
    decay of all T tokens (``_decay``), beta of all T tokens (a [TP] vector), the T write
    slots (a [TP] vector); record mode: the kg_record rows.
    ``q̂_t, k̂_t, α_t`` (fp32, along the key dimension) and ``y_v,t`` (along the value
-   dimension) go to a per-item scratch (``scr``, [items, T, 4, 128] fp32, owned by the step
-   function) and a CTA barrier makes them visible to every thread. Storing the decay cuts
-   the MMA layout of the gate's ``tl.dot`` off from the state chunk (Triton would otherwise
-   convert the chunk into the MMA layout). T=1: q̂, k̂, α are read back once, before the
-   loop, and stay in registers (4 floats each per thread in the chunk's column layout).
-   T>1: they are re-read per chunk and token (cache hits, 512 bytes each, the same addresses
-   for all warps); holding 3T vectors in registers would cost 12T registers per thread. The
-   ``HOLD`` build (variant ``chunked_w2_hold``) holds those of tokens 0-3 (48 registers;
-   offline sm_90a compile at T=5: 128 registers, 104 bytes of stack against 48 without);
-   measured on the H200 (95e0754): no gain at T=2, slower at T=5, so ``auto`` does not use
-   it. ``KB=4`` (variants ``*_k4``) holds the chunk as a [BV, 4, 32] tile instead of [BV,
-   128] (8 lanes per row: 3.5x fewer shuffles in the row sums, see ``_delta_rule_kb``);
-   measured on the H200 (9168933): no gain where ``auto`` runs, so not used by it either.
-   The chunk's rows of ``y_v,t`` are re-read per chunk and token (BV values). Doing the v
-   conv here rather than per chunk keeps the window reads and the conv's fma chains out of
-   the loop (with the v conv in the loop, uncapped, T=5 needed 255 registers and spilled;
-   T=1 DS with bias 150).
+   dimension) go to a per-item scratch (``scr``, [items, T, 4, 128] fp32) and a CTA barrier
+   makes them visible to every thread. Storing the decay cuts the MMA layout of the gate's
+   ``tl.dot`` off from the state chunk (Triton would otherwise convert the chunk into the MMA
+   layout). T=1: q̂, k̂, α are read back once, before the loop, and stay in registers (4
+   floats each per thread in the chunk's column layout). T>1: they are re-read per chunk
+   and token (cache hits, 512 bytes each, the same addresses for all warps), as are the
+   chunk's rows of ``y_v,t`` (BV values). The v conv runs here rather than per chunk, which
+   keeps the window reads and the conv's fma chains out of the loop.
 3. the row loop ``for c in tl.range(0, 128 // BV, num_stages=NUM_STAGES)``: load the
    [BV, 128] chunk of the source page (16-byte loads along the key dimension,
-   ``evict_first``; its address depends only on ``src`` and ``c``, loaded/known before the
-   loop, so the software pipeliner can prefetch chunk c+1 with async copies while chunk c
-   computes); then, for each token t (unrolled: Triton does not pipeline a loop that
-   contains another loop): the recurrence in the reference's order (``S *= α_t``;
-   ``u = β_t (v - S k̂_t)``; ``S += u k̂_tᵀ``; ``o = S q̂_t``), the chunk's state write (T=1:
-   to ``src``; T>1: to ``state_indices[r, t]`` when that slot is valid, in token order;
-   record mode: ``v_record`` rows instead), and ``bf16(o)`` of the chunk's rows parked in
-   the item's out row t (overwritten by the result in step 4).
+   ``evict_first``; its address depends only on ``src`` and ``c``, known before the loop,
+   so the software pipeliner prefetches the next chunks with async copies into a
+   shared-memory ring while chunk c computes); then, for each token t (unrolled: Triton does
+   not pipeline a loop that contains another loop): the recurrence in the reference's order
+   (``S *= α_t``; ``u = β_t (v - S k̂_t)``; ``S += u k̂_tᵀ``; ``o = S q̂_t``), the chunk's
+   state write, streaming (``.cs``) (T=1: to ``src``; T>1: to ``state_indices[r, t]`` when
+   that slot is valid, in token order; record mode: ``v_record`` rows instead), and
+   ``bf16(o)`` of the chunk's rows parked in the item's out row t (overwritten by the result
+   in step 4).
 4. after the loop: a CTA barrier, the gated RMSNorm of all T rows as one [TP, 128] tile
    (``_finish_rows``: it reads the parked o rows, then a barrier, then writes out), and the
    conv window rewrite (``_write_window``: reads w1, w2, a CTA barrier, then the writes; every
@@ -79,7 +58,7 @@ Aliasing: a token's write slot may be the source slot (T>1), and the window read
 ranges overlap. Chunks cover disjoint rows and each chunk is loaded completely (the same
 thread writes an element that it read; with async copies, the wait for chunk c precedes its
 consumers) before any of its rows is written; the pipeliner's prefetch of chunk c+1 (or c+2
-with more stages) reads rows that no earlier iteration wrote, so it always sees the source
+with three stages) reads rows that no earlier iteration wrote, so it always sees the source
 state. Two tokens naming the same write slot: the later token's store is issued later by the
 same thread, so its state lands. The window: see step 4.
 
@@ -89,51 +68,54 @@ one after the other; steps launched on two streams at once use two buffers. It g
 larger ``R * H * T`` than ever before arrives on its stream (during CUDA-graph capture too:
 the new buffer then comes from the graph's pool; it needs no initial value) and the outgrown
 buffers are kept alive, so graphs captured earlier never replay into freed memory. Its size
-is ``R * H * T * 2 KiB`` (written and re-read by the same program,
-so mostly L2 traffic; were it all written back to DRAM, 1.6% of an item's page traffic at
-T=1, less at T>1, where every token writes a page).
+is ``R * H * T * 2 KiB``, written and re-read by the same program (mostly L2 traffic).
 
-Registers and pipelining (offline sm_90a compile, :func:`compile_chunked_offline`, Triton
-3.6, BV=32, 2 stages, ``maxnreg=88``: 5 CTAs of 4 warps per SM): T=1 88 registers and no
-stack in both gate modes and conv layouts; T=2 8 bytes of stack, T=5 ~150, T=8 ~200 (ptxas
-hoists the unrolled tokens' loads). Without the cap T=1 needs 80-114 (gate_mode 1 holds
-more accumulators), T=5 158, T=8 194. The TTGIR shows the state chunk loaded by
-``ttg.async_copy_global_to_local`` into a shared-memory ring (16 KiB per stage), together
-with the loop's scratch loads.
+Builds and registers (offline sm_90a compile at H=32, Triton 3.6,
+:func:`kda.backends.triton.offline.compile_offline`; registers, then bytes of stack at
+T = 1 / 2 / 5 / 8): :data:`CHUNKED` (4 warps, BV=32, 2 stages, <= 88 registers: 5 programs
+per SM) 88, 0 / 8 / 144 / 208 (ptxas hoists the unrolled tokens' loads); :data:`CHUNKED_BV16`
+(4 warps, BV=16, 2 stages, <= 88) 88, 0 / 0 / 24 / 16; :data:`CHUNKED_W2` and
+:data:`CHUNKED_W2_S3` (2 warps, BV=16, 2 or 3 stages, <= 128: 8 programs per SM) 128,
+0 / 8 / 40-48 / 32-96, and 88-104 bytes at T=1 with gate_mode 1 and a conv bias. The TTGIR
+shows the state chunk loaded by ``ttg.async_copy_global_to_local`` into a shared-memory ring,
+together with the loop's scratch loads.
 
 Numerics: the contract's rounding points (y, rg, o, out in bf16; everything else fp32), the
-same formulas and operation order as the reference and the ``item`` kernel. On the GPU the
-transcendental functions are Triton's fast ones (allowed by the contract). Under
-``TRITON_INTERPRET=1`` (CPU) the ``INTERP`` constexpr selects the emulations of
-``kda_decode``'s helpers that match the reference: bf16 loads converted to fp32 at once,
-fma emulated in float64 (exact product, one rounding), the gate projection's exact k16
-steps rounded to fp32 and chained in gate_mode's order, integer round-to-nearest-even bf16
-rounding. The interpreter's reductions are numpy's, per row of 128 values whatever the tile,
-so the interpreter results are bit-identical to the other variants' (checked by the tests).
+same formulas and operation order as the reference and the per-item kernel (see
+:mod:`kda.backends.triton.common` for the interpreter's emulations). The interpreter's
+reductions are numpy's, per row of 128 values whatever the tile, so under the interpreter
+every build of both kernels gives the same bits (checked by the tests).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from kda.backends.triton.kda_decode import (
-    D, _bf16_round, _decay, _delta_rule, _finish_rows, _fma, _gate_projection, _load_f32,
-    _rowoff, _sigmoid, _store_state, _write_window, compile_kernel_offline, interpreter_enabled,
-    interpreter_quiet, kernel_operands)
 from kda.backend import StreamBuffers
+from kda.backends.triton.common import (
+    D, _bf16_round, _decay, _delta_rule, _finish_rows, _fma, _gate_projection, _load_f32,
+    _rowoff, _sigmoid, _write_window, config_constants, config_scalars, interpreter_enabled,
+    interpreter_quiet, kernel_operands)
 from kda.config import KdaArgs, KdaConfig
 
 #: fp32 values of scratch per item and token: q̂, k̂, α, y_v.
 SCR_PER_TOKEN = 4 * D
+#: The smallest scratch buffer made (elements): 64 item-tokens, 128 KiB.
+SCRATCH_MIN_ELEMS = 64 * SCR_PER_TOKEN
 
 #: device -> the chunked kernels' scratch (a :class:`kda.backend.StreamBuffers`: one buffer
 #: per stream, shared by all step functions of the device; see the module docstring).
 _SCRATCH: "dict[torch.device, StreamBuffers]" = {}
 
+
+# --------------------------------------------------------------------------------------------
+# the kernel
+# --------------------------------------------------------------------------------------------
 
 @triton.jit
 def _conv_silu(c_ptr, xc_ptr, stride_x, n0, off, w_ptr, b_ptr, t, mask,
@@ -168,26 +150,6 @@ def _qka(scr_item, t, dd):
             tl.load(scr_item + t * 512 + 256 + dd))
 
 
-@triton.jit
-def _delta_rule_kb(S, alpha, k, q, b, v):
-    """:func:`~kda.backends.triton.kda_decode._delta_rule` on a state chunk held as a
-    [BV, 4, 32] tile (key column 32j + c at [row, j, c]; ``alpha``, ``k``, ``q`` [4, 32],
-    ``v`` [BV]). Same operations and order per element; the row sums add the 4 column
-    blocks in-thread first, then across lanes (fp32 reassociation, which the contract allows).
-
-    Why: Triton lays a [BV, 128] fp32 tile out as one row per warp (32 lanes x 4 columns), so
-    each row sum costs 5 shuffle levels, for every row a thread holds (BV / warps of them).
-    Loaded as [BV, 4, 32], a warp covers 4 rows x 32 columns (8 lanes x 16 bytes: whole 128-byte
-    lines, as before) and holds the 4 column blocks of a row in one thread: 3 shuffle levels
-    for 4x fewer rows per thread."""
-    S = S * alpha[None, :, :]
-    Sk = tl.sum(tl.sum(S * k[None, :, :], axis=1), axis=1)
-    u = b * (v - Sk)
-    S = S + u[:, None][:, None, :] * k[None, :, :]   # (expanded in the reductions' order:
-    #                                                    no layout conversion of u)
-    return S, u, tl.sum(tl.sum(S * q[None, :, :], axis=1), axis=1)
-
-
 @triton.jit(do_not_specialize=["num_slots"])
 def _kda_chunked_kernel(
         x_ptr, stride_x, cw_ptr, cb_ptr, cs_ptr, stride_cs,
@@ -197,8 +159,8 @@ def _kda_chunked_kernel(
         num_slots, scale, norm_eps, lower_bound,
         H: tl.constexpr, T: tl.constexpr, L: tl.constexpr, SD: tl.constexpr,
         HAS_BIAS: tl.constexpr, BOUNDED: tl.constexpr, GATE_MODE: tl.constexpr,
-        RECORD: tl.constexpr, BV: tl.constexpr, NUM_STAGES: tl.constexpr,
-        EVICT: tl.constexpr, HOLD: tl.constexpr, KB: tl.constexpr, INTERP: tl.constexpr):
+        RECORD: tl.constexpr, INTERP: tl.constexpr, BV: tl.constexpr,
+        NUM_STAGES: tl.constexpr):
     """The fused KDA decode step, one program per item, value rows in chunks of ``BV`` (see
     the module docstring). Grid: ``R * H`` programs. Pointers: the :class:`KdaArgs` tensors
     (unused optional ones point at any tensor and are never dereferenced) and the scratch;
@@ -282,59 +244,31 @@ def _kda_chunked_kernel(
         tgt_ok = live & (tgt > 0) & (tgt < num_slots)
         tgt64 = tl.where(tgt_ok, tgt, 0).to(tl.int64)               # [TP]; 0 = no write
     tl.debug_barrier()                       # scratch rows visible to every thread
-    # the key columns of the row loop's tiles: KB=1 [128]; KB=4 [4, 32] (column 32j + c at
-    # [j, c]), so that a state chunk is a [BV, 4, 32] tile (see _delta_rule_kb)
-    if KB == 1:
-        kd = dd
-    else:
-        kd = tl.arange(0, 4)[:, None] * 32 + tl.arange(0, 32)[None, :]
-    # T=1 (and T <= 4 with HOLD): q̂_t, k̂_t, α_t read back once here and kept in registers
-    # for the whole row loop (otherwise re-read per chunk and token: the loop's stores may
-    # alias the scratch as far as the compiler knows, so it cannot hoist those loads)
-    if T == 1 or HOLD:
-        q_0, k_0, a_0 = _qka(scr_item, 0, kd)
-    if HOLD:
-        if T > 1:
-            q_1, k_1, a_1 = _qka(scr_item, 1, kd)
-        if T > 2:
-            q_2, k_2, a_2 = _qka(scr_item, 2, kd)
-        if T > 3:
-            q_3, k_3, a_3 = _qka(scr_item, 3, kd)
+    # T=1: q̂, k̂, α read back once here and kept in registers for the whole row loop (T>1:
+    # re-read per chunk and token: the loop's stores may alias the scratch as far as the
+    # compiler knows, so it cannot hoist those loads)
+    if T == 1:
+        q_0, k_0, a_0 = _qka(scr_item, 0, dd)
 
     # ---- 3. the row loop -------------------------------------------------------------------
     st_page = st_ptr + tl.multiple_of(src64 * stride_st, 4) + h * (128 * 128)
     rows = tl.arange(0, BV)
     for c in tl.range(0, NCHUNK, num_stages=NUM_STAGES):
         vv = c * BV + rows                                          # this chunk's value rows
-        if KB == 1:
-            st_off = vv[:, None] * 128 + kd[None, :]
-        else:
-            st_off = vv[:, None, None] * 128 + kd[None, :, :]       # [BV, 4, 32]
-        if EVICT:
-            S = tl.load(st_page + st_off, mask=live, other=0.0, eviction_policy="evict_first")
-        else:
-            S = tl.load(st_page + st_off, mask=live, other=0.0)
+        st_off = vv[:, None] * 128 + dd[None, :]
+        S = tl.load(st_page + st_off, mask=live, other=0.0, eviction_policy="evict_first")
         for t in tl.static_range(T):
             v_t = tl.load(scr_item + t * 512 + 384 + vv)            # the chunk's rows of y_v
-            if T == 1 or (HOLD and t == 0):          # read back before the loop
+            if T == 1:                                # read back before the loop
                 q_t, k_t, a_t = q_0, k_0, a_0
-            elif HOLD and t == 1:
-                q_t, k_t, a_t = q_1, k_1, a_1
-            elif HOLD and t == 2:
-                q_t, k_t, a_t = q_2, k_2, a_2
-            elif HOLD and t == 3:
-                q_t, k_t, a_t = q_3, k_3, a_3
             else:
-                q_t, k_t, a_t = _qka(scr_item, t, kd)
+                q_t, k_t, a_t = _qka(scr_item, t, dd)
             if T == 1:
                 b_t = tl.sum(bvec, axis=0)
             else:
                 b_t = tl.sum(tl.where(tt == t, bvec, 0.0), axis=0)
 
-            if KB == 1:
-                S, u, o = _delta_rule(S, a_t, k_t, q_t, b_t, v_t)   # the chunk's rows
-            else:
-                S, u, o = _delta_rule_kb(S, a_t, k_t, q_t, b_t, v_t)
+            S, u, o = _delta_rule(S, a_t, k_t, q_t, b_t, v_t)       # the chunk's rows
 
             if RECORD:
                 rec = cs64 * (H * T) + h * T + t                 # record row (conv_slot, h, t)
@@ -347,7 +281,7 @@ def _kda_chunked_kernel(
                     dst_slot = tl.sum(tl.where(tt == t, tgt64, 0), axis=0)
                     valid = dst_slot > 0
                 dst = st_ptr + tl.multiple_of(dst_slot * stride_st, 4) + h * (128 * 128) + st_off
-                _store_state(dst, S, valid, EVICT)
+                tl.store(dst, S, mask=valid, cache_modifier=".cs")  # streaming store
             # o (bf16 values) parks in out row t until the epilogue
             tl.store(out_ptr + _rowoff(n0 + t, stride_out) + h * 128 + vv,
                      _bf16_round(o, INTERP).to(tl.bfloat16), mask=live)
@@ -360,83 +294,102 @@ def _kda_chunked_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# host wrapper
+# builds and host wrapper
 # --------------------------------------------------------------------------------------------
 
-class ChunkedStep:
-    """The step function of the ``chunked`` variant for one :class:`KdaConfig` (callable).
+@dataclasses.dataclass(frozen=True)
+class ChunkedBuild:
+    """One compiled form of :func:`_kda_chunked_kernel`.
 
-    ``step(args)`` launches :func:`_kda_chunked_kernel` once on the current stream (grid
-    ``R * H``). Nothing is read back from the device; the current stream's scratch is made on
-    its first step and grows (never shrinks) when a larger batch than ever before arrives.
+    Attributes:
+      name: the name the launch policy uses (:mod:`kda.backends.triton.policy`).
+      bv: value rows per chunk (16 or 32).
+      num_warps: warps per program.
+      num_stages: software-pipelining stages of the row loop (chunks in flight).
+      maxnreg: register cap per thread passed to ptxas (None: Triton's choice).
     """
 
-    def __init__(self, cfg: KdaConfig, device, variant):
+    name: str
+    bv: int
+    num_warps: int
+    num_stages: int
+    maxnreg: Optional[int] = None
+
+    @property
+    def kernel(self):
+        """The Triton kernel this build compiles."""
+        return _kda_chunked_kernel
+
+    def constants(self, cfg: KdaConfig, interp: bool) -> dict:
+        """The kernel's constexprs for ``cfg`` (``interp``: the interpreter's emulations)."""
+        return dict(config_constants(cfg, interp), BV=self.bv, NUM_STAGES=self.num_stages)
+
+    def options(self, interp: bool) -> dict:
+        """Triton's launch options (the register cap only on the GPU)."""
+        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.maxnreg and not interp:
+            opts["maxnreg"] = self.maxnreg
+        return opts
+
+
+#: 4-warp programs, 32-row chunks, 2 stages, <= 88 registers (5 programs per SM).
+CHUNKED = ChunkedBuild("chunked", bv=32, num_warps=4, num_stages=2, maxnreg=88)
+#: 4-warp programs, 16-row chunks, 2 stages, <= 88 registers.
+CHUNKED_BV16 = ChunkedBuild("chunked_bv16", bv=16, num_warps=4, num_stages=2, maxnreg=88)
+#: 2-warp programs, 16-row chunks, 2 stages, <= 128 registers (8 programs per SM).
+CHUNKED_W2 = ChunkedBuild("chunked_w2", bv=16, num_warps=2, num_stages=2, maxnreg=128)
+#: 2-warp programs, 16-row chunks, 3 stages, <= 128 registers.
+CHUNKED_W2_S3 = ChunkedBuild("chunked_w2_s3", bv=16, num_warps=2, num_stages=3, maxnreg=128)
+#: The builds by name.
+BUILDS = {b.name: b for b in (CHUNKED, CHUNKED_BV16, CHUNKED_W2, CHUNKED_W2_S3)}
+
+
+class ChunkedStep:
+    """Launches one build of :func:`_kda_chunked_kernel` for one :class:`KdaConfig` (callable).
+
+    ``step(args)`` launches the kernel once on the current stream (grid ``R * H``) and writes
+    ``args.out``, the state pages, the conv windows and (record mode) the records in place.
+    Nothing is read back from the device; the current stream's scratch is made on its first
+    step and grows (never shrinks) when a larger batch than ever before arrives.
+
+    Args (constructor):
+      cfg: the static configuration (validated).
+      device: the CUDA device, or the CPU under ``TRITON_INTERPRET=1``.
+      build: one of :data:`BUILDS`.
+    """
+
+    def __init__(self, cfg: KdaConfig, device, build: ChunkedBuild):
         self.cfg = cfg
         self.device = torch.device(device)
-        self.variant = variant
+        self.build = build
         self.interp = interpreter_enabled()
-        self._const = dict(
-            H=cfg.num_heads, T=cfg.T, L=cfg.window, SD=cfg.conv_layout == "SD",
-            HAS_BIAS=cfg.has_conv_bias, BOUNDED=cfg.lower_bound is not None,
-            GATE_MODE=cfg.gate_mode, RECORD=cfg.record, BV=variant.bv,
-            NUM_STAGES=variant.num_stages, EVICT=variant.evict, HOLD=variant.hold,
-            KB=variant.kb, INTERP=self.interp)
-        self._scalars = (float(cfg.scale), float(cfg.norm_eps),
-                         0.0 if cfg.lower_bound is None else float(cfg.lower_bound))
-
-    def nv_for(self, n_items: int) -> int:
-        """Programs per item (always 1)."""
-        return 1
+        self._const = build.constants(cfg, self.interp)
+        self._opts = build.options(self.interp)
+        self._scalars = config_scalars(cfg)
 
     def _buffers(self) -> StreamBuffers:
         bufs = _SCRATCH.get(self.device)
         if bufs is None:
             bufs = _SCRATCH[self.device] = StreamBuffers(
-                self.device, torch.float32, False, "the chunked scratch", 64 * SCR_PER_TOKEN)
+                self.device, torch.float32, False, "the chunked scratch", SCRATCH_MIN_ELEMS)
         return bufs
 
     @property
-    def _scr(self) -> Optional[torch.Tensor]:
+    def scratch(self) -> Optional[torch.Tensor]:
         """The current stream's scratch (None before its first step)."""
         return self._buffers().current()
 
-    def _scratch(self, n_items: int) -> torch.Tensor:
-        return self._buffers().get(n_items * self.cfg.T * SCR_PER_TOKEN)
-
     def __call__(self, args: KdaArgs) -> None:
-        cfg = self.cfg
         R = args.state_indices.shape[0]
         if R == 0:
             return
-        n_items = R * cfg.num_heads
-        v = self.variant
-        opts = {}
-        if v.maxnreg and not self.interp:
-            opts["maxnreg"] = v.maxnreg
-        scr = self._scratch(n_items)
-        scale, norm_eps, lb = self._scalars
+        n_items = R * self.cfg.num_heads
+        scr = self._buffers().get(n_items * self.cfg.T * SCR_PER_TOKEN)
         with interpreter_quiet(self.interp):
             _kda_chunked_kernel[(n_items,)](
-                *kernel_operands(args), scr, args.state.shape[0], scale, norm_eps, lb,
-                num_warps=v.num_warps or 4, num_stages=v.num_stages, **self._const, **opts)
+                *kernel_operands(args), scr, args.state.shape[0], *self._scalars,
+                **self._const, **self._opts)
 
 
-def compile_chunked_offline(cfg: KdaConfig, variant, arch: int = 90,
-                            stride_divisible: bool = True, **options):
-    """Compile :func:`_kda_chunked_kernel` for ``cfg`` and the :class:`Variant` ``variant``
-    offline (no GPU), as :func:`kda.backends.triton.kda_decode.compile_offline` does for the
-    other kernel (same arguments and result)."""
-    consts = dict(
-        H=cfg.num_heads, T=cfg.T, L=cfg.window, SD=cfg.conv_layout == "SD",
-        HAS_BIAS=cfg.has_conv_bias, BOUNDED=cfg.lower_bound is not None, GATE_MODE=cfg.gate_mode,
-        RECORD=cfg.record, BV=variant.bv, NUM_STAGES=variant.num_stages, EVICT=variant.evict,
-        HOLD=variant.hold, KB=variant.kb, INTERP=False)
-    opts = {"num_warps": variant.num_warps or 4, "num_stages": variant.num_stages}
-    if variant.maxnreg:
-        opts["maxnreg"] = variant.maxnreg
-    opts.update(options)
-    return compile_kernel_offline(_kda_chunked_kernel, cfg, consts, opts, arch, stride_divisible)
-
-
-__all__ = ["ChunkedStep", "compile_chunked_offline", "SCR_PER_TOKEN"]
+__all__ = ["ChunkedBuild", "ChunkedStep", "CHUNKED", "CHUNKED_BV16", "CHUNKED_W2",
+           "CHUNKED_W2_S3", "BUILDS", "SCR_PER_TOKEN"]

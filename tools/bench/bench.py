@@ -35,8 +35,6 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("backends", ["all"], "backends to measure (names, or 'all' = every available one)")
 flags.DEFINE_list("peers", ["auto"], "peers: fla_recurrent, fla_unfused, touch, touch_rows32, "
                   "'auto' (all that run here) or 'none'")
-flags.DEFINE_list("triton_variants", [], "also time these Triton launch variants, one column each "
-                  "(names from kda.backends.triton.kda_decode.VARIANTS)")
 flags.DEFINE_list("heads", ["32"], "H values (Kimi-Linear TP1..8: 32,16,8,4; K3-style: 12,24,48,96)")
 flags.DEFINE_list("batches", None, "R values (default GPU: 1,8,32,128,512; CPU: 1,8,32,128)")
 flags.DEFINE_list("tokens", ["1", "2", "5"], "T values")
@@ -70,9 +68,6 @@ flags.register_validator(
     "backends", lambda v: v == ["all"] or all(n in registry.BACKEND_NAMES for n in v),
     message="--backends takes 'all' or names from: " + ", ".join(registry.BACKEND_NAMES))
 flags.register_validator(
-    "triton_variants", lambda v: all(n in _triton_variant_names() for n in v),
-    message="--triton_variants: unknown name (see kda.backends.triton.kda_decode.VARIANTS)")
-flags.register_validator(
     "peers", lambda v: v in (["auto"], ["none"]) or all(n in peers.PEERS for n in v),
     message="--peers takes 'auto', 'none' or names from: " + ", ".join(peers.PEERS))
 flags.register_validator("pool_gib", lambda v: v is None or v > 0, message="--pool_gib must be > 0")
@@ -80,12 +75,6 @@ for _name, _least in (("sets", 1), ("iters", 1), ("warmup", 0)):
     flags.register_validator(_name, lambda v, _l=_least: v is None or v >= _l,
                              message=f"--{_name} must be >= {_least}")
 flags.register_validator("max_items", lambda v: v >= 1, message="--max_items must be >= 1")
-
-
-def _triton_variant_names():
-    """Variant names without importing Triton's kernels at flag-parse time when unused."""
-    from kda.backends.triton.kda_decode import VARIANTS
-    return VARIANTS
 
 
 def _git_commit() -> str:
@@ -141,8 +130,6 @@ def main(argv):
             console.print(f"[dim]{n}: skipped ({why})[/]")
             continue
         runners.append((n, harness.backend_step(n)))
-    runners += [(f"triton[{v}]", harness.triton_variant_step(v)) for v in FLAGS.triton_variants
-                if registry.availability("triton") is None]
     runners += [(p, harness.peer_step(p)) for p in want_peers]
 
     cells: List[harness.Cell] = []
@@ -158,8 +145,7 @@ def main(argv):
                         gate_mode=FLAGS.gate_mode)
         wl = harness.Workload(cfg, R, device, pool, FLAGS.sets, hot=FLAGS.hot_state)
         for name, make in runners:
-            base = name.split("[")[0]        # "triton[vsplit4]" -> triton's support rules
-            why = registry.unsupported_reasons(base, cfg, device) if base in registry.BACKEND_NAMES else []
+            why = registry.unsupported_reasons(name, cfg, device) if name in registry.BACKEND_NAMES else []
             if why:
                 logging.info("%s cannot run %s: %s", name, cfg.short(), why)
                 continue

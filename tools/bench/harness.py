@@ -221,13 +221,3 @@ def peer_step(name: str) -> Callable[[Workload], Callable[[int], None]]:
         fn = peers.make_peer(name, wl.cfg, wl.args)
         return lambda i: fn(wl.indices[i], wl.accepted[i])
     return make
-
-
-def triton_variant_step(variant: str) -> Callable[[Workload], Callable[[int], None]]:
-    """make_step for one named launch variant of the Triton backend (``kda.backends.triton.VARIANTS``)."""
-    from kda.backends.triton.kda_decode import build_step
-
-    def make(wl: Workload):
-        step = build_step(wl.cfg, wl.device, variant)
-        return lambda i: step(wl.args_for(i))
-    return make

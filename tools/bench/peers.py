@@ -31,7 +31,7 @@ PEERS = ("fla_recurrent", "fla_unfused", "touch", "touch_rows32")
 def available(name: str, device: torch.device) -> Optional[str]:
     """None when peer ``name`` can run on ``device``, else why not."""
     if name.startswith("touch"):
-        from kda.backends.triton.kda_decode import interpreter_enabled
+        from kda.backends.triton.common import interpreter_enabled
         if device.type != "cuda" and not interpreter_enabled():
             return "the touch peers run on CUDA (or on the CPU with TRITON_INTERPRET=1)"
         return None
