@@ -9,8 +9,6 @@ nothing and reports why through :meth:`Backend.availability`.
 from __future__ import annotations
 
 import abc
-import os
-import re
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -108,99 +106,6 @@ def gpu_reason(accept: Callable[[Tuple[int, int]], bool], need: str) -> Optional
     if not any(accept(torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())):
         return f"needs {need}"
     return None
-
-
-#: L2-prefetch distances the CUDA and CuTe DSL streamed kernels accept (0 = off; 1 would
-#: prefetch the page their cp.async is already loading).
-PREFETCH_DISTANCES = (0, 2, 3, 4, 5, 6, 7, 8)
-
-
-def prefetch_distance_from_env(name: str, default: int) -> int:
-    """The L2-prefetch distance (items ahead) from the environment variable ``name``.
-
-    Returns ``default`` when the variable is unset or empty.
-
-    Raises:
-      ValueError: the value is not one of :data:`PREFETCH_DISTANCES` (the message names the
-        variable, the accepted values and the value given).
-    """
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    if not re.fullmatch(r"[0-9]{1,3}", raw) or int(raw) not in PREFETCH_DISTANCES:
-        raise ValueError(f"{name}: expected one of {', '.join(map(str, PREFETCH_DISTANCES))} "
-                         f"(items ahead; 0 = off), got {raw!r}")
-    return int(raw)
-
-
-def flag_from_env(name: str, default: bool) -> bool:
-    """A 0/1 switch from the environment variable ``name`` (``default`` when unset or empty).
-
-    Raises:
-      ValueError: the value is neither ``0`` nor ``1`` (the message names the variable).
-    """
-    v = os.environ.get(name, "").strip()
-    if not v:
-        return default
-    if v not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {v!r}")
-    return v == "1"
-
-
-def fraction_from_env(name: str, default: float) -> float:
-    """A number in [0, 1] from the environment variable ``name`` (``default`` when unset or
-    empty).
-
-    Raises:
-      ValueError: anything else (the message names the variable).
-    """
-    v = os.environ.get(name, "").strip()
-    if not v:
-        return default
-    try:
-        f = float(v)
-    except ValueError:
-        f = float("nan")
-    if not 0.0 <= f <= 1.0:
-        raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")
-    return f
-
-
-#: Largest ``items_per_cta`` the streamed kernels accept (0 = persistent grid).
-MAX_ITEMS_PER_CTA = 4096
-
-
-def items_per_cta_from_env(name: str, default: int) -> int:
-    """Items per CTA of a streamed kernel's grid from the environment variable ``name``.
-
-    0 means persistent: as many CTAs as are resident at once (each walks ~items/CTAs items);
-    k >= 1 launches ceil(items / k) CTAs (never fewer than the persistent grid), so each CTA
-    walks at most k items and the hardware scheduler starts a new CTA whenever one retires.
-    Returns ``default`` when the variable is unset or empty.
-
-    Raises:
-      ValueError: the value is not an integer in [0, :data:`MAX_ITEMS_PER_CTA`] (the message
-        names the variable, the accepted range and the value given).
-    """
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    if not re.fullmatch(r"[0-9]{1,5}", raw) or int(raw) > MAX_ITEMS_PER_CTA:
-        raise ValueError(f"{name}: expected an integer in [0, {MAX_ITEMS_PER_CTA}] (items per "
-                         f"CTA; 0 = persistent grid), got {raw!r}")
-    return int(raw)
-
-
-def stream_grid(items: int, resident_ctas: int, items_per_cta: int) -> int:
-    """CTAs to launch for ``items`` work items (see :func:`items_per_cta_from_env`).
-
-    ``min(items, resident_ctas)`` for ``items_per_cta == 0``, else
-    ``min(items, max(resident_ctas, ceil(items / items_per_cta)))``.
-    """
-    grid = resident_ctas
-    if items_per_cta > 0:
-        grid = max(grid, -(-items // items_per_cta))
-    return min(items, grid)
 
 
 def current_stream_handle(device: torch.device) -> int:

@@ -136,48 +136,6 @@ def test_kda_decode_object_matches_functional_form():
     assert torch.equal(out1, out2)
 
 
-@pytest.mark.parametrize("value,expected", [("", 0), ("0", 0), ("2", 2), ("8", 8)])
-def test_prefetch_distance_from_env(value, expected, monkeypatch):
-    from kda.backend import prefetch_distance_from_env
-    monkeypatch.setenv("KDA_X_PREFETCH", value)
-    assert prefetch_distance_from_env("KDA_X_PREFETCH", 0) == expected
-
-
-@pytest.mark.parametrize("value", ["1", "9", "-1", "2.0", "x", "\u00b2", "4294967298"])
-def test_prefetch_distance_from_env_refuses(value, monkeypatch):
-    """Both streamed kernels' KDA_*_PREFETCH knobs: a clear error naming the variable, never a
-    silently narrowed or huge distance (item-index overflow, long unrolled compiles)."""
-    from kda.backend import prefetch_distance_from_env
-    monkeypatch.setenv("KDA_X_PREFETCH", value)
-    with pytest.raises(ValueError, match=r"KDA_X_PREFETCH: expected one of 0, 2, .* got"):
-        prefetch_distance_from_env("KDA_X_PREFETCH", 0)
-
-
-@pytest.mark.parametrize("value,expected", [("", 7), ("0", 0), ("1", 1), ("4096", 4096)])
-def test_items_per_cta_from_env(value, expected, monkeypatch):
-    from kda.backend import items_per_cta_from_env
-    monkeypatch.setenv("KDA_X_ITEMS_PER_CTA", value)
-    assert items_per_cta_from_env("KDA_X_ITEMS_PER_CTA", 7) == expected
-
-
-@pytest.mark.parametrize("value", ["4097", "-1", "1.5", "x", "\u00b2", "99999"])
-def test_items_per_cta_from_env_refuses(value, monkeypatch):
-    from kda.backend import items_per_cta_from_env
-    monkeypatch.setenv("KDA_X_ITEMS_PER_CTA", value)
-    with pytest.raises(ValueError, match=r"KDA_X_ITEMS_PER_CTA: expected an integer in \[0, 4096\]"):
-        items_per_cta_from_env("KDA_X_ITEMS_PER_CTA", 0)
-
-
-@pytest.mark.parametrize("items,resident,k,expected", [
-    (4096, 264, 0, 264), (100, 264, 0, 100),      # persistent: resident CTAs, at most one per item
-    (4096, 264, 1, 4096), (4096, 264, 4, 1024),   # k items per CTA
-    (4097, 264, 4, 1025), (1000, 264, 8, 264),    # rounded up; never below the resident grid
-    (100, 264, 8, 100)])
-def test_stream_grid(items, resident, k, expected):
-    from kda.backend import stream_grid
-    assert stream_grid(items, resident, k) == expected
-
-
 def test_stream_buffers_on_the_cpu():
     """kda.backend.StreamBuffers off CUDA (one stream, key 0): zeroed buffers start at zero,
     grow at least twofold and keep the outgrown one; a spare is kept for a stream first seen
