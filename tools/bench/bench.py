@@ -35,9 +35,10 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("backends", ["all"], "backends to measure (names, or 'all' = every available one)")
 flags.DEFINE_list("peers", ["auto"], "peers: fla_recurrent, fla_unfused, touch, touch_rows32, "
                   "'auto' (all that run here) or 'none'")
-flags.DEFINE_list("heads", ["32"], "H values (Kimi-Linear TP1..8: 32,16,8,4; K3-style: 12,24,48,96)")
+flags.DEFINE_list("heads", ["12", "32", "96"], "H values (Kimi-Linear TP1..8: 32,16,8,4; "
+                  "K3-style: 12,24,48,96)")
 flags.DEFINE_list("batches", None, "R values (default GPU: 1,8,32,128,512; CPU: 1,8,32,128)")
-flags.DEFINE_list("tokens", ["1", "2", "5"], "T values")
+flags.DEFINE_list("tokens", ["1", "2", "4", "5"], "T values")
 flags.DEFINE_enum("gate", "softplus", ["softplus", "bounded"], "gate kind (bounded: lower_bound -5)")
 flags.DEFINE_enum("layout", "SD", ["SD", "DS"], "conv cache layout")
 flags.DEFINE_float("pool_gib", None, "state pool size in GiB (default 8 on GPU, 0.5 on CPU)")

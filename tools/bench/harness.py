@@ -204,11 +204,7 @@ def backend_step(name: str) -> Callable[[Workload], Callable[[int], None]]:
         op = kda.KdaDecode(wl.cfg, device=wl.device, backend=name)
 
         def step(i):
-            a = wl.args_for(i)
-            op(a.x, a.conv_weight, a.conv_bias, a.conv_state, a.f_a, a.f_b, a.beta, a.A_log,
-               a.dt_bias, a.state, a.state_indices, a.output_gate, a.norm_weight,
-               num_accepted_tokens=a.num_accepted_tokens, v_record=a.v_record,
-               kg_record=a.kg_record, out=a.out)
+            op(**wl.args_for(i)._asdict())
         return step
     return make
 

@@ -19,6 +19,8 @@
 #   kdatools tests/kda + tests/tools
 #   serve    serve runs checked step for step against the reference
 #   bigmem   the GPU-scale cases (2**31 offsets, >65,535 items)
+#   sanitize compute-sanitizer memcheck, racecheck and synccheck on one checked step of the
+#            CuTe DSL kernels (tools/gpu/step_check.py; cutedsl at a split-kernel batch)
 #   full     the full conformance matrix, per backend in $KDA_FULL_SHARDS shards (default 2),
 #            or the jobs listed in $KDA_FULL_JOBS ("backend:i/n ...", e.g. "cuda:2/3")
 #
@@ -37,7 +39,7 @@ export COLUMNS=${COLUMNS:-250} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 KDA_
 # the commit recorded in the results is $KDA_COMMIT, never read from git there.
 export KDA_COMMIT=${KDA_COMMIT:-unknown}
 deadline=$((SECONDS + ${KDA_BUDGET:-560}))
-STAGES=" ${KDA_STAGES:-bench ncu tests kdatools serve bigmem full} "
+STAGES=" ${KDA_STAGES:-bench ncu tests kdatools serve bigmem full sanitize} "
 GPU=${KDA_GPU_BACKENDS:-triton cutedsl cutedsl_wide cuda}
 want() { [[ "$STAGES" == *" $1 "* ]]; }
 has() { [[ " $GPU " == *" $1 "* ]]; }
@@ -133,6 +135,12 @@ if want serve; then
 fi
 if want bigmem; then
   bg bigmem $PYT tests/conformance -m bigmem --kda-backends="${GPU// /,}" --kda-require-backends
+fi
+if want sanitize; then
+  for tool in memcheck racecheck synccheck; do
+    bg "sanitize-$tool" compute-sanitizer --tool "$tool" --print-limit 20 --error-exitcode 9 \
+       python3 -m tools.gpu.step_check cutedsl 4 3 2
+  done
 fi
 if want full; then
   jobs=${KDA_FULL_JOBS:-}

@@ -1,0 +1,34 @@
+"""One decode step of a backend on fresh random inputs, checked against the reference: the
+program the GPU session runs under compute-sanitizer (memcheck, racecheck, synccheck).
+
+    python3 -m tools.gpu.step_check cutedsl 4 3 2     # backend, heads, requests, tokens
+
+Exit status 0 when every buffer matches the reference (kda.testing.compare_step), else 1.
+"""
+
+import sys
+
+import torch
+
+from kda.reference import reference_step
+from kda.testing import CaseSpec, call_public, clone_args, compare_step, make_case, make_config
+
+
+def main(argv) -> int:
+    backend, H, R, T = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+    failures = 0
+    for cfg in (make_config(H, T, "SD", lb=-5.0, bias=True),
+                make_config(H, T, "DS", gm=1, record=T > 1)):
+        args = make_case(CaseSpec(cfg, R=R, seed=H * 100 + R), "cuda")
+        before, expected = clone_args(args), clone_args(args)
+        reference_step(cfg, expected)
+        call_public(args, cfg, backend)
+        torch.cuda.synchronize()
+        errors = compare_step(args, expected, before)
+        print(f"{backend} {cfg.short()} R={R}: " + ("ok" if not errors else "; ".join(errors)))
+        failures += bool(errors)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
