@@ -57,6 +57,13 @@ def _check_contiguous(name: str, t: torch.Tensor) -> None:
                                      f"for shape {list(t.shape)}")
 
 
+def _check_aligned(name: str, t: torch.Tensor) -> None:
+    """Data 16-byte aligned (the kernels copy it with 16-byte or bulk copies)."""
+    if t.numel() and t.data_ptr() % 16:
+        raise KdaArgumentError(name, "expected 16-byte aligned data, got an address "
+                                     f"{t.data_ptr() % 16} bytes past alignment")
+
+
 def _check_rows(name: str, t: torch.Tensor, vector: bool = True) -> None:
     """Last stride 1; for vector rows also a row stride multiple of 8 and 16-byte alignment."""
     if t.shape[-1] > 1 and t.stride(-1) != 1:
@@ -68,9 +75,7 @@ def _check_rows(name: str, t: torch.Tensor, vector: bool = True) -> None:
         if t.shape[0] > 1 and t.stride(0) % 8:
             raise KdaArgumentError(name, f"expected a row stride that is a multiple of 8 elements "
                                          f"(16-byte vector access), got {t.stride(0)}")
-        if t.numel() and t.data_ptr() % 16:
-            raise KdaArgumentError(name, "expected 16-byte aligned data, got an address "
-                                         f"{t.data_ptr() % 16} bytes past alignment")
+        _check_aligned(name, t)
 
 
 def conv_layout_of(conv_state: torch.Tensor) -> Optional[str]:
@@ -253,9 +258,7 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
     if slots > 1 and (st.stride(0) < H * D * D or st.stride(0) % 4):
         raise KdaArgumentError("state", f"expected a slot stride >= {H * D * D} and a multiple of 4 "
                                         f"elements, got {st.stride(0)}")
-    if st.data_ptr() % 16:
-        raise KdaArgumentError("state", "expected 16-byte aligned data, got an address "
-                                        f"{st.data_ptr() % 16} bytes past alignment")
+    _check_aligned("state", st)
     cs = args.conv_state
     check_conv_state_is_3d(cs)
     if cs.shape[0] != slots:
@@ -276,13 +279,12 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
     if slots > 1 and (cs.stride(0) < inner or cs.stride(0) % 8):
         raise KdaArgumentError("conv_state", f"expected a slot stride >= {inner} and a multiple of 8 "
                                              f"elements, got {cs.stride(0)}")
-    if cs.data_ptr() % 16:
-        raise KdaArgumentError("conv_state", "expected 16-byte aligned data, got an address "
-                                             f"{cs.data_ptr() % 16} bytes past alignment")
+    _check_aligned("conv_state", cs)
     _check_tensor("f_a", args.f_a, (torch.bfloat16,), (N, GATE_RANK), dev)
     _check_rows("f_a", args.f_a)
     _check_tensor("f_b", args.f_b, (torch.bfloat16,), (dim, GATE_RANK), dev)
     _check_contiguous("f_b", args.f_b)
+    _check_aligned("f_b", args.f_b)
     _check_tensor("beta", args.beta, (torch.bfloat16,), (N, H), dev)
     _check_rows("beta", args.beta, vector=False)
     _check_tensor("A_log", args.A_log, (torch.float32,), (H,), dev)

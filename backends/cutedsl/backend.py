@@ -1,9 +1,12 @@
-"""The ``cutedsl`` (streamed) and ``cutedsl_wide`` (one CTA per item) backends.
+"""The ``cutedsl`` and ``cutedsl_wide`` backends: the fused KDA decode step as one CuTe DSL
+kernel launch (nvidia-cutlass-dsl 4.8.1).
 
-Both run the fused KDA decode step as one CuTe DSL kernel (nvidia-cutlass-dsl 4.8.1) whose
-per-item math is shared (:mod:`kda.backends.cutedsl.common`), so the two produce bit-identical
-outputs, states, windows and records. See ``docs/kda-stream-design.md`` for the design and
-:mod:`kda.backends.cutedsl.cache` for compilation and caching.
+``cutedsl_wide`` runs one CTA per (request, head) item (:mod:`kda.backends.cutedsl.wide`).
+``cutedsl`` picks by the batch's load (:func:`kda.backends.cutedsl.policy.kernel_for`): at
+small batches each item runs on a cluster of 2 to 8 CTAs (:mod:`kda.backends.cutedsl.split`),
+above that one CTA per item. Both kernels compute every value in the same order, so the two
+backends produce bit-identical outputs, states, windows and records. Design:
+``docs/design.md``; compilation and caching: :mod:`kda.backends.cutedsl.cache`.
 
 Host path: a built step keeps one ctypes buffer holding every kernel argument (17 pointers,
 the strides, R, the runtime scalars scale / norm_eps / lower_bound, the stream) and the
@@ -12,9 +15,8 @@ buffer with one slice assignment and calls the launcher (which issues ``cuLaunch
 on torch's current stream). No device values are read, nothing is allocated, nothing is
 synchronized, so the step can be captured in a CUDA graph.
 
-Both kernels are launched with programmatic dependent launch, dependents triggered after each
-CTA's last write. The measured defaults (the streamed kernel's items per CTA, page-last by
-kernel and T) are :mod:`kda.backends.cutedsl.policy`.
+Both kernels are launched with programmatic dependent launch. The measured choices (the
+kernel by load, the wide kernel's page-last by T) are :mod:`kda.backends.cutedsl.policy`.
 
 Environment:
   KDA_CACHE_DIR       compile cache root (kernels go to ``$KDA_CACHE_DIR/cutedsl``;
@@ -33,7 +35,7 @@ from typing import List, Optional
 import torch
 
 from kda.backend import (Backend, StepFn, current_stream_handle, gpu_reason,
-                         kernel_config_reasons, stream_grid)
+                         kernel_config_reasons)
 from kda.backends.cutedsl import policy
 from kda.backends.cutedsl.static import KernelStatic, SmemPlan
 from kda.config import KdaArgs, KdaConfig
@@ -69,8 +71,10 @@ def import_cutedsl() -> Optional[str]:
 
 
 def kernel_static(kind: str, cfg: KdaConfig) -> KernelStatic:
-    """What kernel ``kind`` ("wide" / "stream") is compiled for to serve ``cfg``."""
-    return KernelStatic.from_config(cfg, page_last=policy.page_last(kind, cfg.T))
+    """What kernel ``kind`` ("wide" / "splitC") is compiled for to serve ``cfg``."""
+    if kind == "wide":
+        return KernelStatic.from_config(cfg, page_last=policy.page_last(cfg.T))
+    return KernelStatic.from_config(cfg)
 
 
 def _f32_bits(x: float) -> int:
@@ -109,7 +113,7 @@ class _Launcher:
     """The step function of one (kind, config, device): fills the argument buffer and launches.
 
     Args (constructor):
-      kind: "stream" or "wide". cfg: the config. device: a CUDA device. compiled: the
+      kind: "wide" or "splitC". cfg: the config. device: a CUDA device. compiled: the
       CuTe DSL ``JitCompiledFunction`` from :func:`kda.backends.cutedsl.cache.get_kernel`. ks: its
       :class:`kda.backends.cutedsl.static.KernelStatic`.
     """
@@ -136,10 +140,9 @@ class _Launcher:
         self.buf[idx["eps"]] = _f32_bits(cfg.norm_eps)
         self.buf[idx["lb"]] = _f32_bits(lb)
         self.ks = ks
-        self.carveout_set = _set_carveout(compiled, SmemPlan(ks.T).total, self.device_index)
-        self.n_sm = torch.cuda.get_device_properties(self.device_index).multi_processor_count
-        self.max_ctas = 2 * self.n_sm
-        self.items_per_cta = policy.items_per_cta(self.T) if kind == "stream" else 0
+        # the wide kernel's shared memory leaves room for 2 CTAs per SM with the carveout hint
+        self.carveout_set = kind == "wide" and _set_carveout(compiled, SmemPlan(ks.T).total,
+                                                             self.device_index)
         # fast path: the launcher's packed argument array is built once (its entries are the
         # fixed addresses of self.buf's slots); fall back to the executor's own packing.
         self._capi = None
@@ -172,22 +175,19 @@ class _Launcher:
             a.output_gate.stride(0), a.out.stride(0), a.state.stride(0), a.conv_state.stride(0),
         ]
         self.buf[0:len(vals)] = vals
-        if self.kind == "stream":
-            self.buf[self.i_stream - 1] = stream_grid(R * self.H, self.max_ctas, self.items_per_cta)
         self.buf[self.i_stream] = current_stream_handle(self.device)
         self._launch()
 
 
 class _CuteDslBackend(Backend):
-    """Shared availability / support checks of the two CuTe DSL kernels."""
+    """Shared availability / support checks of the two CuTe DSL backends."""
 
-    kind = ""
     device_types = ("cuda",)
 
     def probe(self) -> Optional[str]:
         """None with a CUDA sm_90+ device and CuTe DSL importable, else the reason."""
         return (gpu_reason(lambda cc: cc >= (9, 0),
-                           "an sm_90+ GPU (griddepcontrol, mma.sync bf16, cp.async)")
+                           "an sm_90+ GPU (griddepcontrol, clusters, mma.sync bf16, cp.async)")
                 or import_cutedsl())
 
     def unsupported(self, cfg: KdaConfig, device: torch.device) -> List[str]:
@@ -200,35 +200,51 @@ class _CuteDslBackend(Backend):
         reasons += kernel_config_reasons(cfg, MAX_T)
         return reasons
 
-    def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:
-        """Compile (or load) the kernel for ``cfg`` and return its step function (a _Launcher)."""
+    @staticmethod
+    def launcher(kind: str, cfg: KdaConfig, device: torch.device) -> "_Launcher":
+        """Compile (or load) kernel ``kind`` for ``cfg`` and return its launcher."""
         why = import_cutedsl()
         if why is not None:
             raise RuntimeError(why)
         from kda.backends.cutedsl import cache
 
-        ks = kernel_static(self.kind, cfg)
-        compiled = cache.get_kernel(self.kind, ks)
-        return _Launcher(self.kind, cfg, device, compiled, ks)
+        ks = kernel_static(kind, cfg)
+        return _Launcher(kind, cfg, device, cache.get_kernel(kind, ks), ks)
 
 
-class KdaStreamBackend(_CuteDslBackend):
-    """``cutedsl``: the streamed kernel (:mod:`kda.backends.cutedsl.stream`); each CTA walks a
-    contiguous item range (a few items, :data:`kda.backends.cutedsl.policy.ITEMS_PER_CTA`)."""
+class KdaBackend(_CuteDslBackend):
+    """``cutedsl``: the kernel by load (:func:`kda.backends.cutedsl.policy.kernel_for`): each
+    item on a cluster of CTAs at small batches, on one CTA above.
+
+    The step reads only the host-side batch size to choose, so a CUDA graph captured at one
+    batch size replays the kernel chosen for it; every kernel the policy names is compiled
+    when the step is built.
+    """
 
     name = "cutedsl"
-    kind = "stream"
-    description = ("CuTe DSL streamed kernel: CTAs walking item ranges (4 / 2 / 1 items at T = "
-                   "1 / 2 / >= 3), next item's state page and rows prefetched with "
-                   "cp.async during the recurrence, mma.sync gate, PDL")
+    description = ("CuTe DSL: each (request, head) on a cluster of 2-8 CTAs (value rows split, "
+                   "decays and outputs exchanged through distributed shared memory) at small "
+                   "batches, one CTA per item above; bulk-copied state rows, mma.sync gate, PDL")
+
+    def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:
+        launchers = {kind: self.launcher(kind, cfg, device) for kind in policy.kernels()}
+        H = cfg.num_heads
+
+        def step(a: KdaArgs) -> None:
+            launchers[policy.kernel_for(a.state_indices.shape[0] * H)](a)
+
+        step.launchers = launchers    # for tests
+        return step
 
 
 class KdaWideBackend(_CuteDslBackend):
     """``cutedsl_wide``: one CTA per item (:mod:`kda.backends.cutedsl.wide`)."""
 
     name = "cutedsl_wide"
-    kind = "wide"
     description = "CuTe DSL wide kernel: one 256-thread CTA per (request, head), mma.sync gate"
+
+    def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:
+        return self.launcher("wide", cfg, device)
 
 
 def compile_seconds(kind: Optional[str] = None) -> float:

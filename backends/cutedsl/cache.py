@@ -29,7 +29,7 @@ from kda.config import KdaArgs
 
 log = logging.getLogger("kda")
 
-_SOURCES = ("ptx.py", "common.py", "static.py", "wide.py", "stream.py", "cache.py")
+_SOURCES = ("ptx.py", "common.py", "static.py", "wide.py", "split.py", "cache.py")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 #: Pointer arguments, in kernel order, which is :class:`kda.config.KdaArgs`' field order (the
@@ -48,14 +48,12 @@ SCALAR_ARGS = (
     ("og_rs", "i32"), ("out_rs", "i32"), ("state_ss", "i64"), ("cs_ss", "i64"),
     ("scale", "f32"), ("eps", "f32"), ("lb", "f32"),
 )
-#: The streamed kernel takes its CTA count after the common scalars.
-STREAM_EXTRA = (("ncta", "i32"),)
 
 
 def arg_names(kind: str) -> List[str]:
-    """Runtime argument names of ``kind`` ("wide" / "stream") in order, the stream last."""
-    extra = [n for n, _ in STREAM_EXTRA] if kind == "stream" else []
-    return [n for n, _, _ in POINTER_ARGS] + [n for n, _ in SCALAR_ARGS] + extra + ["stream"]
+    """Runtime argument names of a kernel (every kind takes the same) in order, the CUDA
+    stream last."""
+    return [n for n, _, _ in POINTER_ARGS] + [n for n, _ in SCALAR_ARGS] + ["stream"]
 
 
 @dataclasses.dataclass
@@ -122,7 +120,7 @@ def compile_args(kind: str, ks: KernelStatic) -> list:
     for _, key, align in POINTER_ARGS:
         dt = _dtype(key, ks)
         args.append(make_ptr(dt, 0, cute.AddressSpace.gmem, assumed_align=min(align, 16)))
-    scalars = SCALAR_ARGS + (STREAM_EXTRA if kind == "stream" else ())
+    scalars = SCALAR_ARGS
     for _, k in scalars:
         args.append({"i32": Int32(1), "i64": Int64(1), "f32": Float32(1.0)}[k])
     args.append(cuda.CUstream(0))
@@ -130,14 +128,19 @@ def compile_args(kind: str, ks: KernelStatic) -> list:
 
 
 def kernel_object(kind: str, ks: KernelStatic):
-    """The KdaWide / KdaStream instance for ``kind``."""
+    """The kernel object of ``kind``: "wide" (:class:`KdaWide`) or "splitC" (:class:`KdaSplit`
+    on clusters of C CTAs).
+
+    Raises:
+      ValueError: an unknown kind.
+    """
     if kind == "wide":
         from kda.backends.cutedsl.wide import KdaWide
         return KdaWide(ks)
-    if kind == "stream":
-        from kda.backends.cutedsl.stream import KdaStream
-        return KdaStream(ks)
-    raise ValueError(f"kind: expected 'wide' or 'stream', got {kind!r}")
+    if kind.startswith("split") and kind[5:].isdigit():
+        from kda.backends.cutedsl.split import KdaSplit
+        return KdaSplit(ks, int(kind[5:]))
+    raise ValueError(f"kind: expected 'wide' or 'splitC' (C in 1, 2, 4, 8), got {kind!r}")
 
 
 def compile_kernel(kind: str, ks: KernelStatic, options: Optional[str] = None):

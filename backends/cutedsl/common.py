@@ -1,8 +1,7 @@
-"""The per-item math shared by the wide and the streamed CuTe DSL kernels.
+"""The per-item math of the one-CTA-per-item CuTe DSL kernel (:mod:`kda.backends.cutedsl.wide`).
 
 One *item* is one (request r, head h), ``item = r * H + h``. A CTA of 256 threads processes
-an item in the phases of ``docs/kda-stream-design.md`` (see also the contract,
-``docs/contract.md``):
+an item in these phases (the contract: ``docs/contract.md``):
 
 * staging (:meth:`ItemMath.issue_state`, :meth:`ItemMath.issue_operands`,
   :meth:`ItemMath.load_window`, :meth:`ItemMath.load_beta`): the 64 KiB state page is copied
@@ -23,19 +22,17 @@ an item in the phases of ``docs/kda-stream-design.md`` (see also the contract,
   :meth:`ItemMath.load_state_regs` moves the state page into registers: thread ``tid`` owns
   value rows ``tid//8 + 32m`` (m = 0..3) and key columns ``4*(tid%8 + 8c) .. +3`` (c = 0..3).
   A row's 8 lanes are consecutive, so one warp instruction of the page's loads / stores covers
-  4 rows x 128 contiguous bytes (whole L2 lines). The first version had 4 lanes per row
-  (8 rows x 64 B, half lines, twice the L2 requests per instruction); the CUDA backend's
-  development measured the whole-line layout as its largest single gain.
+  4 rows x 128 contiguous bytes (whole L2 lines).
 * :meth:`ItemMath.phase_b`: the delta-rule recurrence per token (decay, S.k, u, rank-1
   update, S.q) with row sums reduced in a fixed order (two partial accumulators per row, even
   and odd components, chunks in order; then the eight lanes of the row by butterfly
   shuffles xor 1, 2, 4), o rounded to bf16, the state stores
   (per token for T > 1) or the record rows, and the gated RMSNorm epilogue.
 
-Both kernels call exactly these methods, so their outputs, states, windows and records are
-bit-identical; only the schedule of the staging differs. All arithmetic that feeds a
-rounding point is written with explicit ``mul.rn`` / ``add.rn`` / ``fma.rn`` so no
-compiler-chosen contraction can make the two kernels differ.
+The split kernel (:mod:`kda.backends.cutedsl.split`) computes every value in the same order
+(the same conv per channel, warp-then-quarter norm sums, per-row reductions, MMA chains), so
+the two are bit-identical. All arithmetic that feeds a rounding point is written with explicit
+``mul.rn`` / ``add.rn`` / ``fma.rn`` so no compiler-chosen contraction can make them differ.
 
 Numerics (contract section 3): FP32 everywhere, bf16 rounding of y (conv output), rg (gate
 projection), o and out; transcendental functions use the approximate hardware instructions
@@ -78,7 +75,7 @@ class ItemMath:
     # ------------------------------------------------------------------ item descriptors
     # The slot ids of a request are T+1 raw values: state_indices[r, 0..T-1] and (T > 1) the
     # accepted count. Phase B reads the per-token write slots from the shared array
-    # SL[q] (q = iteration parity of the streamed kernel; 0 in the wide kernel).
+    # SL[0].
     def slot_values(self, p, item, valid):
         """All raw slot values of ``item``'s request, loaded by every thread (uniform loads).
 
@@ -97,26 +94,6 @@ class ItemMath:
         for t in range(self.T):
             P.sst_b32(base + 4 * t, vals[t], first)
         P.sst_b32(base + 4 * self.T, na, first)
-
-    def load_slot_lane(self, p, item, valid):
-        """Thread t <= T loads raw slot value t of ``item``'s request (t = T: accepted count)."""
-        T, tid = self.T, p.tid
-        r, _ = self.item_rh(p, item)
-        v = P.gld_nc_b32_or0(p.si + (r * T + tid), valid & Int32(tid < T))
-        if T > 1:
-            v = v | P.gld_nc_b32_or0(p.na + r, valid & Int32(tid == T))
-        return v
-
-    def store_slot_lane(self, p, v, q):
-        """Counterpart of :meth:`load_slot_lane`: SL[q][tid] = v for tid <= T."""
-        P.sst_b32(p.sb + self.plan.SL + q * 64 + p.tid * 4, v, Int32(p.tid <= self.T))
-
-    def staged_slot_values(self, p, q):
-        """The raw slot values from SL[q] (broadcast shared loads)."""
-        base = p.sb + self.plan.SL + q * 64
-        vals = [P.sld_b32(base + 4 * t) for t in range(self.T)]
-        na = P.sld_b32(base + 4 * self.T) if self.T > 1 else Int32(0)
-        return vals, na
 
     def item_rh(self, p, item):
         """(request r, head h) of ``item``: item = r*H + h."""

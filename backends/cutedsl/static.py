@@ -31,14 +31,16 @@ class KernelStatic:
       cs_bf16 / cw_bf16 / nw_bf16: conv_state / conv_weight / norm_weight are bf16 (else fp32).
       page_last: the (first) item's state page is committed as its own cp.async group after
         the operand group, so that the item's phase A (conv, norms) runs while the page
-        lands, as the streamed kernel's later items always do; False = page and operands
-        one group, waited for together before phase A. The backend passes its choice,
-        ``kda.backends.cutedsl.policy.page_last`` (False for the streamed kernel at T <= 2);
-        the default here is only the wide kernel's.
+        lands; False = page and operands one group, waited for together before phase A. The
+        backend passes its choice, ``kda.backends.cutedsl.policy.page_last``; the split
+        kernel ignores it.
 
-    Both kernels are launched with programmatic dependent launch: ``griddepcontrol.wait``
-    before any global read (slot ids, windows, pages and operands may be the predecessor's),
-    ``griddepcontrol.launch_dependents`` after each CTA's last write.
+    Both kernels are launched with programmatic dependent launch and read nothing a
+    predecessor may write (slot ids, windows, pages, activations) before
+    ``griddepcontrol.wait``. The wide kernel triggers its dependents after each CTA's last
+    write; the split kernel reads the model weights before its wait and triggers right after
+    it (a dependent reads this kernel's outputs only after its own wait, which waits for
+    this grid's completion and memory).
     """
 
     H: int
@@ -83,7 +85,7 @@ class KernelStatic:
 class SmemPlan:
     """Byte offsets of the shared-memory regions of one CTA for T tokens (all 16-B aligned).
 
-    Staging (refilled for the next item by the streamed kernel):
+    Staging:
       ST  state page [16 chunk][256 thread][4] fp32 (64 KiB)
       SX  x rows [T][3 (q,k,v)][128] bf16
       SOG output-gate rows [T][128] bf16

@@ -14,8 +14,9 @@ Grid = R*H CTAs, CTA ``b`` processes item ``b`` (request ``b // H``, head ``b % 
      last write, so a dependent launch of the same step on the same buffers reads the
      results).
 
-The per-item math is :mod:`kda.backends.cutedsl.common`, shared instruction for instruction with
-the streamed kernel (:mod:`kda.backends.cutedsl.stream`), so both produce bit-identical results.
+The per-item math is :mod:`kda.backends.cutedsl.common`; the split kernel
+(:mod:`kda.backends.cutedsl.split`) computes every value in the same order, so both produce
+bit-identical results.
 """
 
 from __future__ import annotations

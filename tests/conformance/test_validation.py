@@ -21,14 +21,16 @@ CFG2 = KdaConfig(num_heads=2, T=2, window=4)
 
 
 def _kwargs(args, **over):
-    kw = dict(x=args.x, conv_weight=args.conv_weight, conv_bias=args.conv_bias,
-              conv_state=args.conv_state, f_a=args.f_a, f_b=args.f_b, beta=args.beta,
-              A_log=args.A_log, dt_bias=args.dt_bias, state=args.state,
-              state_indices=args.state_indices, output_gate=args.output_gate,
-              norm_weight=args.norm_weight, num_accepted_tokens=args.num_accepted_tokens,
-              v_record=args.v_record, kg_record=args.kg_record, out=args.out)
+    kw = args._asdict()
     kw.update(over)
     return kw
+
+
+def _misaligned(t):
+    """A contiguous copy of ``t`` whose data starts 4 bytes past a 16-byte boundary."""
+    flat = torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)
+    shift = (4 - flat.data_ptr() % 16) % 16 // t.element_size()
+    return flat[shift:shift + t.numel()].view(t.shape).copy_(t)
 
 
 def _transposed_x(a):
@@ -58,6 +60,7 @@ BAD = [
     ("conv_state-dtype", CFG1, lambda a: {"conv_state": a.conv_state.half()}, "conv_state", "dtype"),
     ("f_a-shape", CFG1, lambda a: {"f_a": a.f_a[:, :64]}, "f_a", "shape"),
     ("f_b-dtype", CFG1, lambda a: {"f_b": a.f_b.float()}, "f_b", "dtype"),
+    ("f_b-misaligned", CFG1, lambda a: {"f_b": _misaligned(a.f_b)}, "f_b", "16-byte aligned"),
     ("beta-shape", CFG1, lambda a: {"beta": a.beta[:, :1]}, "beta", "shape"),
     ("A_log-dtype", CFG1, lambda a: {"A_log": a.A_log.double()}, "A_log", "dtype"),
     ("A_log-heads", CFG1, lambda a: {"A_log": torch.cat([a.A_log, a.A_log])}, "x", "heads"),

@@ -1,13 +1,13 @@
-"""A lockstep SIMT emulator of the CuTe DSL KDA kernels, for checking them on a CPU.
+"""A lockstep SIMT emulator of the one-CTA-per-item CuTe DSL KDA kernel, for checking it on a CPU.
 
-The kernels (``backends/cutedsl/{common,wide,stream}.py``) are Python programs that CuTe DSL
-traces; every device operation they perform goes through the small instruction vocabulary of
+The wide kernel (``backends/cutedsl/{common,wide}.py``) is a Python program that CuTe DSL
+traces; every device operation it performs goes through the small instruction vocabulary of
 ``backends/cutedsl/ptx.py``. This module loads the *same* kernel sources with stand-ins for
 CuTe DSL and for that vocabulary, and executes one CTA at a time with all 256 threads in
-lockstep: every value is a numpy array with one lane per thread. So the kernels' index math,
-liveness, staging layout, schedule (including the streamed kernel's staging of item n+1 while
-item n computes), tensor-core fragment layout, shuffles, barriers and predication run on the
-CPU against the PyTorch reference, with checks a GPU would not give:
+lockstep: every value is a numpy array with one lane per thread. So the kernel's index math,
+liveness, staging layout, schedule (the state page landing while phase A runs), tensor-core
+fragment layout, shuffles, barriers and predication run on the CPU against the PyTorch
+reference, with checks a GPU would not give:
 
 * every global / shared access is bounds- and alignment-checked (global: against the torch
   storage it falls in; shared: against the CTA's plan);
@@ -24,13 +24,13 @@ What it cannot check: other concurrency (lockstep execution satisfies every barr
 on the per-item compute buffers, which the race check does not cover), the compiler, and
 approximate transcendentals (numpy computes them exactly). ``mma.sync`` is
 emulated as an exact float64 dot product plus C, rounded once.
+The split kernel (CuTe tensors and atoms, clusters) is beyond it: it is checked on the GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
-import math
 import os
 import sys
 import types
@@ -811,11 +811,6 @@ def _make_fake_modules():
     cutlass.Int32, cutlass.Int64, cutlass.Float32 = Int32, Int64, Float32
     cutlass.range_constexpr = range
     cutlass.const_expr = lambda x: x
-
-    def _range(start, stop, step=1, unroll=0, **kw):
-        return range(_uni(start), _uni(stop), step)
-
-    cutlass.range = _range
     cutlass.cute = cute
     cute.kernel = lambda f: f
     cute.jit = lambda f: f
@@ -839,19 +834,13 @@ def _make_fake_modules():
             "cuda.bindings": bindings, "cuda.bindings.driver": driver}
 
 
-def _uni(x):
-    if isinstance(x, V):
-        return int(x.uniform())
-    return int(x)
-
-
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SRC = os.path.normpath(os.path.join(_HERE, "..", "..", "..", "backends", "cutedsl"))
 _loaded = None
 
 
 def load_kernels():
-    """The kernel modules (common, wide, stream) loaded against the emulator."""
+    """The wide kernel's modules (common, wide) loaded against the emulator."""
     global _loaded
     if _loaded is not None:
         return _loaded
@@ -859,15 +848,15 @@ def load_kernels():
 
     fakes = _make_fake_modules()
     names = list(fakes) + ["kda.backends.cutedsl.ptx", "kda.backends.cutedsl.common",
-                           "kda.backends.cutedsl.wide", "kda.backends.cutedsl.stream"]
+                           "kda.backends.cutedsl.wide"]
     saved_mods = {n: sys.modules.get(n) for n in names}
-    saved_attrs = {n: getattr(pkg, n, None) for n in ("ptx", "common", "wide", "stream")}
+    saved_attrs = {n: getattr(pkg, n, None) for n in ("ptx", "common", "wide")}
     mods = {}
     try:
         sys.modules.update(fakes)
         sys.modules["kda.backends.cutedsl.ptx"] = P
         pkg.ptx = P
-        for name in ("common", "wide", "stream"):
+        for name in ("common", "wide"):
             spec = importlib.util.spec_from_file_location(f"kda.backends.cutedsl.{name}",
                                                           os.path.join(_SRC, f"{name}.py"))
             mod = importlib.util.module_from_spec(spec)
@@ -911,12 +900,11 @@ def load_kernels():
 _ESIZE = {torch.bfloat16: 2, torch.float32: 4, torch.int32: 4}
 
 
-def run(kind: str, cfg, args, ncta: int = None, page_last: bool = None) -> dict:
-    """Run kernel ``kind`` ("wide" / "stream") on the CPU tensors ``args`` in place.
+def run(cfg, args, page_last: bool = None) -> dict:
+    """Run the wide kernel on the CPU tensors ``args`` in place (one CTA per item, in order).
 
     Args:
-      ncta: CTAs of the streamed kernel (default min(items, 5), so CTAs walk several items).
-      page_last: the (first) item's page committed as its own cp.async group (default: the
+      page_last: the item's page committed as its own cp.async group (default: the
         backend's choice, ``kda.backends.cutedsl.policy.page_last``).
 
     Returns:
@@ -928,12 +916,12 @@ def run(kind: str, cfg, args, ncta: int = None, page_last: bool = None) -> dict:
 
     mods = load_kernels()
     if page_last is None:
-        page_last = policy_page_last(kind, cfg.T)
+        page_last = policy_page_last(cfg.T)
     ks = KernelStatic.from_config(cfg, page_last=page_last)
-    obj = mods[kind].KdaWide(ks) if kind == "wide" else mods[kind].KdaStream(ks)
+    obj = mods["wide"].KdaWide(ks)
     gmem = GlobalMemory()
     ptrs = []
-    # the kernels take the tensors in the record's field order (cache.POINTER_ARGS)
+    # the kernel takes the tensors in the record's field order (cache.POINTER_ARGS)
     for (name, _, _), t in zip(POINTER_ARGS, args):
         if t is None:
             ptrs.append(Ptr(gmem.register(args.x, "x"), 2))
@@ -947,12 +935,7 @@ def run(kind: str, cfg, args, ncta: int = None, page_last: bool = None) -> dict:
                Int32(args.output_gate.stride(0)), Int32(args.out.stride(0)),
                Int64(args.state.stride(0)), Int64(args.conv_state.stride(0)),
                Float32(cfg.scale), Float32(cfg.norm_eps), Float32(lb)]
-    items = R * H
-    if kind == "stream":
-        grid = min(items, ncta or 5)
-        scalars.append(Int32(grid))
-    else:
-        grid = items
+    grid = R * H
     plan = SmemPlan(cfg.T)
     total_bar = 0
     for b in range(grid):

@@ -4,51 +4,61 @@ Skipped without CUDA. On the GPU machine run (from the repository root):
 
     python3 -m pytest -q tests/backends/cutedsl/test_cutedsl_gpu.py --kda-require-backends
 
-Correctness against the reference, CUDA graphs, the public entry points and 64-bit slot
-offsets are the conformance suite's (``tests/conformance``). Here (``cutedsl`` = stream,
-``cutedsl_wide`` = wide):
-  * wide and stream produce bit-identical out / state / conv_state / records, on
-    configurations covering T in {1, 2, 5, 8}, both conv layouts, both gates, gate_mode 0/1,
-    conv bias, record mode, fp32 conv state, bf16 weights, padded strides, null slots,
-    aliasing, and batches large enough that each CTA walks several items;
-  * the streamed kernel's grid size only moves items between CTAs: the persistent grid and
-    smaller-range grids give the same bits;
-  * three chained steps on the same buffers (programmatic dependent launch back to back, the
-    dependents' trigger after each CTA's last write) match three reference steps;
+Correctness of the two backends against the reference, CUDA graphs, the public entry points
+and 64-bit slot offsets are the conformance suite's (``tests/conformance``). Here:
+  * the split kernel on every cluster size C in 1, 2, 4, 8 gives the wide kernel's bits
+    (out / state / conv_state / records) and matches the reference, on configurations
+    covering T in {1, 2, 5, 8}, both conv layouts, both gates, gate_mode 0/1, conv bias,
+    record mode, fp32 conv state, bf16 weights, padded strides, null slots and aliasing;
+  * ``cutedsl`` runs the kernel :func:`kda.backends.cutedsl.policy.kernel_for` names, on both
+    sides of every threshold of the policy;
+  * three chained steps on the same buffers (programmatic dependent launch back to back)
+    match three reference steps, for ``cutedsl`` at a batch of each of its kernels and for
+    ``cutedsl_wide``;
   * every compile / load is recorded.
 """
 
 import pytest
 import torch
 
-from kda.config import KdaConfig
+from kda.backends.cutedsl import policy
 from kda.reference import reference_step
-from kda.testing import CaseSpec, bits_equal, clone_args, compare_step, make_case
+from kda.testing import (WRITTEN, CaseSpec, bits_equal, clone_args, compare_step, make_case,
+                         make_config)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-bf16, f32 = torch.bfloat16, torch.float32
-KINDS = ("cutedsl", "cutedsl_wide")
+CLUSTERS = (1, 2, 4, 8)
 
 SPECS = [
-    CaseSpec(KdaConfig(num_heads=4, T=1, window=3), R=5, seed=1),
-    CaseSpec(KdaConfig(num_heads=4, T=2, window=4, conv_layout="DS", lower_bound=-5.0,
-                       gate_mode=1, has_conv_bias=True), R=6, seed=2),
-    CaseSpec(KdaConfig(num_heads=8, T=5, window=7, gate_mode=1, record=True), R=4, seed=3),
-    CaseSpec(KdaConfig(num_heads=1, T=8, window=12, conv_layout="DS", conv_state_dtype=f32,
-                       conv_weight_dtype=bf16, norm_weight_dtype=bf16), R=7, seed=4),
-    CaseSpec(KdaConfig(num_heads=12, T=5, window=7, lower_bound=-5.0), R=3, padded=True, seed=5),
-    CaseSpec(KdaConfig(num_heads=16, T=8, window=10, record=True, conv_state_dtype=f32,
-                       has_conv_bias=True, lower_bound=-2.0), R=3, padded=True, seed=6),
-    CaseSpec(KdaConfig(num_heads=32, T=1, window=3), R=40, seed=7),
-    CaseSpec(KdaConfig(num_heads=96, T=2, window=5, conv_layout="DS", gate_mode=1), R=9, seed=8),
-    CaseSpec(KdaConfig(num_heads=32, T=5, window=7, has_conv_bias=True), R=24, padded=True,
-             seed=9),
-    CaseSpec(KdaConfig(num_heads=8, T=1, window=6, conv_layout="DS", record=True,
-                       lower_bound=-1.0, gate_mode=1), R=12, null_frac=0.5, seed=10),
+    CaseSpec(make_config(4, 1), R=5, seed=1),
+    CaseSpec(make_config(4, 2, "DS", lb=-5.0, gm=1, bias=True), R=6, seed=2),
+    CaseSpec(make_config(8, 5, gm=1, record=True), R=4, seed=3),
+    CaseSpec(make_config(1, 8, "DS", cs32=True, bf16_weights=True, extra_window=2), R=7, seed=4),
+    CaseSpec(make_config(12, 5, lb=-5.0, bf16_weights=True), R=3, padded=True, seed=5),
+    CaseSpec(make_config(16, 8, record=True, cs32=True, bias=True, lb=-2.0), R=3, padded=True,
+             seed=6),
+    CaseSpec(make_config(8, 1, "DS", record=True, lb=-1.0, gm=1, bias=True, extra_window=3),
+             R=12, null_frac=0.5, seed=7),
+    CaseSpec(make_config(96, 2, "DS", gm=1, cs32=True, extra_window=1), R=9, seed=8),
 ]
 
+_launchers = {}
 _steps = {}
+
+
+@pytest.fixture(scope="module")
+def device():
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _launcher(kind, cfg, device, require_backend):
+    """The launcher of kernel ``kind`` ("wide" / "splitC") for ``cfg``, built once."""
+    backend = require_backend("cutedsl", cfg, device)
+    key = (kind, cfg, str(device))
+    if key not in _launchers:
+        _launchers[key] = backend.launcher(kind, cfg, device)
+    return _launchers[key]
 
 
 def _step(name, cfg, device, require_backend):
@@ -59,64 +69,103 @@ def _step(name, cfg, device, require_backend):
     return _steps[key]
 
 
-@pytest.fixture(scope="module")
-def device():
-    return torch.device("cuda", torch.cuda.current_device())
+def _differs(a, b):
+    return [buf for buf in WRITTEN if not bits_equal(getattr(a, buf), getattr(b, buf))]
 
 
+@pytest.mark.parametrize("C", CLUSTERS, ids=[f"split{c}" for c in CLUSTERS])
 @pytest.mark.parametrize("spec", SPECS, ids=[s.id for s in SPECS])
-def test_wide_and_stream_bit_identical(spec, device, require_backend):
+def test_split_bit_identical_to_wide(spec, C, device, require_backend):
+    """splitC == wide bit for bit, and both within the reference's tolerance."""
     cfg = spec.cfg
-    stream = _step("cutedsl", cfg, device, require_backend)
-    wide = _step("cutedsl_wide", cfg, device, require_backend)
-    a1 = make_case(spec, device)
-    a2 = clone_args(a1)
-    stream(a1)
-    wide(a2)
+    wide = _launcher("wide", cfg, device, require_backend)
+    split = _launcher(f"split{C}", cfg, device, require_backend)
+    a_split = make_case(spec, device)
+    a_wide = clone_args(a_split)
+    before = clone_args(a_split)
+    expected = clone_args(a_split)
+    reference_step(cfg, expected)
+    split(a_split)
+    wide(a_wide)
     torch.cuda.synchronize()
-    for buf in ("out", "state", "conv_state", "v_record", "kg_record"):
-        assert bits_equal(getattr(a1, buf), getattr(a2, buf)), f"{buf} differs between kernels"
+    errors = [f"split{C}: {e}" for e in compare_step(a_split, expected, before)]
+    errors += [f"wide: {e}" for e in compare_step(a_wide, expected, before)]
+    assert not errors, "\n".join(errors)
+    assert not _differs(a_split, a_wide), f"split{C} and wide differ in {_differs(a_split, a_wide)}"
 
 
-#: Shapes for the grid-size test: (spec, items per CTA) pairs whose grid differs from the
-#: persistent one on an H100 / H200 (132 SMs, 264 resident CTAs; asserted in the test).
-GRID_CASES = [
-    (SPECS[6], 3), (SPECS[6], 4),           # T=1, 1280 items: 427 / 320 CTAs
-    (SPECS[8], 1), (SPECS[8], 2),           # T=5, 768 items: 768 / 384 CTAs
-    (CaseSpec(KdaConfig(num_heads=32, T=2, window=4, conv_layout="DS", record=True), R=24,
-              null_frac=0.3, seed=11), 1),  # records, null slots: 768 CTAs
-]
+def _threshold_batches(H):
+    """(R, kind) on both sides of every threshold of KERNEL_BY_ITEMS for H heads."""
+    out = []
+    for most, _ in policy.KERNEL_BY_ITEMS[:-1]:
+        for R in (most // H, most // H + 1):
+            if R >= 1 and (R, policy.kernel_for(R * H)) not in out:
+                out.append((R, policy.kernel_for(R * H)))
+    return out
 
 
-@pytest.mark.parametrize("spec,items_per_cta", GRID_CASES,
-                         ids=[f"{s.id}-k{k}" for s, k in GRID_CASES])
-def test_stream_grid_size_changes_nothing(spec, items_per_cta, device, require_backend):
-    """The streamed kernel's grid size only moves items between CTAs: results with at most k
-    items per CTA (the launcher's ``items_per_cta``) are bit-identical to the persistent
-    grid's (0: each of the 2 * SMs CTAs walks ~items / CTAs items)."""
-    from kda.backend import stream_grid
-    cfg = spec.cfg
-    items = spec.R * cfg.num_heads
-    resident = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    assert stream_grid(items, resident, items_per_cta) != stream_grid(items, resident, 0)
-    steps = []
-    for value in (0, items_per_cta):
-        steps.append(require_backend("cutedsl", cfg, device).build(cfg, device))
-        steps[-1].items_per_cta = value
-    a1 = make_case(spec, device)
-    a2 = clone_args(a1)
-    steps[0](a1)
-    steps[1](a2)
+DISPATCH_H = 16
+DISPATCH = _threshold_batches(DISPATCH_H)
+
+
+@pytest.mark.parametrize("R,kind", DISPATCH, ids=[f"R{r}-{k}" for r, k in DISPATCH])
+def test_cutedsl_runs_the_policy_kernel(R, kind, device, require_backend, monkeypatch):
+    """At R * H items ``cutedsl`` launches the kernel policy.kernel_for names, once, and its
+    results are the wide kernel's bits and the reference's values."""
+    H = DISPATCH_H
+    items = {r * H for r, _ in DISPATCH}
+    for most, _ in policy.KERNEL_BY_ITEMS[:-1]:
+        assert {i for i in items if i <= most} and {i for i in items if i > most}, most
+    cfg = make_config(H, 2, bias=True)
+    step = _step("cutedsl", cfg, device, require_backend)
+    assert set(step.launchers) == set(policy.kernels())
+    calls = []
+    for k, fn in list(step.launchers.items()):
+        def counted(a, k=k, fn=fn):
+            calls.append(k)
+            fn(a)
+        monkeypatch.setitem(step.launchers, k, counted)
+    spec = CaseSpec(cfg, R=R, seed=40 + R)
+    args = make_case(spec, device)
+    wide_args = clone_args(args)
+    before = clone_args(args)
+    expected = clone_args(args)
+    reference_step(cfg, expected)
+    step(args)
+    assert calls == [kind], f"R={R} ({R * H} items): ran {calls}, policy names {kind}"
+    _launcher("wide", cfg, device, require_backend)(wide_args)
     torch.cuda.synchronize()
-    for buf in ("out", "state", "conv_state", "v_record", "kg_record"):
-        assert bits_equal(getattr(a1, buf), getattr(a2, buf)), f"{buf} differs"
+    errors = compare_step(args, expected, before)
+    assert not errors, "\n".join(errors)
+    assert not _differs(args, wide_args), f"{kind} and wide differ in {_differs(args, wide_args)}"
 
 
-@pytest.mark.parametrize("name", KINDS)
+CHAIN_H = 32
+
+
+def _chain_cases():
+    """(backend, R): ``cutedsl`` at the largest batch of each of its kernels (wide: above the
+    last threshold), ``cutedsl_wide`` at the wide batch."""
+    cases = []
+    prev = 0
+    for most, kind in policy.KERNEL_BY_ITEMS:
+        R = max(1, most // CHAIN_H) if most is not None else prev // CHAIN_H + 4
+        cases.append(("cutedsl", R, kind))
+        prev = most if most is not None else prev
+    cases.append(("cutedsl_wide", cases[-1][1], "wide"))
+    return cases
+
+
+CHAIN = _chain_cases()
+
+
 @pytest.mark.parametrize("T", [1, 5])
-def test_chained_steps(name, T, device, require_backend):
+@pytest.mark.parametrize("name,R,kind", CHAIN, ids=[f"{n}-R{r}-{k}" for n, r, k in CHAIN])
+def test_chained_steps(name, R, kind, T, device, require_backend):
     """Three steps launched back to back on the same buffers (PDL chain) == reference x3."""
-    spec = CaseSpec(KdaConfig(num_heads=32, T=T, window=T + 2), R=20, seed=11 + T)
+    if name == "cutedsl":
+        assert policy.kernel_for(R * CHAIN_H) == kind
+    spec = CaseSpec(make_config(CHAIN_H, T), R=R, seed=11 + T + R)
     cfg = spec.cfg
     step = _step(name, cfg, device, require_backend)
     args = make_case(spec, device)
@@ -136,6 +185,7 @@ def test_compile_time_is_recorded(device, require_backend):
     from kda.backends.cutedsl.cache import COMPILE_LOG
 
     _step("cutedsl", SPECS[0].cfg, device, require_backend)
-    assert COMPILE_LOG and compile_seconds() > 0
+    kinds = {rec.kind for rec in COMPILE_LOG}
+    assert set(policy.kernels()) <= kinds and compile_seconds() > 0
     for rec in COMPILE_LOG:
         print(f"{rec.kind:6s} {rec.tag:48s} {rec.source:8s} {rec.seconds:6.2f} s")

@@ -1,17 +1,19 @@
-"""Both CuTe DSL kernels executed on the CPU by the lockstep SIMT emulator, vs the reference.
+"""The wide CuTe DSL kernel executed on the CPU by the lockstep SIMT emulator, vs the reference.
 
-:mod:`tests.backends.cutedsl.emulator` runs the kernels' own sources (index math, staging
+:mod:`tests.backends.cutedsl.emulator` runs the kernel's own sources (index math, staging
 layout, schedule, MMA fragment layout, predication) with every device access bounds- and
 alignment-checked; see its docstring for what it does and does not cover. This is the CPU
 stand-in for ``test_cutedsl_gpu.py`` and runs in CI without CuTe DSL or a GPU.
+The split kernel cannot be emulated (CuTe tensors and atoms, clusters); it is checked on the GPU.
 """
 
 import pytest
 import torch
 
+from kda.backends.cutedsl import policy
 from kda.config import KdaConfig
 from kda.reference import reference_step
-from kda.testing import CaseSpec, bits_equal, clone_args, compare_step, make_case
+from kda.testing import WRITTEN, CaseSpec, bits_equal, clone_args, compare_step, make_case
 from tests.backends.cutedsl import emulator
 
 bf16, f32 = torch.bfloat16, torch.float32
@@ -36,56 +38,43 @@ SPECS = [
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=[s.id for s in SPECS])
-@pytest.mark.parametrize("kind", ["wide", "stream"])
-def test_emulated_matches_reference(kind, spec):
+def test_emulated_matches_reference(spec):
     cfg = spec.cfg
     args = make_case(spec, "cpu")
     before = clone_args(args)
     expected = clone_args(args)
     reference_step(cfg, expected)
-    info = emulator.run(kind, cfg, args, ncta=3)
-    if kind == "stream":
-        assert info["ctas"] == min(3, spec.R * cfg.num_heads)
+    info = emulator.run(cfg, args)
+    assert info["ctas"] == spec.R * cfg.num_heads
     errors = compare_step(args, expected, before)
     assert not errors, "\n".join(errors)
 
 
 @pytest.mark.parametrize("spec", SPECS[:4], ids=[s.id for s in SPECS[:4]])
-@pytest.mark.parametrize("ncta", [1, 2, 7])
-def test_emulated_stream_schedules_bit_identical_to_wide(spec, ncta):
-    """Any CTA count (1 CTA walking every item, uneven splits) gives the wide kernel's bits."""
-    cfg = spec.cfg
-    a1 = make_case(spec, "cpu")
-    a2 = clone_args(a1)
-    emulator.run("wide", cfg, a1)
-    emulator.run("stream", cfg, a2, ncta=ncta)
-    for buf in ("out", "state", "conv_state", "v_record", "kg_record"):
-        assert bits_equal(getattr(a1, buf), getattr(a2, buf)), buf
-
-
-@pytest.mark.parametrize("spec", SPECS[:4], ids=[s.id for s in SPECS[:4]])
-@pytest.mark.parametrize("kind,ncta", [("wide", None), ("stream", 1), ("stream", 3)])
-@pytest.mark.parametrize("page_last", [True, False])
-def test_emulated_page_last_either_way(spec, kind, ncta, page_last):
-    """The (first) item's page committed last in its own cp.async group, or with the
-    operands (each kernel runs one of the two by T, see kda.backends.cutedsl.policy.page_last):
-    the reference within tolerance and the wide kernel's (default) bits, with the emulator's
-    check that no thread reads staged bytes before its wait covers them."""
+def test_emulated_page_last_other_way(spec):
+    """The state page committed the way the backend does not choose at this T (last in its
+    own cp.async group, or with the operands in one;
+    :attr:`kda.backends.cutedsl.static.KernelStatic.page_last`, chosen by
+    kda.backends.cutedsl.policy.page_last): the reference within tolerance and the default's
+    bits, with the emulator's check that no thread reads staged bytes before its wait covers
+    them."""
     cfg = spec.cfg
     args = make_case(spec, "cpu")
-    wide = clone_args(args)
+    default = clone_args(args)
     before = clone_args(args)
     expected = clone_args(args)
     reference_step(cfg, expected)
-    emulator.run("wide", cfg, wide)
-    emulator.run(kind, cfg, args, ncta=ncta, page_last=page_last)
+    emulator.run(cfg, default)
+    emulator.run(cfg, args, page_last=not policy.page_last(cfg.T))
     errors = compare_step(args, expected, before)
     assert not errors, "\n".join(errors)
-    for buf in ("out", "state", "conv_state", "v_record", "kg_record"):
-        assert bits_equal(getattr(wide, buf), getattr(args, buf)), buf
+    for buf in WRITTEN:
+        assert bits_equal(getattr(default, buf), getattr(args, buf)), buf
 
 
 def test_emulated_chained_steps():
+    """Three steps on the same buffers (each reads the state and window the previous one
+    wrote) against three reference steps."""
     spec = CaseSpec(KdaConfig(num_heads=2, T=2, window=4), R=3, seed=12)
     cfg = spec.cfg
     args = make_case(spec, "cpu")
@@ -93,7 +82,7 @@ def test_emulated_chained_steps():
     expected = clone_args(args)
     for _ in range(3):
         reference_step(cfg, expected)
-        emulator.run("stream", cfg, args, ncta=2)
+        emulator.run(cfg, args)
     errors = compare_step(args, expected, before)
     assert not errors, "\n".join(errors)
 

@@ -1,0 +1,510 @@
+"""KdaSplit: the fused KDA decode step with each (request, head) item split over a cluster.
+
+Grid ``(C, H, R)``, clusters of ``C`` CTAs along x (C in 1, 2, 4, 8): CTA rank ``p`` of the
+cluster of item (r, h) owns the value rows ``[p*128/C, (p+1)*128/C)`` of the item's state
+page. 160 threads: warps 0-3 ("main") run the conv, the norms, the recurrence of the CTA's
+rows and the RMSNorm epilogue of the tokens the CTA owns; warp 4 ("gate") projects the gate
+for the key features ``[p*128/C, (p+1)*128/C)`` on the tensor cores and sends their decays to
+every CTA of the cluster.
+
+Per CTA:
+
+1. (before ``griddepcontrol.wait``: model weights only) conv taps and bias of the thread's
+   channels, norm weight; the gate warp bulk-copies the CTA's f_b rows into shared memory.
+   After the wait the dependents are released (they read this kernel's outputs only after
+   their own wait) and the activations (x, output gate, beta, the gate warp's f_a
+   fragments), which do not depend on the slot ids, are requested first.
+2. slot ids -> liveness; the CTA's state rows, one contiguous block, are requested with one
+   bulk copy (``cp.async.bulk``, completion on an mbarrier).
+3. main warps: conv + SiLU of all 256 q / k channels (every CTA: they are the key vector)
+   and of the CTA's v channels; the window of the CTA's v channels is rewritten; q / k L2
+   norms. The gate warp meanwhile: MMA, rounding, decay, ``st.async`` of the decays into every
+   CTA's shared memory (one mbarrier per CTA counts the bytes).
+4. main warps: the recurrence of the CTA's rows (all T tokens, rows in waves of up to 32
+   straight from the staged block), state stores, ``o`` of each row sent with ``st.async`` to the CTA
+   that owns the token (``t % C``).
+5. the owner of token t: gated RMSNorm over the 128 values, ``out``; rank 0 rewrites the q / k
+   window once every CTA's o of token 0 arrived (so every CTA has read the history).
+
+Every value is computed in the same order whatever C, and in the same order as the
+one-CTA-per-item kernel (:mod:`kda.backends.cutedsl.wide`): the same conv per channel, the
+same warp-then-quarter sums of the norms, the same per-row reduction (two partials, then
+the row's 8 lanes), the same MMA chains per feature, the explicitly rounded arithmetic of
+:mod:`kda.backends.cutedsl.ptx`. So every cluster size and the wide kernel give
+bit-identical results.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass.cute.nvgpu import cpasync, warp
+
+from kda.backends.cutedsl import ptx as N
+from kda.backends.cutedsl.static import KernelStatic
+
+D = 128
+MAIN = 128          # conv / norm / recurrence / epilogue threads (warps 0-3)
+NTHREADS = MAIN + 32  # + the gate warp
+LANES = 8           # lanes per state row: a warp instruction covers 4 rows x 128 bytes
+GROUPS = MAIN // LANES  # rows per pass
+FB_ROW = D + 8      # padded f_b row in shared memory (bf16 elements)
+CLUSTERS = (1, 2, 4, 8)  # CTAs per item
+
+
+class Views(NamedTuple):
+    """The kernel's global tensors (CuTe views of the argument pointers)."""
+    x: cute.Tensor
+    cw: cute.Tensor
+    cb: cute.Tensor
+    cs: cute.Tensor
+    fa: cute.Tensor
+    fb: cute.Tensor
+    beta: cute.Tensor
+    alog: cute.Tensor
+    dtb: cute.Tensor
+    state: cute.Tensor
+    si: cute.Tensor
+    og: cute.Tensor
+    nw: cute.Tensor
+    na: cute.Tensor
+    vrec: cute.Tensor
+    kgrec: cute.Tensor
+    out: cute.Tensor
+
+
+class KdaSplit:
+    """The split kernel for one :class:`KernelStatic` and cluster size; ``launch`` is what gets
+    compiled."""
+
+    def __init__(self, ks: KernelStatic, cluster: int):
+        if cluster not in CLUSTERS:
+            raise ValueError(f"cluster: expected one of {CLUSTERS}, got {cluster!r}")
+        self.ks = ks
+        self.C = cluster
+        self.rows = D // self.C            # value rows of one CTA
+        self.F = D // self.C               # gate features of one CTA
+        self.passes = self.rows // GROUPS
+        self.wave = min(2, self.passes)
+        self.T = ks.T
+        self.H = ks.H
+        self.dim = ks.H * D
+
+    # ----------------------------------------------------------------------------- tensors
+    def _views(self, x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, og, nw, na, vrec,
+               kgrec, out, R, slots, x_rs, fa_rs, beta_rs, og_rs, out_rs, state_ss, cs_ss):
+        ks, T, H, dim = self.ks, self.T, self.H, self.dim
+        L = ks.L
+        N_ = R * T
+        v = {}
+        v["x"] = cute.make_tensor(x, cute.make_layout((N_, 3 * dim), stride=(x_rs, 1)))
+        v["cw"] = cute.make_tensor(cw, cute.make_layout((3, 4, dim), stride=(4 * dim, dim, 1)))
+        v["cb"] = cute.make_tensor(cb, cute.make_layout((3 * dim,)))
+        if ks.layout == "SD":
+            v["cs"] = cute.make_tensor(cs, cute.make_layout((slots, 3 * dim, L),
+                                                            stride=(cs_ss, 1, 3 * dim)))
+        else:
+            v["cs"] = cute.make_tensor(cs, cute.make_layout((slots, 3 * dim, L),
+                                                            stride=(cs_ss, L, 1)))
+        v["fa"] = cute.make_tensor(fa, cute.make_layout((N_, D), stride=(fa_rs, 1)))
+        v["fb"] = cute.make_tensor(fb, cute.make_layout((dim, D), stride=(D, 1)))
+        v["beta"] = cute.make_tensor(beta, cute.make_layout((N_, H), stride=(beta_rs, 1)))
+        v["alog"] = cute.make_tensor(alog, cute.make_layout((H,)))
+        v["dtb"] = cute.make_tensor(dtb, cute.make_layout((dim,)))
+        v["state"] = cute.make_tensor(state, cute.make_layout(
+            (slots, H, D, D), stride=(cute.assume(state_ss, divby=4), D * D, D, 1)))
+        v["si"] = cute.make_tensor(si, cute.make_layout((R, T), stride=(T, 1)))
+        v["og"] = cute.make_tensor(og, cute.make_layout((N_, dim), stride=(og_rs, 1)))
+        v["nw"] = cute.make_tensor(nw, cute.make_layout((D,)))
+        v["na"] = cute.make_tensor(na, cute.make_layout((R,)))
+        # record rows: 64-bit slot offsets (slots * H * T * 256 can pass 2**31)
+        v["vrec"] = cute.make_tensor(vrec, cute.make_layout(
+            (slots, H, T, D), stride=(Int64(H * T * D), T * D, D, 1)))
+        v["kgrec"] = cute.make_tensor(kgrec, cute.make_layout(
+            (slots, H, T, 2 * D), stride=(Int64(H * T * 2 * D), T * 2 * D, 2 * D, 1)))
+        v["out"] = cute.make_tensor(out, cute.make_layout((N_, dim), stride=(out_rs, 1)))
+        return Views(**v)
+
+    # ------------------------------------------------------------------------------ kernel
+    @cute.kernel
+    def kernel(self, x: cute.Pointer, cw: cute.Pointer, cb: cute.Pointer, cs: cute.Pointer,
+               fa: cute.Pointer, fb: cute.Pointer, beta: cute.Pointer, alog: cute.Pointer,
+               dtb: cute.Pointer, state: cute.Pointer, si: cute.Pointer, og: cute.Pointer,
+               nw: cute.Pointer, na: cute.Pointer, vrec: cute.Pointer, kgrec: cute.Pointer,
+               out: cute.Pointer, R: Int32, slots: Int32, x_rs: Int32, fa_rs: Int32,
+               beta_rs: Int32, og_rs: Int32, out_rs: Int32, state_ss: Int64, cs_ss: Int64,
+               scale: Float32, eps: Float32, lb: Float32):
+        ks, T, C, H, dim = self.ks, self.T, self.C, self.H, self.dim
+        tid, _, _ = cute.arch.thread_idx()
+        rank, h, r = cute.arch.block_idx()
+        g = self._views(x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, og, nw, na, vrec,
+                        kgrec, out, R, slots, x_rs, fa_rs, beta_rs, og_rs, out_rs, state_ss,
+                        cs_ss)
+
+        smem = cutlass.memory.SmemAllocator()
+        s_state = smem.allocate_tensor(Float32, cute.make_layout((self.rows, D), stride=(D, 1)),
+                                       byte_alignment=128)
+        s_q = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)), byte_alignment=16)
+        s_k = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)), byte_alignment=16)
+        s_a = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)), byte_alignment=16)
+        s_o = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)), byte_alignment=16)
+        s_v = smem.allocate_tensor(Float32, cute.make_layout((T, self.rows), stride=(self.rows, 1)),
+                                   byte_alignment=16)
+        s_b = smem.allocate_tensor(Float32, cute.make_layout((8,)), byte_alignment=16)
+        s_red = smem.allocate_tensor(Float32, cute.make_layout((T, 3, 4), stride=(12, 4, 1)),
+                                     byte_alignment=16)
+        # the gate warp's f_b rows, rows padded to 136 bf16 so that the MMA fragment loads
+        # of a warp hit 32 distinct banks
+        s_fb = smem.allocate_tensor(BFloat16, cute.make_layout((self.F, D), stride=(FB_ROW, 1)),
+                                    byte_alignment=16)
+        bars = smem.allocate_array(Int64, 3 + T)
+        bar_state = bars
+        bar_alpha = bars + 1
+        bar_fb = bars + 2 + T
+
+        # mbarriers: one arrival each (with the bytes they expect), completed by the copies
+        if tid == 0:
+            cute.arch.mbarrier_init(bar_state, 1)
+            cute.arch.mbarrier_init(bar_alpha, 1)
+            cute.arch.mbarrier_init(bar_fb, 1)
+            for t in cutlass.range_constexpr(T):
+                cute.arch.mbarrier_init(bars + 2 + t, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.mbarrier_arrive_and_expect_tx(bar_state, self.rows * D * 4)
+            cute.arch.mbarrier_arrive_and_expect_tx(bar_alpha, T * D * 4)
+            cute.arch.mbarrier_arrive_and_expect_tx(bar_fb, self.F * D * 2)
+            for t in cutlass.range_constexpr(T):
+                if rank == t % C:
+                    cute.arch.mbarrier_arrive_and_expect_tx(bars + 2 + t, D * 4)
+        cute.arch.sync_threads()
+        if cutlass.const_expr(C > 1):
+            cute.arch.cluster_arrive_relaxed()
+
+        # ---- 1. weights (before the PDL wait: nothing a predecessor writes). Every thread
+        # loads (the gate warp's copies are unused), so no value leaves a branch.
+        is_main = tid < MAIN
+        lane = tid % 32
+        ch = h * D + tid % MAIN                       # q / k channel of a main thread
+        vch = h * D + rank * self.rows + tid % self.rows  # v channel (main threads < rows)
+        wq = [Float32(g.cw[0, e, ch]) for e in range(4)]
+        wk = [Float32(g.cw[1, e, ch]) for e in range(4)]
+        wv = [Float32(g.cw[2, e, vch]) for e in range(4)]
+        bq = Float32(0.0)
+        bk = Float32(0.0)
+        bv = Float32(0.0)
+        if cutlass.const_expr(ks.has_bias):
+            bq = g.cb[ch]
+            bk = g.cb[dim + ch]
+            bv = g.cb[2 * dim + vch]
+        nwv = Float32(g.nw[tid % MAIN])
+
+        # the gate warp's f_b rows (the MMA's A operand): the CTA's F rows of head h, one
+        # bulk copy per row into the padded rows of s_fb
+        if tid >= MAIN:
+            rows_fb = cute.local_tile(g.fb, (self.F, D), (h * C + rank, 0))
+            atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), BFloat16, num_bits_per_copy=D * 16)
+            for i in cutlass.range_constexpr((self.F + 31) // 32):
+                row = lane + 32 * i
+                if row < self.F:
+                    cute.copy(atom, rows_fb[row, None], s_fb[row, None], mbar_ptr=bar_fb)
+
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+
+        # ---- 2. the activations (independent of the slot ids, so requested first): x of the
+        # thread's q / k / v channels, the output gate, beta; the gate warp's f_a fragments
+        n0 = r * T
+        xq = [g.x[n0 + t, ch] for t in range(T)]
+        xk = [g.x[n0 + t, dim + ch] for t in range(T)]
+        xv = [g.x[n0 + t, 2 * dim + vch] for t in range(T)]
+        ogr = [g.og[n0 + t, ch] for t in range(T)]
+        braw = g.beta[n0 + tid % T, h]
+        mma = cute.make_tiled_mma(warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+        thr = mma.get_slice(lane)
+        # B operand: the request's f_a rows, tokens padded to 8 columns (lane: token lane // 4)
+        gB = cute.make_tensor(g.fa.iterator + Int64(n0) * g.fa.stride[0],
+                              cute.make_layout((8, D), stride=(g.fa.stride[0], 1)))
+        tB = thr.partition_B(gB)
+        rB = mma.make_fragment_B(tB)
+        rB.fill(0.0)
+        if (tid >= MAIN) & (lane // 4 < T):
+            cute.autovec_copy(tB, rB)
+
+        # ---- 3. slots and liveness (every thread, uniform loads)
+        cslot = g.si[r, 0]
+        src = cslot
+        off = Int32(0)
+        if cutlass.const_expr(T > 1):
+            a = g.na[r]
+            a = cutlass.max(cutlass.min(a, Int32(T)), Int32(1))
+            off = a - 1
+            for t in cutlass.range_constexpr(1, T):
+                if off == t:
+                    src = g.si[r, t]
+        live = (src > 0) & (src < slots) & (cslot > 0) & (cslot < slots)
+
+        if live:
+            if tid == 0:
+                rows_g = cute.local_tile(g.state[src, h, None, None], (self.rows, D), (rank, 0))
+                atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32,
+                                           num_bits_per_copy=self.rows * D * 32)
+                cute.copy(atom, cute.group_modes(rows_g, 0, 2), cute.group_modes(s_state, 0, 2),
+                          mbar_ptr=bar_state)
+            if is_main:
+                self._main(g, tid, rank, h, r, cslot, src, off, slots, wq, wk, wv, bq, bk, bv,
+                           nwv, xq, xk, xv, ogr, braw, scale, eps, s_state, s_q, s_k, s_a, s_o,
+                           s_v, s_b, s_red, bars)
+            else:
+                self._gate(g, mma, thr, rB, s_fb, bar_fb, lane, rank, h, r, cslot, lb, s_a,
+                           bar_alpha)
+        else:
+            if rank == 0:
+                if is_main:
+                    for t in cutlass.range_constexpr(T):
+                        g.out[r * T + t, h * D + tid] = BFloat16(0.0)
+            if tid >= MAIN:
+                cute.arch.mbarrier_wait(bar_fb, 0)     # no copy into this CTA is left in flight
+
+    # ------------------------------------------------------------------------- main warps
+    @cute.jit
+    def _main(self, g, tid, rank, h, r, cslot, src, off, slots, wq, wk, wv, bq, bk, bv, nwv,
+              xq, xk, xv, ogr, braw, scale, eps, s_state, s_q, s_k, s_a, s_o, s_v, s_b, s_red,
+              bars):
+        ks, T, C, dim = self.ks, self.T, self.C, self.dim
+        warp_i = tid // 32
+        lane = tid % 32
+        n0 = r * T
+        vch = rank * self.rows + tid
+        # history and inputs of the q / k channel tid (and the v row, where tid < rows)
+        hq = [g.cs[cslot, h * D + tid, off + j] for j in range(3)]
+        hk = [g.cs[cslot, dim + h * D + tid, off + j] for j in range(3)]
+        if tid < T:
+            s_b[tid] = N.sigmoid(Float32(braw))
+        yq = self._conv(hq, xq, wq, bq)
+        yk = self._conv(hk, xk, wk, bk)
+        if tid < self.rows:
+            hv = [g.cs[cslot, 2 * dim + h * D + vch, off + j] for j in range(3)]
+            yv = self._conv(hv, xv, wv, bv)
+            for t in cutlass.range_constexpr(T):
+                s_v[t, tid] = yv[t]
+            self._rewrite(g, cslot, 2 * dim + h * D + vch, hv, xv)
+        for t in cutlass.range_constexpr(T):
+            sq = N.warp_sum(N.fmul(yq[t], yq[t]))
+            sk = N.warp_sum(N.fmul(yk[t], yk[t]))
+            if lane == 0:
+                s_red[t, 0, warp_i] = sq
+                s_red[t, 1, warp_i] = sk
+            if cutlass.const_expr(ks.record):
+                if rank == 0:
+                    g.kgrec[cslot, h, t, tid] = BFloat16(yk[t])
+        cute.arch.barrier(barrier_id=1, number_of_threads=MAIN)
+        for t in cutlass.range_constexpr(T):
+            sq = N.fadd(N.fadd(N.fadd(s_red[t, 0, 0], s_red[t, 0, 1]), s_red[t, 0, 2]), s_red[t, 0, 3])
+            sk = N.fadd(N.fadd(N.fadd(s_red[t, 1, 0], s_red[t, 1, 1]), s_red[t, 1, 2]), s_red[t, 1, 3])
+            iq = N.rsqrt(N.fadd(sq, Float32(1e-6)))
+            ik = N.rsqrt(N.fadd(sk, Float32(1e-6)))
+            s_q[t, tid] = N.fmul(N.fmul(yq[t], iq), scale)
+            s_k[t, tid] = N.fmul(yk[t], ik)
+        # output gate (used by the owner of each token)
+        ogs = [N.sigmoid(Float32(v)) for v in ogr]
+        cute.arch.barrier(barrier_id=1, number_of_threads=MAIN)
+        if cutlass.const_expr(C > 1):
+            cute.arch.cluster_wait()
+        cute.arch.mbarrier_wait(bars + 1, 0)       # the decays of every feature
+        cute.arch.mbarrier_wait(bars, 0)           # the CTA's state rows
+        self._recurrence(g, tid, rank, h, r, cslot, src, slots, s_state, s_q, s_k, s_a, s_o,
+                         s_v, s_b, bars)
+        # epilogue of the owned tokens
+        for t in cutlass.range_constexpr(T):
+            if rank == t % C:
+                cute.arch.mbarrier_wait(bars + 2 + t, 0)
+                ob = s_o[t, tid]
+                so = N.warp_sum(N.fmul(ob, ob))
+                if lane == 0:
+                    s_red[t, 2, warp_i] = so
+                cute.arch.barrier(barrier_id=1, number_of_threads=MAIN)
+                ss = N.fadd(N.fadd(N.fadd(s_red[t, 2, 0], s_red[t, 2, 1]), s_red[t, 2, 2]), s_red[t, 2, 3])
+                rstd = N.rsqrt(N.fadd(N.fmul(ss, Float32(1.0 / D)), eps))
+                y = N.fmul(N.fmul(N.fmul(ob, rstd), nwv), ogs[t])
+                g.out[n0 + t, h * D + tid] = BFloat16(y)
+        if rank == 0:
+            # every CTA's o of token 0 arrived (rank 0 owns it), so every CTA has read the
+            # q / k history; only rank 0 writes these channels, so it reads its own history and
+            # inputs again here rather than holding them in registers across the recurrence
+            for ch in (h * D + tid, dim + h * D + tid):
+                hist = [g.cs[cslot, ch, off + j] for j in range(3)]
+                xs = [g.x[n0 + t, ch] for t in range(T)]
+                self._rewrite(g, cslot, ch, hist, xs)
+
+    def _conv(self, hist_raw, x_raw, w, bias):
+        """acc = bias; acc = fma(s[t+e], w[e], acc) over s = [w0, w1, w2, x_0..]; bf16(silu)."""
+        seq = [Float32(v) for v in hist_raw] + [Float32(v) for v in x_raw]
+        ys = []
+        for t in range(self.T):
+            acc = bias
+            for e in range(4):
+                acc = N.ffma(seq[t + e], w[e], acc)
+            ys.append(N.bf16_round(N.fmul(acc, N.sigmoid(acc))))
+        return ys
+
+    def _rewrite(self, g, cslot, ch, hist_raw, x_raw):
+        """new[0] = w1, new[1] = w2, new[2+t] = x_t (raw values, cast to the cache dtype)."""
+        new = [hist_raw[1], hist_raw[2]] + [g.cs.element_type(v) for v in x_raw]
+        for pos in range(self.T + 2):
+            g.cs[cslot, ch, pos] = new[pos]
+
+    @cute.jit
+    def _recurrence(self, g, tid, rank, h, r, cslot, src, slots, s_state, s_q, s_k, s_a, s_o,
+                    s_v, s_b, bars):
+        """The recurrence of the CTA's rows, in waves of ``wave`` passes of 16 rows.
+
+        Thread (group, l8) holds, of each row ``pass*16 + group``, the key columns
+        4*(l8 + 8c) .. +3 (c = 0..3): the 8 lanes of a row are consecutive, so one warp
+        instruction moves 4 rows x 128 contiguous bytes. Per token (FP32): S *= alpha;
+        u = beta (v - S.k); S += u k; o = S.q with row sums as in :meth:`_row_reduce`.
+        """
+        ks, T, C = self.ks, self.T, self.C
+        grp = tid // LANES
+        l8 = tid % LANES
+        W = self.wave
+        for w0 in cutlass.range_constexpr(0, self.passes, W):
+            S = cute.make_rmem_tensor(cute.make_layout((4, 4, W), stride=(4, 1, 16)), Float32)
+            for w in cutlass.range_constexpr(W):
+                row = (w0 + w) * GROUPS + grp
+                for c in cutlass.range_constexpr(4):
+                    cute.autovec_copy(self._chunk(s_state[row, None], l8, c), S[c, None, w])
+            for t in cutlass.range_constexpr(T):
+                b_t = s_b[t]
+                acc = [[Float32(0.0), Float32(0.0)] for _ in range(W)]
+                for c in cutlass.range_constexpr(4):
+                    a4 = self._load4(s_a[t, None], l8, c)
+                    k4 = self._load4(s_k[t, None], l8, c)
+                    for e in cutlass.range_constexpr(4):
+                        for w in cutlass.range_constexpr(W):
+                            s_ = N.fmul(S[c, e, w], a4[e])
+                            S[c, e, w] = s_
+                            if c == 0 and e < 2:
+                                acc[w][e % 2] = N.fmul(s_, k4[e])
+                            else:
+                                acc[w][e % 2] = N.ffma(s_, k4[e], acc[w][e % 2])
+                u = []
+                for w in cutlass.range_constexpr(W):
+                    row = (w0 + w) * GROUPS + grp
+                    u.append(N.fmul(b_t, N.fsub(s_v[t, row], self._row_reduce(acc[w]))))
+                o = [[Float32(0.0), Float32(0.0)] for _ in range(W)]
+                for c in cutlass.range_constexpr(4):
+                    k4 = self._load4(s_k[t, None], l8, c)
+                    q4 = self._load4(s_q[t, None], l8, c)
+                    for e in cutlass.range_constexpr(4):
+                        for w in cutlass.range_constexpr(W):
+                            s_ = N.ffma(u[w], k4[e], S[c, e, w])
+                            S[c, e, w] = s_
+                            if c == 0 and e < 2:
+                                o[w][e % 2] = N.fmul(s_, q4[e])
+                            else:
+                                o[w][e % 2] = N.ffma(s_, q4[e], o[w][e % 2])
+                for w in cutlass.range_constexpr(W):
+                    row = (w0 + w) * GROUPS + grp
+                    ob = N.bf16_round(self._row_reduce(o[w]))
+                    if l8 == 0:
+                        grow = rank * self.rows + row
+                        cute.arch.store_async_dsmem(s_o.iterator + (t * D + grow), N.f32_bits(ob),
+                                                    bars + 2 + t, Int32(t % C))
+                        if cutlass.const_expr(ks.record):
+                            g.vrec[cslot, h, t, grow] = u[w]
+                if cutlass.const_expr(not ks.record and T > 1):
+                    dst = g.si[r, t]
+                    if (dst > 0) & (dst < slots):
+                        self._store_rows(g, dst, h, rank, w0, grp, l8, S)
+            if cutlass.const_expr(not ks.record and T == 1):
+                self._store_rows(g, src, h, rank, w0, grp, l8, S)
+
+    @staticmethod
+    def _chunk(row, l8, c):
+        """The 4 key columns 4*(l8 + 8c) .. +3 of a 128-column row."""
+        return cute.local_tile(row, (4,), (l8 + 8 * c,))
+
+    def _load4(self, row, l8, c):
+        """The 4 fp32 of :meth:`_chunk` in registers (one 16-byte load)."""
+        v = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
+        cute.autovec_copy(self._chunk(row, l8, c), v)
+        return v
+
+    def _store_rows(self, g, slot, h, rank, w0, grp, l8, S):
+        """16-byte stores of the wave's rows to state[slot, h]."""
+        for w in range(self.wave):
+            row = rank * self.rows + (w0 + w) * GROUPS + grp
+            for c in range(4):
+                cute.autovec_copy(S[c, None, w], self._chunk(g.state[slot, h, row, None], l8, c))
+
+    @staticmethod
+    def _row_reduce(acc):
+        """p0 + p1, then the 8 lanes of the row (xor 1, 2, 4): the same bits in all 8."""
+        x = N.fadd(acc[0], acc[1])
+        x = N.fadd(x, N.shfl_xor(x, 1))
+        x = N.fadd(x, N.shfl_xor(x, 2))
+        return N.fadd(x, N.shfl_xor(x, 4))
+
+    # --------------------------------------------------------------------------- gate warp
+    @cute.jit
+    def _gate(self, g, mma, thr, rB, s_fb, bar_fb, lane, rank, h, r, cslot, lb, s_a, bar_alpha):
+        """Features [rank*F, (rank+1)*F): rg = bf16(f_b rows . f_a) on the tensor cores
+        (gate_mode 0: one chain over the 8 k-steps; 1: four chains of two, summed
+        ((c0+c1)+c2)+c3), then x = rg + dt_bias, the decay, sent to every CTA's s_a."""
+        ks, T, C, F = self.ks, self.T, self.C, self.F
+        n0 = r * T
+        A = N.fexp(g.alog[h])
+        zero = Float32(0.0)
+        cute.arch.mbarrier_wait(bar_fb, 0)
+        if cutlass.const_expr(C > 1):
+            cute.arch.cluster_wait()
+        chains = 1 if ks.gate_mode == 0 else 4
+        for mt in cutlass.range_constexpr(F // 16):
+            tA = thr.partition_A(cute.local_tile(s_fb, (16, D), (mt, 0)))
+            rA = mma.make_fragment_A(tA)
+            cute.autovec_copy(tA, rA)
+            acc = [mma.make_fragment_C(mma.partition_shape_C((16, 8))) for _ in range(chains)]
+            for q in cutlass.range_constexpr(chains):
+                acc[q].fill(0.0)
+            for s in cutlass.range_constexpr(cute.size(rA, mode=[2])):
+                q = 0 if ks.gate_mode == 0 else s // 2
+                cute.gemm(mma, acc[q], rA[None, None, s], rB[None, None, s], acc[q])
+            cC = thr.partition_C(cute.make_identity_tensor((16, 8)))
+            for i in cutlass.range_constexpr(cute.size(acc[0])):
+                f16, t = cC[i]
+                if t < T:
+                    cval = acc[0][i]
+                    if cutlass.const_expr(ks.gate_mode == 1):
+                        cval = N.fadd(N.fadd(N.fadd(acc[0][i], acc[1][i]), acc[2][i]), acc[3][i])
+                    feat = rank * F + 16 * mt + f16
+                    rg = N.bf16_round(cval)
+                    xg = N.fadd(rg, g.dtb[h * D + feat])
+                    if cutlass.const_expr(ks.bounded):
+                        gk = N.fmul(lb, N.sigmoid(N.fmul(A, xg)))
+                    else:
+                        gk = N.fmul(N.fsub(zero, A), N.softplus(xg))
+                    alpha = N.fexp(gk)
+                    if cutlass.const_expr(ks.record):
+                        g.kgrec[cslot, h, t, D + feat] = BFloat16(rg)
+                    for q in cutlass.range_constexpr(C):
+                        cute.arch.store_async_dsmem(s_a.iterator + (t * D + feat),
+                                                    N.f32_bits(alpha), bar_alpha, Int32(q))
+
+    # -------------------------------------------------------------------------------- host
+    @cute.jit
+    def launch(self, x: cute.Pointer, cw: cute.Pointer, cb: cute.Pointer, cs: cute.Pointer,
+               fa: cute.Pointer, fb: cute.Pointer, beta: cute.Pointer, alog: cute.Pointer,
+               dtb: cute.Pointer, state: cute.Pointer, si: cute.Pointer, og: cute.Pointer,
+               nw: cute.Pointer, na: cute.Pointer, vrec: cute.Pointer, kgrec: cute.Pointer,
+               out: cute.Pointer, R: Int32, slots: Int32, x_rs: Int32, fa_rs: Int32,
+               beta_rs: Int32, og_rs: Int32, out_rs: Int32, state_ss: Int64, cs_ss: Int64,
+               scale: Float32, eps: Float32, lb: Float32, stream: cuda.CUstream):
+        self.kernel(x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, og, nw, na, vrec, kgrec,
+                    out, R, slots, x_rs, fa_rs, beta_rs, og_rs, out_rs, state_ss, cs_ss, scale,
+                    eps, lb).launch(grid=[self.C, self.H, R], block=[NTHREADS, 1, 1],
+                                    cluster=[self.C, 1, 1], stream=stream, use_pdl=True)
+
