@@ -6,12 +6,14 @@
 #   env      environment and backend availability; build (or load) the CUDA extension
 #   bench    alone: the benchmark (the backends in $KDA_BENCH_BACKENDS, default
 #            $KDA_GPU_BACKENDS = every GPU backend; the fla-core and touch peers; the default
-#            grid of tools/bench/bench.py) -> $OUT/bench-h200.json
+#            grid of tools/bench/bench.py, or other flags in $KDA_BENCH_FLAGS)
+#            -> $OUT/bench-h200.json
 #   hot      alone: the benchmark with --hot_state (every request of a step on one slot, so the
 #            state stays in L2: the kernels' compute / latency bound) for $KDA_HOT_BACKENDS
 #            (default all), R 128 and 512, T 1 and 5 -> $OUT/bench-hot-h200.json
 #   ncu      alone: one Nsight Compute profile (speed of light, memory, warp stats) per backend
-#            ($KDA_NCU_BACKENDS, default all) at H=32 R=128 T=$KDA_NCU_TOKENS (default 1)
+#            ($KDA_NCU_BACKENDS, default all) at H=32 R=$KDA_NCU_BATCHES (default 128)
+#            T=$KDA_NCU_TOKENS (default 1)
 #            -> logs/ncu.log
 #   tests    in parallel (one CPU thread each): the conformance suite once per backend in
 #            $KDA_TEST_BACKENDS (default all; ci matrix, every backend required), the
@@ -77,7 +79,7 @@ if want bench; then
   t0=$SECONDS
   B=${KDA_BENCH_BACKENDS:-$GPU}
   timeout "$(left)" python3 -m tools.bench.bench --backends="${B// /,}" --out_dir="$OUT" --tag=h200 \
-    --noplot > "$L/bench.log" 2>&1
+    --noplot ${KDA_BENCH_FLAGS:-} > "$L/bench.log" 2>&1
   echo "bench rc=$? $((SECONDS - t0))s" >> "$L/_rc"
   tail -n 30 "$L/bench.log" >> "$OUT/summary.txt"
 fi
@@ -100,7 +102,8 @@ if want ncu; then
       -k 'regex:kda|Kda|cutlass' --section SpeedOfLight --section MemoryWorkloadAnalysis \
       --section WarpStateStats --section Occupancy --section LaunchStats \
       --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
-      python3 -m tools.bench.bench --backends="$b" --peers=none --batches=128 \
+      python3 -m tools.bench.bench --backends="$b" --peers=none --heads=32 \
+      --batches="${KDA_NCU_BATCHES:-128}" \
       --tokens="${KDA_NCU_TOKENS:-1}" --iters=8 \
       --warmup=0 --mode=eager --noplot >> "$L/ncu.log" 2>&1
   done
