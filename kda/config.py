@@ -221,11 +221,6 @@ class KdaArgs(NamedTuple):
     kg_record: Optional[torch.Tensor] = None
     out: Optional[torch.Tensor] = None
 
-    @classmethod
-    def of(cls, params: dict) -> "KdaArgs":
-        """The record of a call whose parameters are named as its fields (pass ``locals()``)."""
-        return cls(*(params[f] for f in cls._fields))
-
     @property
     def num_requests(self) -> int:
         """R, the batch's request count (``state_indices.shape[0]``; host metadata only)."""

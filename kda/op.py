@@ -111,7 +111,9 @@ def kda_decode(
     Formulas: the contract, section 2 (after fla-core's ``naive_recurrent_kda`` and
     ``naive_kda_gate`` / ``naive_kda_lowerbound_gate``, with the rounding points of section 3).
     """
-    args = KdaArgs.of(locals())
+    args = KdaArgs(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias, state,
+                   state_indices, output_gate, norm_weight, num_accepted_tokens, v_record,
+                   kg_record, out)
     if torch.compiler.is_compiling():
         check_is_tensor("x", x)
         if backend is not None and not isinstance(backend, str):
@@ -212,7 +214,9 @@ class KdaDecode:
         ``validate``.
         """
         check_is_tensor("x", x)
-        args = KdaArgs.of(locals())
+        args = KdaArgs(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias,
+                       state, state_indices, output_gate, norm_weight, num_accepted_tokens,
+                       v_record, kg_record, out)
         if out is None:
             args = args._replace(out=alloc_out(x, self.cfg.dim))
         if torch.compiler.is_compiling():

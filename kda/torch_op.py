@@ -121,7 +121,9 @@ def decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias
         is not a tensor (e.g. a list) or a scalar has the wrong type, naming the argument
         ("kda::decode() Expected a value of type 'Tensor' for argument 'x' ...").
     """
-    args = KdaArgs.of(locals())
+    args = KdaArgs(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias, state,
+                   state_indices, output_gate, norm_weight, num_accepted_tokens, v_record,
+                   kg_record, out)
     return call(args, scale=scale, norm_eps=norm_eps, lower_bound=lower_bound,
                 gate_mode=gate_mode, backend=backend)
 

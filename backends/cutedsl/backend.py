@@ -2,8 +2,8 @@
 kernel launch (nvidia-cutlass-dsl 4.8.1).
 
 ``cutedsl_wide`` runs one CTA per (request, head) item (:mod:`kda.backends.cutedsl.wide`).
-``cutedsl`` picks by the batch's load (:func:`kda.backends.cutedsl.policy.kernel_for`): at
-small batches each item runs on a cluster of 2 to 8 CTAs (:mod:`kda.backends.cutedsl.split`),
+``cutedsl`` picks by the batch's load and T (:func:`kda.backends.cutedsl.policy.kernel_for`):
+at small batches each item runs on a cluster of 4 or 8 CTAs (:mod:`kda.backends.cutedsl.split`),
 above that one CTA per item. Both kernels compute every value in the same order, so the two
 backends produce bit-identical outputs, states, windows and records. Design:
 ``docs/design.md``; compilation and caching: :mod:`kda.backends.cutedsl.cache`.
@@ -222,16 +222,16 @@ class KdaBackend(_CuteDslBackend):
     """
 
     name = "cutedsl"
-    description = ("CuTe DSL: each (request, head) on a cluster of 2-8 CTAs (value rows split, "
+    description = ("CuTe DSL: each (request, head) on a cluster of 4-8 CTAs (value rows split, "
                    "decays and outputs exchanged through distributed shared memory) at small "
                    "batches, one CTA per item above; bulk-copied state rows, mma.sync gate, PDL")
 
     def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:
-        launchers = {kind: self.launcher(kind, cfg, device) for kind in policy.kernels()}
-        H = cfg.num_heads
+        launchers = {kind: self.launcher(kind, cfg, device) for kind in policy.kernels(cfg.T)}
+        H, T = cfg.num_heads, cfg.T
 
         def step(a: KdaArgs) -> None:
-            launchers[policy.kernel_for(a.state_indices.shape[0] * H)](a)
+            launchers[policy.kernel_for(a.state_indices.shape[0] * H, T)](a)
 
         step.launchers = launchers    # for tests
         return step

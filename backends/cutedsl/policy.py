@@ -1,22 +1,31 @@
 """The measured choices of the CuTe DSL backends: which kernel ``cutedsl`` runs for a batch's
 load, and whether the one-CTA-per-item kernel commits its state page last.
 
-Figures are step times on an H200 (CUDA-graph replay, 8 GiB state pool, T=1 unless named).
+Figures are step times on an H200 (``python3 -m tools.bench.bench``: CUDA-graph replay, 8 GiB
+state pool, softplus gate, SD layout; T=1 unless named).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-#: ``cutedsl``: the kernel for a batch of ``items = R * H`` (request, head) items, first match
-#: of (most items, kernel): ``splitC`` runs each item on a cluster of C CTAs
-#: (:mod:`kda.backends.cutedsl.split`), ``wide`` on one CTA (:mod:`kda.backends.cutedsl.wide`).
-KERNEL_BY_ITEMS = (
-    (48, "split8"),   # H=12 R=1: 3.0 us against 3.8 on 4 CTAs, 6.0 wide; H=32 R=1: 3.9 / 4.6 / 6.5
-    (160, "split4"),  # H=12 R=8: 7.3 us against 7.6 on 2 CTAs, 8.6 on 8, 8.8 wide; H=96 R=1: 7.5 / 8.1 / 8.8 / 9.2
-    (320, "split2"),  # H=32 R=8: 14.1 us against 18.4 on 4 CTAs, 17.1 on 8, 14.7 wide
-    (None, "wide"),   # H=12 R=32: 22.6 us against 23.3 on 2 CTAs; H=32 R=128: 164.6 against 199.2
-)
+#: ``cutedsl``: the kernel for a batch of ``items = R * H`` (request, head) items at T tokens,
+#: by T (a T above the largest key takes its row), first match of (most items, kernel):
+#: ``splitC`` runs each item on a cluster of C CTAs (:mod:`kda.backends.cutedsl.split`),
+#: ``wide`` on one CTA (:mod:`kda.backends.cutedsl.wide`). Step times against the wide kernel.
+KERNEL_BY_ITEMS = {
+    1: ((48, "split8"),   # H=12 R=1: 3.3 us against 6.1; H=32 R=1: 3.9 against 6.5
+        (None, "wide")),  # H=96 R=1: 9.2 us against 9.5 on 4 CTAs; H=32 R=8: 14.5 against 17.7 on 2
+    2: ((48, "split8"),   # T=4 H=12 R=1: 5.2 us against 11.5; H=32 R=1: 8.3 against 12.8 (T=5 9.4 / 14.4)
+        (96, "split4"),   # T=4 H=96 R=1: 15.4 us against 16.3; H=12 R=8: 15.4 against 15.9
+        (None, "wide")),  # T=4 H=32 R=8: 28.7 us against 42.8 on 2 CTAs (T=5 33.8 / 48.5)
+}
+
+
+def table(T: int) -> tuple:
+    """The (most items, kernel) rows for ``T`` tokens (:data:`KERNEL_BY_ITEMS`)."""
+    return KERNEL_BY_ITEMS[min(T, max(KERNEL_BY_ITEMS))]
+
 
 #: The wide kernel commits its state page as its own cp.async group after the operands
 #: (:attr:`kda.backends.cutedsl.static.KernelStatic.page_last`), by T; a T above the largest
@@ -28,17 +37,17 @@ PAGE_LAST = {
 }
 
 
-def kernel_for(items: int) -> str:
-    """The kernel ``cutedsl`` runs for ``items`` (request, head) items (:data:`KERNEL_BY_ITEMS`)."""
-    for most, kind in KERNEL_BY_ITEMS:
+def kernel_for(items: int, T: int) -> str:
+    """The kernel ``cutedsl`` runs for ``items`` (request, head) items at ``T`` tokens."""
+    for most, kind in table(T):
         if most is None or items <= most:
             return kind
-    raise AssertionError("KERNEL_BY_ITEMS ends with a catch-all entry")
+    raise AssertionError("every KERNEL_BY_ITEMS row ends with a catch-all entry")
 
 
-def kernels() -> tuple:
-    """Every kernel ``cutedsl`` may run, in the order of :data:`KERNEL_BY_ITEMS`."""
-    return tuple(kind for _, kind in KERNEL_BY_ITEMS)
+def kernels(T: int) -> tuple:
+    """Every kernel ``cutedsl`` may run at ``T`` tokens, in table order."""
+    return tuple(kind for _, kind in table(T))
 
 
 def page_last(T: int) -> bool:

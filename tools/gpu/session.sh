@@ -142,6 +142,7 @@ fi
 if want sanitize; then
   for tool in memcheck racecheck synccheck; do
     bg "sanitize-$tool" compute-sanitizer --tool "$tool" --print-limit 20 --error-exitcode 9 \
+       --report-api-errors no \
        python3 -m tools.gpu.step_check cutedsl 4 3 2
   done
 fi

@@ -244,7 +244,7 @@ def test_resource_usage(kind, i):
     if kind == "wide":
         assert usage["REG"] <= 128, "must fit 2 CTAs of 256 threads per SM"
         assert usage["STACK"] <= 512, "register spills grew out of bounds"
-    elif kind in policy.kernels():
+    elif any(kind in policy.kernels(T) for T in range(1, 9)):
         assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"spills / stack: {usage}"
     else:
         assert usage["STACK"] <= 64 and usage["LOCAL"] == 0, f"spills / stack: {usage}"
@@ -263,7 +263,7 @@ def test_kernel_kinds():
         with pytest.raises(ValueError):
             cache.kernel_object(bad, ks)
     names = cache.arg_names("wide")
-    assert all(cache.arg_names(k) == names for k in policy.kernels())
+    assert all(cache.arg_names(k) == names for k in policy.kernels(2))
     assert names[-1] == "stream" and "ncta" not in names
 
 
@@ -334,18 +334,20 @@ def test_package_imports_without_dsl_or_gpu():
                                              torch.device("cuda")) if "T=" in r]
 
 
-def test_policy_table():
-    """KERNEL_BY_ITEMS: increasing thresholds, split kernels of 2-8 CTAs, wide above."""
-    most = [m for m, _ in policy.KERNEL_BY_ITEMS[:-1]]
+@pytest.mark.parametrize("T", range(1, 9))
+def test_policy_table(T):
+    """KERNEL_BY_ITEMS: per T increasing thresholds, split kernels of 2-8 CTAs, wide above."""
+    rows = policy.table(T)
+    most = [m for m, _ in rows[:-1]]
     assert most == sorted(set(most)) and most[0] >= 1
-    assert policy.KERNEL_BY_ITEMS[-1] == (None, "wide")
-    assert all(policy.cluster_of(k) in (2, 4, 8) for _, k in policy.KERNEL_BY_ITEMS[:-1])
-    assert policy.kernels() == tuple(k for _, k in policy.KERNEL_BY_ITEMS)
-    for m, kind in policy.KERNEL_BY_ITEMS[:-1]:
-        assert policy.kernel_for(m) == kind
-        assert policy.kernel_for(m + 1) != kind
-    assert policy.kernel_for(1) == policy.KERNEL_BY_ITEMS[0][1]
-    assert policy.kernel_for(10 ** 7) == "wide"
+    assert rows[-1] == (None, "wide")
+    assert all(policy.cluster_of(k) in (2, 4, 8) for _, k in rows[:-1])
+    assert policy.kernels(T) == tuple(k for _, k in rows)
+    for m, kind in rows[:-1]:
+        assert policy.kernel_for(m, T) == kind
+        assert policy.kernel_for(m + 1, T) != kind
+    assert policy.kernel_for(1, T) == rows[0][1]
+    assert policy.kernel_for(10 ** 7, T) == "wide"
 
 
 def test_cutedsl_builds_every_policy_kernel_and_picks_by_items(monkeypatch):
@@ -367,19 +369,18 @@ def test_cutedsl_builds_every_policy_kernel_and_picks_by_items(monkeypatch):
     cfg = KdaConfig(num_heads=H, T=2, window=4)
     dev = torch.device("cuda", 0)
     step = be.KdaBackend().build(cfg, dev)
-    assert sorted(built, key=str) == sorted(((k, cfg, dev) for k in policy.kernels()), key=str)
-    assert set(step.launchers) == set(policy.kernels())
+    kinds = policy.kernels(cfg.T)
+    assert sorted(built, key=str) == sorted(((k, cfg, dev) for k in kinds), key=str)
+    assert set(step.launchers) == set(kinds)
     batches = {1}
-    for most, _ in policy.KERNEL_BY_ITEMS[:-1]:
+    for most, _ in policy.table(cfg.T)[:-1]:
         batches |= {max(1, most // H), most // H + 1}
     for R in sorted(batches):
         calls.clear()
         step(SimpleNamespace(state_indices=torch.zeros(R, 2, dtype=torch.int32)))
-        assert calls == [(policy.kernel_for(R * H), R)], (R, calls)
-    ran = set()
-    for R in sorted(batches):
-        ran.add(policy.kernel_for(R * H))
-    assert ran == set(policy.kernels()), "the batches cross every threshold"
+        assert calls == [(policy.kernel_for(R * H, cfg.T), R)], (R, calls)
+    ran = {policy.kernel_for(R * H, cfg.T) for R in batches}
+    assert ran == set(kinds), "the batches cross every threshold"
     # the wide backend builds the wide kernel only
     built.clear()
     monkeypatch.setattr(be.KdaWideBackend, "launcher", staticmethod(fake_launcher))

@@ -94,13 +94,16 @@ def test_split_bit_identical_to_wide(spec, C, device, require_backend):
     assert not _differs(a_split, a_wide), f"split{C} and wide differ in {_differs(a_split, a_wide)}"
 
 
+DISPATCH_T = 2
+
+
 def _threshold_batches(H):
-    """(R, kind) on both sides of every threshold of KERNEL_BY_ITEMS for H heads."""
+    """(R, kind) on both sides of every threshold of KERNEL_BY_ITEMS (at T=2) for H heads."""
     out = []
-    for most, _ in policy.KERNEL_BY_ITEMS[:-1]:
+    for most, _ in policy.table(DISPATCH_T)[:-1]:
         for R in (most // H, most // H + 1):
-            if R >= 1 and (R, policy.kernel_for(R * H)) not in out:
-                out.append((R, policy.kernel_for(R * H)))
+            if R >= 1 and (R, policy.kernel_for(R * H, DISPATCH_T)) not in out:
+                out.append((R, policy.kernel_for(R * H, DISPATCH_T)))
     return out
 
 
@@ -114,11 +117,11 @@ def test_cutedsl_runs_the_policy_kernel(R, kind, device, require_backend, monkey
     results are the wide kernel's bits and the reference's values."""
     H = DISPATCH_H
     items = {r * H for r, _ in DISPATCH}
-    for most, _ in policy.KERNEL_BY_ITEMS[:-1]:
+    for most, _ in policy.table(DISPATCH_T)[:-1]:
         assert {i for i in items if i <= most} and {i for i in items if i > most}, most
-    cfg = make_config(H, 2, bias=True)
+    cfg = make_config(H, DISPATCH_T, bias=True)
     step = _step("cutedsl", cfg, device, require_backend)
-    assert set(step.launchers) == set(policy.kernels())
+    assert set(step.launchers) == set(policy.kernels(DISPATCH_T))
     calls = []
     for k, fn in list(step.launchers.items()):
         def counted(a, k=k, fn=fn):
@@ -144,27 +147,28 @@ CHAIN_H = 32
 
 
 def _chain_cases():
-    """(backend, R): ``cutedsl`` at the largest batch of each of its kernels (wide: above the
-    last threshold), ``cutedsl_wide`` at the wide batch."""
+    """(backend, R, T, kind): ``cutedsl`` at the largest batch of each of its kernels at T = 1
+    and 5 (wide: above the last threshold), ``cutedsl_wide`` at the wide batch."""
     cases = []
-    prev = 0
-    for most, kind in policy.KERNEL_BY_ITEMS:
-        R = max(1, most // CHAIN_H) if most is not None else prev // CHAIN_H + 4
-        cases.append(("cutedsl", R, kind))
-        prev = most if most is not None else prev
-    cases.append(("cutedsl_wide", cases[-1][1], "wide"))
+    for T in (1, 5):
+        prev = 0
+        for most, kind in policy.table(T):
+            R = max(1, most // CHAIN_H) if most is not None else prev // CHAIN_H + 4
+            if kind == "wide" or policy.kernel_for(R * CHAIN_H, T) == kind:
+                cases.append(("cutedsl", R, T, kind))
+            prev = most if most is not None else prev
+        cases.append(("cutedsl_wide", cases[-1][1], T, "wide"))
     return cases
 
 
 CHAIN = _chain_cases()
 
 
-@pytest.mark.parametrize("T", [1, 5])
-@pytest.mark.parametrize("name,R,kind", CHAIN, ids=[f"{n}-R{r}-{k}" for n, r, k in CHAIN])
-def test_chained_steps(name, R, kind, T, device, require_backend):
+@pytest.mark.parametrize("name,R,T,kind", CHAIN, ids=[f"{n}-R{r}-T{t}-{k}" for n, r, t, k in CHAIN])
+def test_chained_steps(name, R, T, kind, device, require_backend):
     """Three steps launched back to back on the same buffers (PDL chain) == reference x3."""
     if name == "cutedsl":
-        assert policy.kernel_for(R * CHAIN_H) == kind
+        assert policy.kernel_for(R * CHAIN_H, T) == kind
     spec = CaseSpec(make_config(CHAIN_H, T), R=R, seed=11 + T + R)
     cfg = spec.cfg
     step = _step(name, cfg, device, require_backend)
@@ -186,6 +190,6 @@ def test_compile_time_is_recorded(device, require_backend):
 
     _step("cutedsl", SPECS[0].cfg, device, require_backend)
     kinds = {rec.kind for rec in COMPILE_LOG}
-    assert set(policy.kernels()) <= kinds and compile_seconds() > 0
+    assert set(policy.kernels(SPECS[0].cfg.T)) <= kinds and compile_seconds() > 0
     for rec in COMPILE_LOG:
         print(f"{rec.kind:6s} {rec.tag:48s} {rec.source:8s} {rec.seconds:6.2f} s")
