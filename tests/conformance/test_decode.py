@@ -9,7 +9,8 @@ function than the reference is.
 """
 
 from kda.reference import reference_compute, reference_step
-from kda.testing import args_to, bits_equal, call_public, clone_args, compare_step, make_case, rel_err
+from kda.testing import (CaseSpec, args_to, bits_equal, call_public, clone_args, compare_step,
+                         make_case, make_config, rel_err)
 from tests.conformance.cases import cases
 from tests.conftest import shard_of
 
@@ -56,3 +57,20 @@ def test_repeatable(backend_name, kda_device, require_backend):
     call_public(a2, cfg, backend_name)
     for name in ("out", "state", "conv_state"):
         assert bits_equal(getattr(a1, name), getattr(a2, name)), name
+
+
+def test_three_steps_back_to_back(backend_name, kda_device, require_backend):
+    """Three steps launched back to back on the same buffers (no host sync between them; on
+    the GPU a PDL chain) equal three reference steps: each step reads what the last wrote."""
+    spec = CaseSpec(make_config(2, 3, "DS", lb=-5.0), R=3, seed=5)
+    cfg = spec.cfg
+    require_backend(backend_name, cfg, kda_device)
+    args = make_case(spec, kda_device)
+    before = clone_args(args)
+    expected = clone_args(args)
+    for _ in range(3):
+        reference_step(cfg, expected)
+    for _ in range(3):
+        call_public(args, cfg, backend_name)
+    errors = compare_step(args, expected, before)
+    assert not errors, "\n".join(errors)
