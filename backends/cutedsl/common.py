@@ -508,7 +508,7 @@ class ItemMath:
                             acc[m][e % 2] = P.fmul(s_, k4[e])
                         else:
                             acc[m][e % 2] = P.ffma(s_, k4[e], acc[m][e % 2])
-            u = [P.fmul(beta, P.fsub(vv[m], self._row_reduce(acc[m]))) for m in range(4)]
+            u = [P.fmul(beta, P.fsub(vv[m], P.row_sum8(acc[m]))) for m in range(4)]
             # S += u k^T; S.q
             o = [[None, None] for _ in range(4)]
             for c in range(4):
@@ -524,7 +524,7 @@ class ItemMath:
                         else:
                             o[m][e % 2] = P.ffma(s_, q4[e], o[m][e % 2])
             for m in range(4):
-                ob = P.bf16_round(self._row_reduce(o[m]))
+                ob = P.bf16_round(P.row_sum8(o[m]))
                 P.sst_f32(sb + pl.CO + tb + (p.row0 + 32 * m) * 4, ob, lane_l0)
             if (ks.record):
                 for m in range(4):
@@ -538,14 +538,6 @@ class ItemMath:
             self._store_state(p, src, h, S, Int32(1))
         P.bar_sync()
         self._epilogue(p, r, h, ogr)
-
-    @staticmethod
-    def _row_reduce(acc):
-        """p0 + p1, then the 8 lanes of the row (xor 1, 2, 4): the same bits in all 8."""
-        x = P.fadd(acc[0], acc[1])
-        x = P.fadd(x, P.shfl_xor(x, 1))
-        x = P.fadd(x, P.shfl_xor(x, 2))
-        return P.fadd(x, P.shfl_xor(x, 4))
 
     def _epilogue(self, p, r, h, ogr):
         """Gated RMSNorm: warp sums of ob^2, then the 4 warps of a token half, fixed order."""

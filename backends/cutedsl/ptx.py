@@ -350,6 +350,15 @@ def warp_sum(x):
     return x
 
 
+def row_sum8(acc):
+    """A state row's dot product from its 8 lanes' two partials each: p0 + p1, then the row's
+    8 consecutive lanes (xor 1, 2, 4), so all 8 hold the same bits."""
+    x = fadd(acc[0], acc[1])
+    x = fadd(x, shfl_xor(x, 1))
+    x = fadd(x, shfl_xor(x, 2))
+    return fadd(x, shfl_xor(x, 4))
+
+
 def sel_i32(pred, a, b):
     """pred ? a : b for Int32 values."""
     return asm("{ .reg .pred p; setp.ne.b32 p, $1, 0; selp.b32 $0, $2, $3, p; }", [Int32],

@@ -365,7 +365,8 @@ class KdaSplit:
         Thread (group, l8) holds, of each row ``pass*16 + group``, the key columns
         4*(l8 + 8c) .. +3 (c = 0..3): the 8 lanes of a row are consecutive, so one warp
         instruction moves 4 rows x 128 contiguous bytes. Per token (FP32): S *= alpha;
-        u = beta (v - S.k); S += u k; o = S.q with row sums as in :meth:`_row_reduce`.
+        u = beta (v - S.k); S += u k; o = S.q, the row sums by
+        :func:`kda.backends.cutedsl.ptx.row_sum8`.
         """
         ks, T, C = self.ks, self.T, self.C
         grp = tid // LANES
@@ -394,7 +395,7 @@ class KdaSplit:
                 u = []
                 for w in cutlass.range_constexpr(W):
                     row = (w0 + w) * GROUPS + grp
-                    u.append(N.fmul(b_t, N.fsub(s_v[t, row], self._row_reduce(acc[w]))))
+                    u.append(N.fmul(b_t, N.fsub(s_v[t, row], N.row_sum8(acc[w]))))
                 o = [[Float32(0.0), Float32(0.0)] for _ in range(W)]
                 for c in cutlass.range_constexpr(4):
                     k4 = self._load4(s_k[t, None], l8, c)
@@ -409,7 +410,7 @@ class KdaSplit:
                                 o[w][e % 2] = N.ffma(s_, q4[e], o[w][e % 2])
                 for w in cutlass.range_constexpr(W):
                     row = (w0 + w) * GROUPS + grp
-                    ob = N.bf16_round(self._row_reduce(o[w]))
+                    ob = N.bf16_round(N.row_sum8(o[w]))
                     if l8 == 0:
                         grow = rank * self.rows + row
                         cute.arch.store_async_dsmem(s_o.iterator + (t * D + grow), N.f32_bits(ob),
@@ -440,14 +441,6 @@ class KdaSplit:
             row = rank * self.rows + (w0 + w) * GROUPS + grp
             for c in range(4):
                 cute.autovec_copy(S[c, None, w], self._chunk(g.state[slot, h, row, None], l8, c))
-
-    @staticmethod
-    def _row_reduce(acc):
-        """p0 + p1, then the 8 lanes of the row (xor 1, 2, 4): the same bits in all 8."""
-        x = N.fadd(acc[0], acc[1])
-        x = N.fadd(x, N.shfl_xor(x, 1))
-        x = N.fadd(x, N.shfl_xor(x, 2))
-        return N.fadd(x, N.shfl_xor(x, 4))
 
     # --------------------------------------------------------------------------- gate warp
     @cute.jit
