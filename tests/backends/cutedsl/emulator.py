@@ -722,6 +722,14 @@ def _warp_sum(x):
     return x
 
 
+@_reg("row_sum8")
+def _row_sum8(acc):
+    x = _fadd(acc[0], acc[1])
+    for m in (1, 2, 4):
+        x = _fadd(x, _shfl_xor(x, m))
+    return x
+
+
 @_reg("sel_i32")
 def _sel_i32(pred, a, b):
     return V(np.where(_mask_of(pred), Int32(a).a, Int32(b).a), "i32")
