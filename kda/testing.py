@@ -208,6 +208,17 @@ def clone_args(args: KdaArgs) -> KdaArgs:
     return KdaArgs(*[_restrided(t, torch.Tensor.clone) for t in args])
 
 
+def expected_after(cfg: KdaConfig, args: KdaArgs, steps: int = 1):
+    """(before, expected): a copy of ``args`` as they are, and a copy after ``steps`` steps of
+    the reference (:func:`kda.reference.reference_step`); compare a backend's buffers with
+    :func:`compare_step` ``(args, expected, before)`` after it ran the same steps."""
+    from kda.reference import reference_step
+    before, expected = clone_args(args), clone_args(args)
+    for _ in range(steps):
+        reference_step(cfg, expected)
+    return before, expected
+
+
 def args_to(args: KdaArgs, device) -> KdaArgs:
     """Move every tensor to ``device`` preserving strides."""
     return KdaArgs(*[_restrided(t, lambda b: b.to(device)) for t in args])

@@ -9,7 +9,7 @@ behaviour is defined by the contract (dead items, clamped counts) instead.
 from __future__ import annotations
 
 import numbers
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 

@@ -138,7 +138,7 @@ class KdaSplit:
                out: cute.Pointer, R: Int32, slots: Int32, x_rs: Int32, fa_rs: Int32,
                beta_rs: Int32, og_rs: Int32, out_rs: Int32, state_ss: Int64, cs_ss: Int64,
                scale: Float32, eps: Float32, lb: Float32):
-        ks, T, C, H, dim = self.ks, self.T, self.C, self.H, self.dim
+        ks, T, C, dim = self.ks, self.T, self.C, self.dim
         tid, _, _ = cute.arch.thread_idx()
         rank, h, r = cute.arch.block_idx()
         g = self._views(x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, og, nw, na, vrec,
@@ -449,7 +449,6 @@ class KdaSplit:
         (gate_mode 0: one chain over the 8 k-steps; 1: four chains of two, summed
         ((c0+c1)+c2)+c3), then x = rg + dt_bias, the decay, sent to every CTA's s_a."""
         ks, T, C, F = self.ks, self.T, self.C, self.F
-        n0 = r * T
         A = N.fexp(g.alog[h])
         zero = Float32(0.0)
         cute.arch.mbarrier_wait(bar_fb, 0)

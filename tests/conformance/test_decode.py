@@ -10,7 +10,7 @@ function than the reference is.
 
 from kda.reference import reference_compute, reference_step
 from kda.testing import (CaseSpec, args_to, bits_equal, call_public, clone_args, compare_step,
-                         make_case, make_config, rel_err)
+                         expected_after, make_case, make_config, rel_err)
 from tests.conformance.cases import cases
 from tests.conftest import shard_of
 
@@ -66,10 +66,7 @@ def test_three_steps_back_to_back(backend_name, kda_device, require_backend):
     cfg = spec.cfg
     require_backend(backend_name, cfg, kda_device)
     args = make_case(spec, kda_device)
-    before = clone_args(args)
-    expected = clone_args(args)
-    for _ in range(3):
-        reference_step(cfg, expected)
+    before, expected = expected_after(cfg, args, steps=3)
     for _ in range(3):
         call_public(args, cfg, backend_name)
     errors = compare_step(args, expected, before)

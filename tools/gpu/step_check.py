@@ -10,8 +10,7 @@ import sys
 
 import torch
 
-from kda.reference import reference_step
-from kda.testing import CaseSpec, call_public, clone_args, compare_step, make_case, make_config
+from kda.testing import CaseSpec, call_public, compare_step, expected_after, make_case, make_config
 
 
 def main(argv) -> int:
@@ -20,8 +19,7 @@ def main(argv) -> int:
     for cfg in (make_config(H, T, "SD", lb=-5.0, bias=True),
                 make_config(H, T, "DS", gm=1, record=T > 1)):
         args = make_case(CaseSpec(cfg, R=R, seed=H * 100 + R), "cuda")
-        before, expected = clone_args(args), clone_args(args)
-        reference_step(cfg, expected)
+        before, expected = expected_after(cfg, args)
         call_public(args, cfg, backend)
         torch.cuda.synchronize()
         errors = compare_step(args, expected, before)

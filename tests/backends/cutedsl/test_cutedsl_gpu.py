@@ -22,9 +22,8 @@ import pytest
 import torch
 
 from kda.backends.cutedsl import policy
-from kda.reference import reference_step
-from kda.testing import (WRITTEN, CaseSpec, bits_equal, clone_args, compare_step, make_case,
-                         make_config)
+from kda.testing import (WRITTEN, CaseSpec, bits_equal, clone_args, compare_step, expected_after,
+                         make_case, make_config)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -82,9 +81,7 @@ def test_split_bit_identical_to_wide(spec, C, device, require_backend):
     split = _launcher(f"split{C}", cfg, device, require_backend)
     a_split = make_case(spec, device)
     a_wide = clone_args(a_split)
-    before = clone_args(a_split)
-    expected = clone_args(a_split)
-    reference_step(cfg, expected)
+    before, expected = expected_after(cfg, a_split)
     split(a_split)
     wide(a_wide)
     torch.cuda.synchronize()
@@ -131,9 +128,7 @@ def test_cutedsl_runs_the_policy_kernel(R, kind, device, require_backend, monkey
     spec = CaseSpec(cfg, R=R, seed=40 + R)
     args = make_case(spec, device)
     wide_args = clone_args(args)
-    before = clone_args(args)
-    expected = clone_args(args)
-    reference_step(cfg, expected)
+    before, expected = expected_after(cfg, args)
     step(args)
     assert calls == [kind], f"R={R} ({R * H} items): ran {calls}, policy names {kind}"
     _launcher("wide", cfg, device, require_backend)(wide_args)
@@ -173,10 +168,7 @@ def test_chained_steps(name, R, T, kind, device, require_backend):
     cfg = spec.cfg
     step = _step(name, cfg, device, require_backend)
     args = make_case(spec, device)
-    before = clone_args(args)
-    expected = clone_args(args)
-    for _ in range(3):
-        reference_step(cfg, expected)
+    before, expected = expected_after(cfg, args, steps=3)
     for _ in range(3):
         step(args)
     torch.cuda.synchronize()
