@@ -172,7 +172,11 @@ class KdaDecode:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
                 else torch.device("cpu")
-        device = torch.device(device)
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise KdaArgumentError("device", f"expected a torch device or its name ('cuda', "
+                                             f"'cuda:1', 'cpu'), got {device!r} ({e})") from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise KdaBackendError(f"device {device}: torch sees no CUDA device here")
         if device.type == "cuda" and device.index is None:

@@ -162,7 +162,8 @@ def config_from_args(args: KdaArgs, *, scale=None, norm_eps=1e-5, lower_bound=No
         if arg == e.arg:
             raise
         raise KdaArgumentError(arg, f"{e.arg} {e.message}" if e.arg != "window" else
-                               f"{e.message} (conv_state.shape[2])") from None
+                               f"{e.message} (L = conv_state.shape[2]; T = "
+                               "state_indices.shape[1], 1 for a 1-D state_indices)") from None
 
 
 #: The call argument each KdaConfig field is derived from: errors about a field name it.
@@ -236,10 +237,15 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
         _check_contiguous("num_accepted_tokens", args.num_accepted_tokens)
     elif args.num_accepted_tokens is not None:
         raise KdaArgumentError("num_accepted_tokens", "expected None for T = 1 (state_indices is "
-                                                      "[R]); pass state_indices [R, T] for verify")
+                                                      "[R]; pass state_indices [R, T] for verify), "
+                                                      "got a tensor of shape "
+                                                      f"{list(args.num_accepted_tokens.shape)}")
     _check_tensor("conv_weight", args.conv_weight, (cfg.conv_weight_dtype,), (3, 4, dim), dev)
     _check_contiguous("conv_weight", args.conv_weight)
     if cfg.has_conv_bias:
+        if args.conv_bias is None:
+            raise KdaArgumentError("conv_bias", f"expected a float32 tensor [{3 * dim}] (the "
+                                                "configuration has a conv bias), got None")
         _check_tensor("conv_bias", args.conv_bias, (torch.float32,), (3 * dim,), dev)
         _check_contiguous("conv_bias", args.conv_bias)
     elif args.conv_bias is not None:
@@ -264,7 +270,12 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
     if cs.shape[0] != slots:
         raise KdaArgumentError("conv_state", f"mismatched slot counts: expected {slots} slots (as state), "
                                              f"got {cs.shape[0]}")
-    if cs.shape[1] == 3 * dim and cs.shape[2] != L:
+    if cs.shape[1] != 3 * dim:
+        raise KdaArgumentError("conv_state", f"expected shape [slots, 3*dim = {3 * dim}, L] (the "
+                                             "channel axis second in both layouts; a cache stored "
+                                             "window-first as [slots, L, 3*dim] is passed as its "
+                                             f"transpose(1, 2)), got shape {list(cs.shape)}")
+    if cs.shape[2] != L:
         # (the object form's window is the configuration's: a KdaConfig copied with
         # dataclasses.replace(cfg, T=...) keeps the window it had)
         raise KdaArgumentError("conv_state", f"expected L = {L} window positions (KdaConfig.window; "

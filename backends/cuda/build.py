@@ -90,11 +90,20 @@ def _import_library(path: pathlib.Path, name: str) -> ModuleType:
 
 
 def load(verbose: bool = False) -> ModuleType:
-    """The extension module, compiled on first use; later calls return the same module."""
+    """The extension module, compiled on first use; later calls return the same module.
+
+    Raises:
+      RuntimeError: torch is not a CUDA build (the extension links against torch's CUDA
+        libraries), or the compilation failed.
+    """
     global _module
     with _lock:
         if _module is not None:
             return _module
+        import torch
+        if torch.version.cuda is None:
+            raise RuntimeError(f"the cuda backend needs a CUDA build of torch; this one is "
+                               f"{torch.__version__} (CPU only)")
         name, build_dir = module_name(), cache_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
         # One builder per cache directory across processes (server workers, test shards
@@ -135,7 +144,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="show the compiler commands")
     args = parser.parse_args(argv)
-    mod = load(verbose=args.verbose)
+    try:
+        mod = load(verbose=args.verbose)
+    except RuntimeError as e:
+        print(f"cannot build the cuda extension: {e}", file=sys.stderr)
+        return 1
     print(f"{mod.__name__}: {mod.__file__}")
     return 0
 

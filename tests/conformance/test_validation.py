@@ -58,6 +58,8 @@ BAD = [
     ("conv_state-slots", CFG1, lambda a: {"conv_state": a.conv_state[:-1]}, "conv_state",
      "mismatched slot counts"),
     ("conv_state-dtype", CFG1, lambda a: {"conv_state": a.conv_state.half()}, "conv_state", "dtype"),
+    ("conv_state-transposed", CFG1, lambda a: {"conv_state": a.conv_state.transpose(1, 2)},
+     "conv_state", "transpose(1, 2)"),
     ("f_a-shape", CFG1, lambda a: {"f_a": a.f_a[:, :64]}, "f_a", "shape"),
     ("f_b-dtype", CFG1, lambda a: {"f_b": a.f_b.float()}, "f_b", "dtype"),
     ("f_b-misaligned", CFG1, lambda a: {"f_b": _misaligned(a.f_b)}, "f_b", "16-byte aligned"),
@@ -383,3 +385,20 @@ def test_config_window_defaults_to_t_plus_2():
         kda.KdaDecode(t1, device="cpu", backend="reference")(**_object_kw(a))
     assert ei.value.arg == "conv_state" and "expected L = 4" in str(ei.value)
     assert "KdaConfig.window" in str(ei.value)
+
+
+def test_object_form_names_a_missing_conv_bias():
+    """A KdaDecode configured with a conv bias, called without one: the error says why."""
+    cfg = dataclasses.replace(CFG1, has_conv_bias=True)
+    a = make_case(CaseSpec(cfg, R=2))
+    before = clone_args(a)
+    with pytest.raises(KdaArgumentError) as ei:
+        kda.KdaDecode(cfg, device="cpu", backend="reference")(**{**_object_kw(a), "conv_bias": None})
+    assert ei.value.arg == "conv_bias" and "got None" in str(ei.value), str(ei.value)
+    _assert_untouched(a, before)
+
+
+def test_object_form_names_a_bad_device():
+    with pytest.raises(KdaArgumentError) as ei:
+        kda.KdaDecode(CFG1, device="gpu", backend="reference")
+    assert ei.value.arg == "device" and "'gpu'" in str(ei.value), str(ei.value)
