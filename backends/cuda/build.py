@@ -93,17 +93,13 @@ def load(verbose: bool = False) -> ModuleType:
     """The extension module, compiled on first use; later calls return the same module.
 
     Raises:
-      RuntimeError: torch is not a CUDA build (the extension links against torch's CUDA
-        libraries), or the compilation failed.
+      RuntimeError: the library is not built yet and torch is not a CUDA build (the
+        extension compiles against torch's CUDA libraries), or the compilation failed.
     """
     global _module
     with _lock:
         if _module is not None:
             return _module
-        import torch
-        if torch.version.cuda is None:
-            raise RuntimeError(f"the cuda backend needs a CUDA build of torch; this one is "
-                               f"{torch.__version__} (CPU only)")
         name, build_dir = module_name(), cache_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
         # One builder per cache directory across processes (server workers, test shards
@@ -122,7 +118,12 @@ def load(verbose: bool = False) -> ModuleType:
 def _load_locked(name: str, build_dir: pathlib.Path, verbose: bool) -> ModuleType:
     lib = _built_library(build_dir, name)
     if lib is None:
+        import torch
         from torch.utils import cpp_extension
+
+        if torch.version.cuda is None:
+            raise RuntimeError(f"the cuda backend needs a CUDA build of torch to compile; this "
+                               f"one is {torch.__version__} (CPU only)")
 
         return cpp_extension.load(
             name=name,

@@ -140,3 +140,21 @@ def test_load_imports_a_built_library_without_compiling(monkeypatch, tmp_path):
     monkeypatch.setattr(cpp_extension, "load", no_compile)
     assert build.load() is sentinel and build.load() is sentinel
     assert imported == [(lib, build.module_name())]
+
+
+def test_load_without_a_built_library_on_cpu_torch_says_so(monkeypatch, tmp_path):
+    """With nothing built and a CPU build of torch, load names the cause instead of failing
+    inside the compiler, and compiles nothing."""
+    import torch
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("KDA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "_module", None)
+    monkeypatch.setattr(torch.version, "cuda", None)
+
+    def no_compile(**kw):
+        raise AssertionError("compiled with a CPU build of torch")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compile)
+    with pytest.raises(RuntimeError, match="needs a CUDA build of torch"):
+        build.load()
