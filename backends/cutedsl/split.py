@@ -23,8 +23,9 @@ Per CTA:
 4. main warps: the recurrence of the CTA's rows (all T tokens, rows in waves of up to 32
    straight from the staged block), state stores, ``o`` of each row sent with ``st.async`` to the CTA
    that owns the token (``t % C``).
-5. the owner of token t: gated RMSNorm over the 128 values, ``out``; rank 0 rewrites the q / k
-   window once every CTA's o of token 0 arrived (so every CTA has read the history).
+5. the owner of token t: gated RMSNorm over the 128 values, ``out``; rank 0 writes the new
+   q / k windows, kept in its shared memory since step 3, once every CTA's o of token 0
+   arrived (so every CTA has read the history).
 
 Every value is computed in the same order whatever C, and in the same order as the
 one-CTA-per-item kernel (:mod:`kda.backends.cutedsl.wide`): the same conv per channel, the
@@ -157,6 +158,10 @@ class KdaSplit:
         s_b = smem.allocate_tensor(Float32, cute.make_layout((8,)), byte_alignment=16)
         s_red = smem.allocate_tensor(Float32, cute.make_layout((T, 3, 4), stride=(12, 4, 1)),
                                      byte_alignment=16)
+        # rank 0: the new q / k windows (thread tid: q channel tid, k channel tid), kept from
+        # the start until every CTA has read the history, then written without a re-read
+        s_win = smem.allocate_tensor(g.cs.element_type, cute.make_layout(
+            (2, T + 2, MAIN), stride=((T + 2) * MAIN, MAIN, 1)), byte_alignment=16)
         # the gate warp's f_b rows, rows padded to 136 bf16 so that the MMA fragment loads
         # of a warp hit 32 distinct banks
         s_fb = smem.allocate_tensor(BFloat16, cute.make_layout((self.F, D), stride=(FB_ROW, 1)),
@@ -235,16 +240,19 @@ class KdaSplit:
             cute.autovec_copy(tB, rB)
 
         # ---- 3. slots and liveness (every thread, uniform loads)
+        # (the T slot ids and num_accepted_tokens are loaded together: selecting the source
+        # slot costs no second round trip)
         cslot = g.si[r, 0]
         src = cslot
         off = Int32(0)
         if cutlass.const_expr(T > 1):
+            ids = [g.si[r, t] for t in range(1, T)]
             a = g.na[r]
             a = cutlass.max(cutlass.min(a, Int32(T)), Int32(1))
             off = a - 1
             for t in cutlass.range_constexpr(1, T):
                 if off == t:
-                    src = g.si[r, t]
+                    src = ids[t - 1]
         live = (src > 0) & (src < slots) & (cslot > 0) & (cslot < slots)
 
         if live:
@@ -257,7 +265,7 @@ class KdaSplit:
             if is_main:
                 self._main(g, tid, rank, h, r, cslot, src, off, slots, wq, wk, wv, bq, bk, bv,
                            nwv, xq, xk, xv, ogr, braw, scale, eps, s_state, s_q, s_k, s_a, s_o,
-                           s_v, s_b, s_red, bars)
+                           s_v, s_b, s_red, s_win, bars)
             else:
                 self._gate(g, mma, thr, rB, s_fb, bar_fb, lane, rank, h, r, cslot, lb, s_a,
                            bar_alpha)
@@ -273,7 +281,7 @@ class KdaSplit:
     @cute.jit
     def _main(self, g, tid, rank, h, r, cslot, src, off, slots, wq, wk, wv, bq, bk, bv, nwv,
               xq, xk, xv, ogr, braw, scale, eps, s_state, s_q, s_k, s_a, s_o, s_v, s_b, s_red,
-              bars):
+              s_win, bars):
         ks, T, C, dim = self.ks, self.T, self.C, self.dim
         warp_i = tid // 32
         lane = tid % 32
@@ -282,6 +290,10 @@ class KdaSplit:
         # history and inputs of the q / k channel tid (and the v row, where tid < rows)
         hq = [g.cs[cslot, h * D + tid, off + j] for j in range(3)]
         hk = [g.cs[cslot, dim + h * D + tid, off + j] for j in range(3)]
+        if rank == 0:
+            for i, win in enumerate((self._window(g, hq, xq), self._window(g, hk, xk))):
+                for pos in cutlass.range_constexpr(T + 2):
+                    s_win[i, pos, tid] = win[pos]
         if tid < T:
             s_b[tid] = N.sigmoid(Float32(braw))
         yq = self._conv(hq, xq, wq, bq)
@@ -333,12 +345,10 @@ class KdaSplit:
                 g.out[n0 + t, h * D + tid] = BFloat16(y)
         if rank == 0:
             # every CTA's o of token 0 arrived (rank 0 owns it), so every CTA has read the
-            # q / k history; only rank 0 writes these channels, so it reads its own history and
-            # inputs again here rather than holding them in registers across the recurrence
-            for ch in (h * D + tid, dim + h * D + tid):
-                hist = [g.cs[cslot, ch, off + j] for j in range(3)]
-                xs = [g.x[n0 + t, ch] for t in range(T)]
-                self._rewrite(g, cslot, ch, hist, xs)
+            # q / k history: rank 0 writes the new windows it kept in shared memory
+            for i in cutlass.range_constexpr(2):
+                for pos in cutlass.range_constexpr(T + 2):
+                    g.cs[cslot, i * dim + h * D + tid, pos] = s_win[i, pos, tid]
 
     def _conv(self, hist_raw, x_raw, w, bias):
         """acc = bias; acc = fma(s[t+e], w[e], acc) over s = [w0, w1, w2, x_0..]; bf16(silu)."""
@@ -351,9 +361,14 @@ class KdaSplit:
             ys.append(N.bf16_round(N.fmul(acc, N.sigmoid(acc))))
         return ys
 
+    @staticmethod
+    def _window(g, hist_raw, x_raw):
+        """The new window: [w1, w2, x_0 .. x_{T-1}] (raw values, cast to the cache dtype)."""
+        return [hist_raw[1], hist_raw[2]] + [g.cs.element_type(v) for v in x_raw]
+
     def _rewrite(self, g, cslot, ch, hist_raw, x_raw):
-        """new[0] = w1, new[1] = w2, new[2+t] = x_t (raw values, cast to the cache dtype)."""
-        new = [hist_raw[1], hist_raw[2]] + [g.cs.element_type(v) for v in x_raw]
+        """Writes :meth:`_window` to channel ``ch`` of slot ``cslot``."""
+        new = self._window(g, hist_raw, x_raw)
         for pos in range(self.T + 2):
             g.cs[cslot, ch, pos] = new[pos]
 
