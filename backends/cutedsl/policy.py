@@ -14,11 +14,12 @@ from typing import Optional
 #: ``splitC`` runs each item on a cluster of C CTAs (:mod:`kda.backends.cutedsl.split`),
 #: ``wide`` on one CTA (:mod:`kda.backends.cutedsl.wide`). Step times against the wide kernel.
 KERNEL_BY_ITEMS = {
-    1: ((48, "split8"),   # H=12 R=1: 3.3 us against 6.1; H=32 R=1: 3.9 against 6.5
-        (None, "wide")),  # H=96 R=1: 9.2 us against 9.5 on 4 CTAs; H=32 R=8: 14.5 against 17.7 on 2
-    2: ((48, "split8"),   # T=4 H=12 R=1: 5.2 us against 11.5; H=32 R=1: 8.3 against 12.8 (T=5 9.4 / 14.4)
-        (96, "split4"),   # T=4 H=96 R=1: 15.4 us against 16.3; H=12 R=8: 15.4 against 15.9
-        (None, "wide")),  # T=4 H=32 R=8: 28.7 us against 42.8 on 2 CTAs (T=5 33.8 / 48.5)
+    1: ((32, "split8"),   # H=12 R=1: 2.9 us against 5.8 wide, 3.6 split4; H=32 R=1: 3.7 against 6.5
+        (64, "split4"),   # H=12 R=4: 4.6 us against 4.9 split8, 6.3 wide; H=32 R=2: 6.2 against 6.7 wide
+        (None, "wide")),  # H=12 R=8: 8.6 us against 9.1 split4; H=32 R=4: 10.2 against 11.5 split2
+    2: ((48, "split8"),   # T=4 H=12 R=1: 5.1 us against 11.7 wide; H=12 R=4: 8.7 against 9.4 split4
+        (96, "split4"),   # T=4 H=96 R=1: 14.9 us against 16.1 wide; H=12 R=8: 14.8 against 15.8 wide
+        (None, "wide")),  # T=4 H=32 R=4: 18.0 us against 20.5 split2; H=12 R=16: 24.0 against 24.8
 }
 
 
