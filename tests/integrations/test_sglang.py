@@ -1,0 +1,403 @@
+"""The SGLang adapter (kda/integrations/sglang.py) on SGLang 0.5.23's tensor layouts, without SGLang.
+
+Runs in the default suite: nothing here imports SGLang. SGLang's decode path cannot run here
+as it is (its kernels are Triton kernels for a GPU; they run on a CPU only in Triton's
+interpreter with SGLang and its import-time dependencies installed, which
+``tools/sglang/run_tests.sh`` does for ``test_sglang_package.py``). So the baseline here is
+``sglang_decode``, a PyTorch transcription of what SGLang 0.5.23 computes for one Kimi-Linear
+decode batch, written from its source (each step cites the file and function), plus kda's
+``reference`` backend called directly on the op's native layouts:
+
+* the adapter's output, state pool and conv pool after 1-3 steps equal the transcription's
+  within kda.testing's tolerances (the conv window exactly), for the live requests;
+* they equal kda's reference run on re-laid-out copies bit for bit (so the mapping, not just
+  the numerics, is right);
+* the SGLang pools are updated in place (no copies): other layers' pages and SGLang's padding
+  slot 0 stay bit-identical;
+* ``forward_decode`` reads the caches and slot table where SGLang keeps them, calls the
+  backend's ``_track_mamba_state_decode`` as SGLang's ``forward_decode`` does, and caches the
+  conv-weight re-layout and the step per layer;
+* bad arguments raise ``KdaArgumentError`` naming them.
+
+The transcription itself is checked against SGLang's own kernels in
+``test_sglang_package.py`` (manual).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kda
+from kda.errors import KdaArgumentError
+from kda.integrations import sglang as adapter
+from kda.testing import TOLERANCES
+
+D = 128
+LAYERS = 2           # KDA layers in the pool; the step runs on layer 1
+SLOTS = 12           # SGLang allocates size + 1 slots; slot 0 is its padding slot
+
+
+# ---- SGLang's layouts, built by hand -------------------------------------------------------
+
+def sglang_layer(H: int, N: int, *, seed: int = 0, lower_bound=None, bias: bool = False,
+                 norm_dtype=torch.bfloat16, pad_rows: int = 1):
+    """The tensors SGLang 0.5.23 hands a Kimi-Linear KDA layer's decode, in its layouts.
+
+    * Packed projection: ``KimiDeltaAttention.forward_qkvbfg_fused``
+      (sglang/srt/models/kimi_linear.py) splits ``fused_qkvbfg_a_proj``'s output
+      ``[N, 3*dim + H + 2*128]`` into qkv ``[N, 3*dim]``, beta ``[N, H]`` and fg_a
+      ``[N, 256]`` (f_a | g_a): column slices, row pitch ``385*H + 256``.
+    * ``fused_fg_b_proj`` (``ColumnParallelBatchedLinear``, sglang/srt/layers/linear.py):
+      weight ``[2, dim, 128]`` (f_b, g_b); forget gate and g_proj_states are its bmm.
+    * Conv weight: ``qkv_conv1d.weight`` fp32 ``[3*dim, 1, 4]``; the layer keeps
+      ``.squeeze(1)`` ``[3*dim, 4]`` (``KimiDeltaAttention.__init__``). A_log
+      ``[1, 1, H, 1]`` fp32, dt_bias ``[dim]`` fp32, o_norm weight ``[128]``.
+    * Pools: ``MambaPool.__init__`` (sglang/srt/mem_cache/memory_pool.py) allocates conv
+      ``[layers, size + 1, *shape.conv[0]]`` and temporal ``[layers, size + 1, *shape.temporal]``;
+      ``KimiLinearStateShape.create`` (sglang/srt/configs/mamba_utils.py) makes the conv
+      shape ``(K-1, 3*dim)`` = ``(3, 3*dim)`` and the temporal ``(H, 128, 128)`` (V-major, the
+      decode kernel indexes ``o_v * K + o_k``). ``mamba2_layer_cache(layer).conv[0]`` and
+      ``.temporal`` are the per-layer slices.
+    * Slot table: ``MambaAttnBackendBase._forward_metadata``
+      (sglang/srt/layers/attention/hybrid_linear_attn_backend.py) gathers
+      ``forward_metadata.mamba_cache_indices`` int32 ``[bs]``; CUDA-graph padding rows carry
+      the reserved padding slot 0.
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0, dtype=torch.bfloat16):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    dim = H * D
+    pitch = 3 * dim + H + 2 * D
+    fused = randn(N, pitch)
+    qkv, beta, fg_a = torch.split(fused, [3 * dim, H, 2 * D], dim=-1)
+    fg_b_weight = randn(2, dim, D, scale=D ** -0.5)
+    conv_param = (torch.randn(3 * dim, 1, 4, generator=g) * 0.5).float()
+    pools_conv = randn(LAYERS, SLOTS, 3, 3 * dim)
+    pools_temporal = (torch.randn(LAYERS, SLOTS, H, D, D, generator=g) * 0.05).float()
+    live = torch.randperm(SLOTS - 1, generator=g)[: N - pad_rows].to(torch.int32) + 1
+    cache_indices = torch.cat([live, torch.zeros(pad_rows, dtype=torch.int32)])
+    t = types.SimpleNamespace(
+        H=H, N=N, dim=dim, fused=fused, qkv=qkv, beta=beta.unsqueeze(0),  # b: [1, N, H]
+        f_a=fg_a[:, :D], g_a=fg_a[:, D:], fg_b_weight=fg_b_weight,
+        conv_param=conv_param, conv_weights=conv_param.squeeze(1),
+        bias=(torch.randn(3 * dim, generator=g) * 0.1).float() if bias else None,
+        A_log=(torch.rand(1, 1, H, 1, generator=g) * 2 - 1).float(),
+        dt_bias=(torch.randn(dim, generator=g) * 0.5).float(),
+        lower_bound=lower_bound,
+        norm_weight=(1 + torch.randn(D, generator=g) * 0.1).to(norm_dtype), norm_eps=1e-5,
+        pools_conv=pools_conv, pools_temporal=pools_temporal, layer_id=1,
+        cache_indices=cache_indices)
+    t.conv_states = pools_conv[t.layer_id]
+    t.ssm_states = pools_temporal[t.layer_id]
+    # g_proj_states, as the wiring computes it (SGLang: the g half of fused_fg_b_proj's bmm)
+    t.output_gate = F.linear(t.g_a, fg_b_weight[1])
+    return t
+
+
+def new_inputs(t, seed: int):
+    """Fresh projection rows for the next step (same pools, same slots)."""
+    g = torch.Generator().manual_seed(seed)
+    fused = torch.randn(t.N, t.fused.shape[1], generator=g).to(torch.bfloat16)
+    qkv, beta, fg_a = torch.split(fused, [3 * t.dim, t.H, 2 * D], dim=-1)
+    t.fused, t.qkv, t.beta, t.f_a, t.g_a = fused, qkv, beta.unsqueeze(0), fg_a[:, :D], fg_a[:, D:]
+    t.output_gate = F.linear(t.g_a, t.fg_b_weight[1])
+
+
+# ---- SGLang 0.5.23's decode, transcribed ---------------------------------------------------
+
+def sglang_decode(t, conv_states, ssm_states):
+    """What SGLang computes for one decode batch; updates the two pools like SGLang does.
+
+    Returns ``[N, dim]``, the input of ``o_proj``. Steps, in SGLang's order:
+    """
+    H, dim, N = t.H, t.dim, t.N
+    idx = t.cache_indices.long()
+    # 1. Gate: KimiDeltaAttention.forward_qkvbfg_fused -> fused_fg_b_proj (bmm, bf16 out).
+    a = F.linear(t.f_a, t.fg_b_weight[0])                           # [N, dim] bf16
+    # 2. Conv: KDAAttnBackend.forward_decode -> causal_conv1d_update(mixed_qkv,
+    #    conv_states.transpose(-1, -2), conv_weights, bias, activation="silu",
+    #    conv_state_indices=cache_indices) (sglang/kernels/ops/mamba/causal_conv1d_triton.py):
+    #    fp32 taps over [window, x], SiLU, cast to the activation dtype; the window shifts by
+    #    one and takes x; rows with the pad id -1 are skipped (slot 0 is processed).
+    cs = conv_states.transpose(-1, -2)                               # [slots, 3*dim, 3]
+    w = t.conv_weights.float()                                       # [3*dim, 4]
+    qkv = torch.empty(N, 3 * dim, dtype=torch.bfloat16)
+    for n in range(N):
+        s = int(idx[n])
+        if s == -1:
+            continue
+        win = cs[s].float()                                          # [3*dim, 3]
+        seq = torch.cat([win, t.qkv[n].float()[:, None]], dim=1)    # [3*dim, 4]
+        acc = (seq * w).sum(dim=1)
+        if t.bias is not None:
+            acc = acc + t.bias
+        qkv[n] = F.silu(acc).to(torch.bfloat16)
+        cs[s, :, :2] = cs[s, :, 1:].clone()
+        cs[s, :, 2] = t.qkv[n].to(cs.dtype)
+    q, k, v = (x.float().view(N, H, D) for x in qkv.split(dim, dim=-1))
+    # 3. Recurrence: TritonKDAKernel.decode -> fused_sigmoid_gating_delta_rule_update(
+    #    is_kda=True, use_qk_l2norm_in_kernel=True, softplus threshold 20)
+    #    (sglang/kernels/ops/attention/linear/fused_sigmoid_gating_recurrent.py); the packed
+    #    decode the CUDA build selects computes the same.
+    x = a.float().view(N, H, D) + t.dt_bias.view(H, D)
+    A = t.A_log.view(H, 1).exp()
+    if t.lower_bound is None:
+        g = -A * torch.where(x <= 20.0, torch.log1p(torch.exp(x)), x)
+    else:
+        g = t.lower_bound * torch.sigmoid(A * x)
+    beta = torch.sigmoid(t.beta[0].float())                          # [N, H]
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * D ** -0.5
+    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    o = torch.zeros(N, H, D, dtype=torch.bfloat16)
+    for n in range(N):
+        s = int(idx[n])
+        h = ssm_states[s].float().clone() if s >= 0 else torch.zeros(H, D, D)  # [H, V, K]
+        h = h * g[n].exp()[:, None, :]
+        u = beta[n][:, None] * (v[n] - (h * k[n][:, None, :]).sum(-1))
+        h = h + u[:, :, None] * k[n][:, None, :]
+        o[n] = (h * q[n][:, None, :]).sum(-1).to(torch.bfloat16)
+        if s >= 0:
+            ssm_states[s] = h
+    # 4. Output norm: KimiDeltaAttention.forward -> o_norm (FusedRMSNormGated, activation
+    #    "sigmoid"; sglang/kernels/ops/attention/fla/fused_norm_gate.py), per head over 128.
+    of = o.float()
+    y = of * torch.rsqrt((of * of).mean(-1, keepdim=True) + t.norm_eps)
+    y = y * t.norm_weight.float() * torch.sigmoid(t.output_gate.float().view(N, H, D))
+    return y.to(torch.bfloat16).view(N, dim)
+
+
+def run_adapter(t, backend="reference", out=None):
+    return adapter.decode_step(
+        t.qkv, t.f_a, t.beta, conv_weight=adapter.conv_weight(t.conv_weights),
+        conv_bias=t.bias, A_log=t.A_log, dt_bias=t.dt_bias, conv_states=t.conv_states,
+        ssm_states=t.ssm_states, cache_indices=t.cache_indices, f_b=t.fg_b_weight[0],
+        output_gate=t.output_gate, norm_weight=t.norm_weight, norm_eps=t.norm_eps,
+        lower_bound=t.lower_bound, out=out, backend=backend)
+
+
+def within(actual, expected, tol) -> str:
+    """'' when |a - e| <= atol + rtol*|e| for all but tol.frac of the elements and the loose
+    bound holds for all; else what failed."""
+    a, e = actual.double(), expected.double()
+    err = (a - e).abs()
+    bad = (err > tol.atol + tol.rtol * e.abs()).double().mean().item()
+    loose = int((err > tol.loose_atol + tol.loose_rtol * e.abs()).sum())
+    if torch.isnan(a).any() or bad > tol.frac or loose:
+        return f"{bad:.2%} beyond tolerance, {loose} beyond the loose bound, max {err.max():.3g}"
+    return ""
+
+
+def live_rows(t):
+    return (t.cache_indices > 0).nonzero().flatten()
+
+
+# ---- tests ---------------------------------------------------------------------------------
+
+CASES = [
+    dict(H=8, N=5),                                    # Kimi-Linear-48B at TP 4
+    dict(H=8, N=4, lower_bound=-5.0),                  # bounded ("safe") gate
+    dict(H=16, N=3, bias=True, norm_dtype=torch.float32),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_matches_sglang_transcription(case):
+    t = sglang_layer(**case)
+    s = sglang_layer(**case)           # SGLang's copy of the same pools
+    for step in range(3):
+        if step:
+            new_inputs(t, 100 + step)
+            new_inputs(s, 100 + step)
+        out = run_adapter(t)
+        ref = sglang_decode(s, s.conv_states, s.ssm_states)
+        rows = live_rows(t)
+        slots = t.cache_indices[rows].long()
+        assert not (msg := within(out[rows].float(), ref[rows].float(), TOLERANCES["out"])), \
+            f"step {step}: out {msg}"
+        assert not (msg := within(t.ssm_states[slots], s.ssm_states[slots],
+                                  TOLERANCES["state"])), f"step {step}: state {msg}"
+        assert torch.equal(t.conv_states[slots], s.conv_states[slots]), f"step {step}: window"
+        assert (out[t.cache_indices <= 0] == 0).all(), "padding rows are dead items (zeros)"
+
+
+def test_mapping_is_bit_exact_against_the_reference_on_native_layouts():
+    t = sglang_layer(H=8, N=6, bias=True, pad_rows=2)
+    # The op's native arguments, as copies: conv cache [slots, 3*dim, 3] dim-first ("DS"),
+    # A_log [H], beta [N, H], contiguous x / f_a.
+    conv_native = t.conv_states.transpose(-1, -2).contiguous()
+    state_native = t.ssm_states.clone()
+    want = kda.kda_decode(
+        t.qkv.contiguous(), adapter.conv_weight(t.conv_param), t.bias, conv_native,
+        t.f_a.contiguous(), t.fg_b_weight[0].clone(), t.beta[0].contiguous(),
+        t.A_log.flatten().clone(), t.dt_bias, state_native, t.cache_indices.clone(),
+        t.output_gate, t.norm_weight, norm_eps=t.norm_eps, backend="reference")
+    got = run_adapter(t)
+    assert torch.equal(got, want)
+    assert torch.equal(t.ssm_states, state_native)
+    assert torch.equal(t.conv_states, conv_native.transpose(-1, -2))
+
+
+def test_pools_updated_in_place_and_nothing_else():
+    t = sglang_layer(H=8, N=4)
+    before_conv, before_temporal = t.pools_conv.clone(), t.pools_temporal.clone()
+    out = torch.full((t.N, t.dim), float("nan"), dtype=torch.bfloat16)
+    got = run_adapter(t, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    slots = t.cache_indices[t.cache_indices > 0].long()
+    other = torch.ones(SLOTS, dtype=torch.bool)
+    other[slots] = False
+    # the step wrote the layer's pages of the live slots, in SGLang's own pool tensors ...
+    assert not torch.equal(t.pools_temporal[1, slots], before_temporal[1, slots])
+    assert not torch.equal(t.pools_conv[1, slots], before_conv[1, slots])
+    # ... and nothing else: other layers, other slots, SGLang's padding slot 0
+    assert torch.equal(t.pools_temporal[0], before_temporal[0])
+    assert torch.equal(t.pools_conv[0], before_conv[0])
+    assert torch.equal(t.pools_temporal[1, other], before_temporal[1, other])
+    assert torch.equal(t.pools_conv[1, other], before_conv[1, other])
+    assert other[0]
+
+
+def test_conv_weight_relayout():
+    t = sglang_layer(H=8, N=2)
+    w = adapter.conv_weight(t.conv_weights)
+    assert w.shape == (3, 4, t.dim) and w.dtype == torch.float32 and w.is_contiguous()
+    # op: conv_weight[p, j, c] multiplies window position j of channel p*dim + c
+    assert torch.equal(w[2, 3, 5], t.conv_weights[2 * t.dim + 5, 3])
+    assert torch.equal(w[1, 0, 7], t.conv_weights[t.dim + 7, 0])
+    assert torch.equal(adapter.conv_weight(t.conv_param), w)
+    with pytest.raises(KdaArgumentError) as e:
+        adapter.conv_weight(torch.zeros(3 * t.dim, 3))
+    assert e.value.arg == "conv_weights"
+
+
+@pytest.mark.parametrize("what,arg", [
+    ("conv_states", "conv_states"), ("A_log", "A_log"), ("b", "b"),
+    ("pitch", "x"), ("ssm_dtype", "state"), ("indices", "state_indices")])
+def test_errors_name_the_argument(what, arg):
+    H = 4 if what == "pitch" else 8
+    t = sglang_layer(H=H, N=3)
+    if what == "conv_states":
+        t.conv_states = t.conv_states.flatten(1)
+    elif what == "A_log":
+        t.A_log = t.A_log.view(1, H, 1)
+    elif what == "b":
+        t.beta = t.beta.expand(2, -1, -1)
+    elif what == "ssm_dtype":
+        t.ssm_states = t.ssm_states.to(torch.bfloat16)
+    elif what == "indices":
+        t.cache_indices = t.cache_indices.long()      # SGLang: int32
+    before = (t.conv_states.clone(), t.ssm_states.clone())
+    with pytest.raises(KdaArgumentError) as e:
+        run_adapter(t)
+    assert e.value.arg == arg, str(e.value)
+    assert torch.equal(t.conv_states, before[0]) and torch.equal(t.ssm_states, before[1])
+
+
+# ---- forward_decode on duck-typed SGLang objects -------------------------------------------
+
+class _Mode:
+    def __init__(self, decode: bool):
+        self.decode = decode
+
+    def is_decode(self):
+        return self.decode
+
+    def __repr__(self):
+        return "DECODE" if self.decode else "EXTEND"
+
+
+def sglang_objects(t, decode=True):
+    """The attributes forward_decode reads, shaped as SGLang 0.5.23 holds them:
+    ``KDAAttnBackend.req_to_token_pool.mamba2_layer_cache(layer_id)`` -> ``.conv`` (list),
+    ``.temporal``; ``.forward_metadata.mamba_cache_indices``; ``RadixLinearAttention``'s
+    fields (sglang/srt/layers/radix_linear_attention.py)."""
+    tracked = []
+    pool = types.SimpleNamespace(mamba2_layer_cache=lambda lid: types.SimpleNamespace(
+        conv=[t.pools_conv[lid]], temporal=t.pools_temporal[lid]))
+    backend = types.SimpleNamespace(
+        req_to_token_pool=pool,
+        forward_metadata=types.SimpleNamespace(mamba_cache_indices=t.cache_indices),
+        _track_mamba_state_decode=lambda *a: tracked.append(a))
+    layer = types.SimpleNamespace(
+        layer_id=t.layer_id, num_q_heads=t.H, num_k_heads=t.H, num_v_heads=t.H,
+        head_q_dim=D, head_k_dim=D, head_v_dim=D, conv_weights=t.conv_weights, bias=t.bias,
+        A_log=t.A_log, dt_bias=t.dt_bias, lower_bound=t.lower_bound)
+    batch = types.SimpleNamespace(logical_forward_mode=_Mode(decode))
+    return backend, layer, batch, tracked
+
+
+def call_forward_decode(t, backend, layer, batch):
+    return adapter.forward_decode(
+        backend, layer, batch, t.qkv, t.f_a, t.beta, f_b=t.fg_b_weight[0],
+        output_gate=t.output_gate, norm_weight=t.norm_weight, norm_eps=t.norm_eps,
+        kda_backend="reference")
+
+
+def test_forward_decode_reads_sglang_caches_and_tracks():
+    t = sglang_layer(H=8, N=4)
+    s = sglang_layer(H=8, N=4)
+    backend, layer, batch, tracked = sglang_objects(t)
+    out = call_forward_decode(t, backend, layer, batch)
+    ref = run_adapter(s)
+    assert torch.equal(out, ref)
+    assert torch.equal(t.pools_temporal, s.pools_temporal)
+    assert torch.equal(t.pools_conv, s.pools_conv)
+    # SGLang's forward_decode ends with _track_mamba_state_decode(forward_batch, conv_states,
+    # ssm_states, cache_indices, layer_id); so must the stand-in.
+    (args,) = tracked
+    assert args[0] is batch and args[3] is t.cache_indices and args[4] == t.layer_id
+    assert args[1].data_ptr() == t.pools_conv[1].data_ptr()
+    assert args[2].data_ptr() == t.pools_temporal[1].data_ptr()
+
+
+def test_forward_decode_caches_per_layer_and_sees_new_conv_weights():
+    t = sglang_layer(H=8, N=3)
+    backend, layer, batch, _ = sglang_objects(t)
+    call_forward_decode(t, backend, layer, batch)
+    state = layer._kda_sglang
+    w0 = state["conv_weight"]
+    (step,) = state["steps"].values()
+    assert isinstance(step, kda.KdaDecode) and step.backend_name == "reference"
+    call_forward_decode(t, backend, layer, batch)
+    assert state["conv_weight"] is w0 and list(state["steps"].values()) == [step]
+    # RadixLinearAttention.refresh_conv_weights installs a new tensor: re-laid out
+    layer.conv_weights = t.conv_weights * 2
+    call_forward_decode(t, backend, layer, batch)
+    assert torch.equal(state["conv_weight"], w0 * 2)
+    # an in-place rewrite needs reload_weights
+    layer.conv_weights.mul_(0.5)
+    adapter.reload_weights(layer)
+    assert torch.equal(state["conv_weight"], w0)
+
+
+@pytest.mark.parametrize("what,arg", [("extend", "forward_batch"), ("bf16 pool", "ssm_states"),
+                                      ("gqa", "layer"), ("head dim", "layer")])
+def test_forward_decode_refuses_what_it_does_not_serve(what, arg):
+    t = sglang_layer(H=8, N=3)
+    if what == "bf16 pool":
+        t.pools_temporal = t.pools_temporal.to(torch.bfloat16)
+    backend, layer, batch, tracked = sglang_objects(t, decode=what != "extend")
+    if what == "gqa":
+        layer.num_q_heads = layer.num_k_heads = 4
+    elif what == "head dim":
+        layer.head_v_dim = 64
+    before = (t.pools_conv.clone(), t.pools_temporal.clone())
+    with pytest.raises(KdaArgumentError) as e:
+        call_forward_decode(t, backend, layer, batch)
+    assert e.value.arg == arg, str(e.value)
+    assert not tracked
+    assert torch.equal(t.pools_conv, before[0]) and torch.equal(t.pools_temporal, before[1])
+
+
+def test_import_kda_does_not_import_the_adapter():
+    import subprocess
+    import sys
+    code = ("import sys, kda; assert 'kda.integrations.sglang' not in sys.modules; "
+            "assert 'sglang' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
