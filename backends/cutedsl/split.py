@@ -283,7 +283,10 @@ class KdaSplit:
         hq = [g.cs[cslot, h * D + tid, off + j] for j in range(3)]
         hk = [g.cs[cslot, dim + h * D + tid, off + j] for j in range(3)]
         if tid < T:
-            s_b[tid] = N.sigmoid(Float32(braw))
+            if cutlass.const_expr(ks.beta_activated):
+                s_b[tid] = Float32(braw)      # the engine's sigmoid(beta), used as it is
+            else:
+                s_b[tid] = N.sigmoid(Float32(braw))
         yq = self._conv(hq, xq, wq, bq)
         yk = self._conv(hk, xk, wk, bk)
         if tid < self.rows:
