@@ -94,6 +94,28 @@ def kernel_config_reasons(cfg: KdaConfig, max_T: int) -> List[str]:
     return reasons
 
 
+#: The tensors whose rows the GPU kernels stage or store in vectors (bf16 rows of a token):
+#: their alignment picks the kernels' row path (:func:`row_bytes`).
+ROW_TENSORS = ("x", "f_a", "output_gate", "out")
+
+
+def row_bytes(args: KdaArgs) -> int:
+    """16, 8, 4 or 2: the widest access (in bytes, at most 16) that every row of
+    :data:`ROW_TENSORS` allows: the largest power of two up to 16 dividing each one's data
+    address and, with more than one row, its row pitch in bytes. 16 is the common case (the
+    kernels' 16-byte copies); an engine's packed projection with H % 8 != 0 heads gives less.
+
+    Host metadata only (addresses and strides), a few integer operations per call; each GPU
+    backend chooses the build it launches by it.
+    """
+    acc = 16
+    for t in (args.x, args.f_a, args.output_gate, args.out):
+        acc |= t.data_ptr()
+        if t.shape[0] > 1:
+            acc |= t.stride(0) * t.element_size()
+    return acc & -acc
+
+
 def gpu_reason(accept: Callable[[Tuple[int, int]], bool], need: str) -> Optional[str]:
     """None when torch sees a CUDA device whose compute capability ``accept`` takes, else why not.
 

@@ -2,9 +2,9 @@
 
 A :class:`KdaConfig` holds everything that selects a kernel variant (head count, tokens per
 request, conv window length and layout, gate kind, gate accumulation order, conv bias, record
-mode, cache dtypes). It is hashable, so backends key their compiled kernels on it. Everything
-that changes per step (batch size, slot ids, accepted counts, the tensors themselves) lives in
-:class:`KdaArgs`.
+mode, cache dtypes, the form of beta). It is hashable, so backends key their compiled kernels
+on it. Everything that changes per step (batch size, slot ids, accepted counts, the tensors
+themselves) lives in :class:`KdaArgs`.
 
 The contract these follow is ``docs/contract.md``.
 """
@@ -59,6 +59,9 @@ class KdaConfig:
       conv_state_dtype: bf16 (default) or fp32.
       conv_weight_dtype: fp32 (default) or bf16.
       norm_weight_dtype: fp32 (default) or bf16.
+      beta_activated: False (default): ``beta`` is bf16 raw logits and the op applies the
+        sigmoid; True: ``beta`` is fp32 already passed through the sigmoid by the engine,
+        used as it is. Never inferred from beta's dtype.
 
     Construction checks every field and stores the numbers as Python ``int`` / ``float`` /
     ``bool`` (numpy scalars are accepted).
@@ -84,6 +87,7 @@ class KdaConfig:
     conv_state_dtype: torch.dtype = torch.bfloat16
     conv_weight_dtype: torch.dtype = torch.float32
     norm_weight_dtype: torch.dtype = torch.float32
+    beta_activated: bool = False
 
     def __post_init__(self):
         for name in ("num_heads", "T", "window", "gate_mode"):
@@ -125,7 +129,7 @@ class KdaConfig:
                 raise KdaArgumentError(name, f"expected a float > 0 that is finite and normal in "
                                              f"fp32 (the kernels' precision: [{FP32_MIN_NORMAL:.4g}, "
                                              f"3.403e+38]), got {val!r} (fp32: {f32!r})")
-        for name in ("has_conv_bias", "record"):
+        for name in ("has_conv_bias", "record", "beta_activated"):
             val = getattr(self, name)
             # a bool, or numpy's bool_ (dtype kind "b")
             if not (isinstance(val, bool) or getattr(getattr(val, "dtype", None), "kind", "") == "b"):
@@ -137,7 +141,8 @@ class KdaConfig:
         normal = dict(num_heads=int(self.num_heads), T=int(self.T), window=window,
                       lower_bound=None if lb is None else float(lb),
                       gate_mode=int(self.gate_mode), has_conv_bias=bool(self.has_conv_bias),
-                      record=bool(self.record), scale=float(self.scale),
+                      record=bool(self.record), beta_activated=bool(self.beta_activated),
+                      scale=float(self.scale),
                       norm_eps=float(self.norm_eps))
         for name, val in normal.items():
             object.__setattr__(self, name, val)
@@ -163,6 +168,8 @@ class KdaConfig:
             parts.append("record")
         if self.conv_state_dtype != torch.bfloat16:
             parts.append("cs32")
+        if self.beta_activated:
+            parts.append("beta32")
         return "-".join(parts)
 
 
@@ -191,8 +198,10 @@ class KdaArgs(NamedTuple):
 
     Layout guarantees given by validation:
       x [N, 3*dim] bf16, output_gate [N, dim] bf16, f_a [N, 128] bf16, out [N, dim] bf16:
-        last stride 1, row stride any multiple of 8 elements, data 16-byte aligned.
-      beta [N, H] bf16: last stride 1, any row stride.
+        last stride 1, any row stride >= the row length, any element alignment (the GPU
+        kernels pick their row loads by :func:`kda.backend.row_bytes`).
+      beta [N, H]: bf16 (float32 with ``KdaConfig.beta_activated``), last stride 1, any row
+        stride >= H.
       state [slots, H, 128, 128] fp32: inner three dims contiguous, slot stride a multiple
         of 4 elements, 16-byte aligned.
       conv_state [slots, 3*dim, L] (bf16 or fp32): "SD" strides [s, 1, 3*dim], "DS" strides

@@ -52,6 +52,7 @@ def kda_decode(
     norm_eps: float = 1e-5,
     lower_bound: Optional[float] = None,
     gate_mode: int = 0,
+    beta_activated: bool = False,
     backend: Optional[str] = None,
 ) -> torch.Tensor:
     """One fused KDA decode step for R requests x H heads; returns ``out``.
@@ -67,7 +68,8 @@ def kda_decode(
         or dim-first (strides [s, L, 1]); rewritten in place for live items.
       f_a: [N, 128] bf16, low-rank gate activations.
       f_b: [dim, 128] bf16, gate up-projection rows of these heads.
-      beta: [N, H] bf16 logits (sigmoid applied here).
+      beta: [N, H] bf16 logits (sigmoid applied here), or with ``beta_activated`` [N, H] fp32
+        already passed through the sigmoid (used as it is, not rounded).
       A_log: [H] fp32. dt_bias: [dim] fp32.
       state: [slots, H, 128(v), 128(k)] fp32, V-major; updated in place (not in record mode).
       state_indices: [R] int32 (T=1) or [R, T] int32 (verify): slot per request / draft position.
@@ -81,6 +83,9 @@ def kda_decode(
       scale: q scale, default 128**-0.5. norm_eps: RMSNorm eps (the L2-norm eps is 1e-6).
       lower_bound: None for the softplus gate, or a float in [-5, 0) for the bounded gate.
       gate_mode: 0 or 1, accumulation order of the gate projection (see the contract).
+      beta_activated: False: ``beta`` is bf16 raw logits; True: fp32, already activated by the
+        engine (vLLM's Kimi-Linear layer computes ``sigmoid(beta)`` itself). Never inferred
+        from beta's dtype: a dtype that does not match is an error naming ``beta``.
       v_record: [slots, H, T, 128] fp32 and kg_record: [slots, H, T, 256] bf16, both or
         neither: record mode (state read but not written; u, raw k and raw gate recorded at
         row ``state_indices[r, 0]``).
@@ -88,9 +93,10 @@ def kda_decode(
       backend: a name from :data:`kda.registry.CHOICES`; default from ``--kda_backend``,
         ``$KDA_BACKEND``, else "auto".
 
-    Layouts accepted (``docs/contract.md`` section 6): x, output_gate, f_a, out with last
-    stride 1, a row stride that is a multiple of 8 elements and 16-byte aligned data (slices of
-    a fused projection output are fine); beta with last stride 1; each slot's state page
+    Layouts accepted (``docs/contract.md`` section 6): x, output_gate, f_a, beta, out with last
+    stride 1 and any row stride >= the row length, at any element alignment (column slices of
+    an engine's packed projection, whatever its row pitch, are read in place; rows that are
+    not 16-byte aligned take a narrower load path in the GPU kernels); each slot's state page
     contiguous (any slot stride, multiple of 4); conv_state in either layout with any slot
     stride (multiple of 8); everything else contiguous. Written buffers may not share memory
     with any other argument.
@@ -122,9 +128,10 @@ def kda_decode(
             args = args._replace(out=alloc_out(x, A_log.shape[0] * HEAD_DIM))
         return torch_op.call(args, scale=_host(scale), norm_eps=_host(norm_eps),
                              lower_bound=_host(lower_bound), gate_mode=_host(gate_mode),
-                             backend=backend)
+                             beta_activated=_host(beta_activated), backend=backend)
     step, args = validated_step(args, scale=scale, norm_eps=norm_eps, lower_bound=lower_bound,
-                                gate_mode=gate_mode, backend=backend)
+                                gate_mode=gate_mode, beta_activated=beta_activated,
+                                backend=backend)
     if state_indices.shape[0]:
         step(args)
     return args.out
@@ -153,7 +160,9 @@ class KdaDecode:
                    state_indices, output_gate, norm_weight, out=out_buf)
 
     Args:
-      cfg: the static configuration (see :class:`kda.config.KdaConfig`).
+      cfg: the static configuration (see :class:`kda.config.KdaConfig`; its
+        ``beta_activated`` says whether ``beta`` comes as bf16 logits or as fp32 already
+        passed through the sigmoid).
       device: the device the tensors will be on (default: current CUDA device, else CPU).
       backend: a backend name or "auto" (default: flag / env / auto, as for :func:`kda_decode`).
       validate: "first" or "always".
@@ -209,7 +218,8 @@ class KdaDecode:
     def __call__(self, x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias,
                  state, state_indices, output_gate, norm_weight, *, num_accepted_tokens=None,
                  v_record=None, kg_record=None, out=None) -> torch.Tensor:
-        """Run one step; arguments as :func:`kda_decode` (scalars come from the config).
+        """Run one step; arguments as :func:`kda_decode` (scalars and the form of ``beta``
+        come from the config).
 
         Under ``torch.compile`` the call is traced as the custom op ``torch.ops.kda.decode``
         with this object's backend and scalars, after checking that the tensors' device and
@@ -251,7 +261,8 @@ class KdaDecode:
         c = self.cfg
         self._check_device(args.x)
         got = config_from_args(args, scale=c.scale, norm_eps=c.norm_eps,
-                               lower_bound=c.lower_bound, gate_mode=c.gate_mode)
+                               lower_bound=c.lower_bound, gate_mode=c.gate_mode,
+                               beta_activated=c.beta_activated)
         for field in ("num_heads", "T", "window", "conv_layout", "has_conv_bias", "record",
                       "conv_state_dtype", "conv_weight_dtype", "norm_weight_dtype"):
             if getattr(got, field) != getattr(c, field):
@@ -261,4 +272,5 @@ class KdaDecode:
                 raise KdaArgumentError(arg, f"expected {field} = {getattr(c, field)} (this "
                                             f"KdaDecode's configuration), got {getattr(got, field)}")
         return torch_op.call(args, scale=c.scale, norm_eps=c.norm_eps, lower_bound=c.lower_bound,
-                             gate_mode=c.gate_mode, backend=self.backend.name)
+                             gate_mode=c.gate_mode, beta_activated=c.beta_activated,
+                             backend=self.backend.name)

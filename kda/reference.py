@@ -214,7 +214,9 @@ def reference_compute(cfg: KdaConfig, args: KdaArgs, precision: str = "bf16") ->
     else:
         gk = cfg.lower_bound * torch.sigmoid(A * g)
     alpha = torch.exp(gk)                                                # [R, H, T, D]
-    beta = torch.sigmoid(args.beta.view(R, T, H).to(ft)).permute(0, 2, 1)  # [R, H, T]
+    beta = args.beta.view(R, T, H).to(ft).permute(0, 2, 1)              # [R, H, T]
+    if not cfg.beta_activated:      # raw logits (else the engine's sigmoid, used as it is)
+        beta = torch.sigmoid(beta)
 
     # ---- recurrence ------------------------------------------------------------------------
     S = args.state[src_c].to(ft)                                         # [R, H, D(v), D(k)] (a copy)

@@ -6,7 +6,9 @@ serve tool, so every consumer exercises the same layouts:
 * :func:`make_case` draws fresh random inputs for a :class:`kda.config.KdaConfig` and a batch
   of R requests: slot ids, null slots (0 and -1), out-of-range accepted counts, in-place
   aliasing of the source slot with a token's write slot, both conv-cache layouts (real
-  strided storage, not a contiguous copy), optional padded row and slot strides.
+  strided storage, not a contiguous copy), optional padded row and slot strides, the
+  engine-facing forms (an engine's packed projection whose rows are not 16-byte aligned,
+  rows at odd element offsets, an activated fp32 beta).
 * Every buffer the step may write (out, records) and every cache element the step must not
   read (unreferenced slots, slot 0, window positions outside the read range) is filled with
   NaN poison, so a stray read shows up as NaN and a stray write as a changed poison bit.
@@ -36,6 +38,14 @@ class CaseSpec:
       null_frac: fraction of requests whose source slot is null (0 or -1) or out of range.
       alias: make some requests' token write slots alias their source slot (T>1).
       padded: use row strides larger than the row width and slot strides larger than a page.
+      packed: x, beta and f_a are column slices of one packed projection buffer
+        [N, 3*dim + H + 256] as an engine passes them (q|k|v, beta, f_a, then 128 columns of
+        another projection), row pitch 385*H + 256 elements: rows 16-byte aligned only when
+        H % 8 == 0 (8 bytes at H = 4, 4 at H = 2, 2 at odd H); every other column is NaN.
+        With ``cfg.beta_activated`` beta is its own fp32 tensor (the engine's sigmoid output)
+        and the buffer's beta columns stay NaN.
+      offset_rows: output_gate and out start one element into rows one element longer than
+        theirs (odd row pitch, 2-byte aligned rows).
       seed: the random seed.
     """
 
@@ -44,6 +54,8 @@ class CaseSpec:
     null_frac: float = 0.25
     alias: bool = True
     padded: bool = False
+    packed: bool = False
+    offset_rows: bool = False
     seed: int = 0
 
     @property
@@ -54,26 +66,34 @@ class CaseSpec:
             s += "-nonull"
         if self.padded:
             s += "-padded"
+        if self.packed:
+            s += "-packed"
+        if self.offset_rows:
+            s += "-offset"
         return s + f"-s{self.seed}"
 
 
 def make_config(H: int, T: int, layout: str = "SD", lb=None, gm: int = 0, bias: bool = False,
                 record: bool = False, extra_window: int = 0, cs32: bool = False,
-                bf16_weights: bool = False) -> KdaConfig:
+                bf16_weights: bool = False, beta_act: bool = False) -> KdaConfig:
     """Shorthand for test matrices: a :class:`KdaConfig` with window T + 2 + extra_window,
-    an fp32 conv cache when ``cs32`` and bf16 conv / norm weights when ``bf16_weights``."""
+    an fp32 conv cache when ``cs32``, bf16 conv / norm weights when ``bf16_weights`` and an
+    activated fp32 beta when ``beta_act``."""
     return KdaConfig(num_heads=H, T=T, window=T + 2 + extra_window, conv_layout=layout,
                      lower_bound=lb, gate_mode=gm, has_conv_bias=bias, record=record,
                      conv_state_dtype=torch.float32 if cs32 else torch.bfloat16,
                      conv_weight_dtype=torch.bfloat16 if bf16_weights else torch.float32,
-                     norm_weight_dtype=torch.bfloat16 if bf16_weights else torch.float32)
+                     norm_weight_dtype=torch.bfloat16 if bf16_weights else torch.float32,
+                     beta_activated=beta_act)
 
 
 def call_public(args: KdaArgs, cfg: KdaConfig, backend: Optional[str]) -> torch.Tensor:
-    """Run ``args`` through the public :func:`kda.kda_decode` with ``cfg``'s scalars."""
+    """Run ``args`` through the public :func:`kda.kda_decode` with ``cfg``'s scalars and
+    form of beta."""
     import kda
     return kda.kda_decode(**args._asdict(), scale=cfg.scale, norm_eps=cfg.norm_eps,
-                          lower_bound=cfg.lower_bound, gate_mode=cfg.gate_mode, backend=backend)
+                          lower_bound=cfg.lower_bound, gate_mode=cfg.gate_mode,
+                          beta_activated=cfg.beta_activated, backend=backend)
 
 
 def _randn(shape, dtype, device, gen, scale=1.0, offset=0.0):
@@ -86,6 +106,15 @@ def _rows(n: int, width: int, dtype, device, gen, padded: bool, scale=1.0) -> to
     pad = 8 if padded else 0
     full = _randn((n, width + pad), dtype, device, gen, scale)
     return full[:, :width]
+
+
+def _offset_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in rows that start one element into a NaN buffer one column wider:
+    an odd row pitch, rows 2-byte aligned (for bf16)."""
+    store = torch.full((t.shape[0], t.stride(0) + 1), float("nan"), dtype=t.dtype)
+    view = store[:, 1:1 + t.shape[1]]
+    view.copy_(t)
+    return view
 
 
 def make_case(spec: CaseSpec, device="cpu") -> KdaArgs:
@@ -171,10 +200,27 @@ def make_case(spec: CaseSpec, device="cpu") -> KdaArgs:
     # ---- operands -----------------------------------------------------------------------
     x = _rows(N, 3 * dim, torch.bfloat16, "cpu", gen, spec.padded)
     f_a = _rows(N, GATE_RANK, torch.bfloat16, "cpu", gen, spec.padded)
-    beta = _rows(N, H, torch.bfloat16, "cpu", gen, spec.padded, scale=2.0)
+    if cfg.beta_activated:      # the engine's sigmoid(logits), fp32, not rounded
+        beta = torch.sigmoid(_rows(N, H, torch.float32, "cpu", gen, spec.padded, scale=2.0))
+    else:
+        beta = _rows(N, H, torch.bfloat16, "cpu", gen, spec.padded, scale=2.0)
     output_gate = _rows(N, dim, torch.bfloat16, "cpu", gen, spec.padded, scale=2.0)
     out_store = torch.full((N, dim + (8 if spec.padded else 0)), nan, dtype=torch.bfloat16)
     out = out_store[:, :dim]
+    if spec.packed:
+        # q|k|v, beta, f_a and 128 columns of another projection in one row (pitch 385H + 256)
+        packed = torch.full((N, 3 * dim + H + 2 * GATE_RANK), nan, dtype=torch.bfloat16)
+        cols = {"x": (0, 3 * dim), "beta": (3 * dim, H), "f_a": (3 * dim + H, GATE_RANK)}
+        views = {k: packed[:, c0:c0 + w] for k, (c0, w) in cols.items()}
+        views["x"].copy_(x)
+        views["f_a"].copy_(f_a)
+        x, f_a = views["x"], views["f_a"]
+        if not cfg.beta_activated:
+            views["beta"].copy_(beta)
+            beta = views["beta"]
+    if spec.offset_rows:
+        output_gate = _offset_rows(output_gate)
+        out = _offset_rows(out)
     conv_weight = _randn((3, 4, dim), cfg.conv_weight_dtype, "cpu", gen, 0.5)
     conv_bias = _randn((3 * dim,), torch.float32, "cpu", gen, 0.2) if cfg.has_conv_bias else None
     f_b = _randn((dim, GATE_RANK), torch.bfloat16, "cpu", gen, 1.0 / math.sqrt(GATE_RANK))
@@ -400,8 +446,8 @@ def step_bytes(cfg: KdaConfig, live_requests: int) -> int:
     """Fewest bytes one step must move for ``live_requests`` live requests (the floor's numerator).
 
     Per live item (request, head): the 64 KiB fp32 state page read once; T page writes (record
-    mode writes T*(D*4 + 2D*2) record bytes instead); its bf16 operands per token: x (3*D),
-    output gate (D), out (D), beta (1); its window: 3 history positions read and T+2 written,
+    mode writes T*(D*4 + 2D*2) record bytes instead); its operands per token: x (3*D),
+    output gate (D), out (D) in bf16, beta (bf16, or fp32 when activated); its window: 3 history positions read and T+2 written,
     3*D channels each, in the cache dtype. Per live request: f_a (128 bf16 per token).
     Parameters shared by all requests (conv weights, f_b, A_log, dt_bias, norm weight) stay in
     L2 and are not counted.
@@ -410,7 +456,7 @@ def step_bytes(cfg: KdaConfig, live_requests: int) -> int:
     page = D * D * 4
     writes = T * (D * 4 + 2 * D * 2) if cfg.record else T * page
     cs = torch.tensor([], dtype=cfg.conv_state_dtype).element_size()
-    operands = T * ((3 * D + D + D) * 2 + 2)
+    operands = T * ((3 * D + D + D) * 2 + (4 if cfg.beta_activated else 2))
     window = 3 * D * (3 + T + 2) * cs
     per_item = page + writes + operands + window
     return live_requests * (cfg.num_heads * per_item + T * GATE_RANK * 2)

@@ -64,18 +64,16 @@ def _check_aligned(name: str, t: torch.Tensor) -> None:
                                      f"{t.data_ptr() % 16} bytes past alignment")
 
 
-def _check_rows(name: str, t: torch.Tensor, vector: bool = True) -> None:
-    """Last stride 1; for vector rows also a row stride multiple of 8 and 16-byte alignment."""
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    """Last stride 1 and a row stride >= the row length. Any row stride and element alignment
+    beyond that: the GPU kernels choose their row loads by the alignment of the rows
+    (:func:`kda.backend.row_bytes`), so column slices of an engine's packed projection are
+    taken as they are."""
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         raise KdaArgumentError(name, f"expected the last dimension contiguous (stride 1), "
                                      f"got strides {list(t.stride())}")
     if t.shape[0] > 1 and t.stride(0) < t.shape[1]:
         raise KdaArgumentError(name, f"expected a row stride >= {t.shape[1]}, got {t.stride(0)}")
-    if vector:
-        if t.shape[0] > 1 and t.stride(0) % 8:
-            raise KdaArgumentError(name, f"expected a row stride that is a multiple of 8 elements "
-                                         f"(16-byte vector access), got {t.stride(0)}")
-        _check_aligned(name, t)
 
 
 def conv_layout_of(conv_state: torch.Tensor) -> Optional[str]:
@@ -91,10 +89,10 @@ def conv_layout_of(conv_state: torch.Tensor) -> Optional[str]:
     return None
 
 
-def check_scalar_types(scale, norm_eps, lower_bound, gate_mode) -> None:
+def check_scalar_types(scale, norm_eps, lower_bound, gate_mode, beta_activated=False) -> None:
     """The call's scalars are host numbers of the right kind: ``scale`` (None allowed),
     ``norm_eps`` and ``lower_bound`` (None allowed) real numbers, ``gate_mode`` an int (not a
-    bool). Values are checked by :class:`kda.config.KdaConfig`.
+    bool), ``beta_activated`` a bool. Values are checked by :class:`kda.config.KdaConfig`.
 
     Raises:
       KdaArgumentError: named after the offending scalar.
@@ -110,10 +108,15 @@ def check_scalar_types(scale, norm_eps, lower_bound, gate_mode) -> None:
     if isinstance(gate_mode, bool) or not isinstance(gate_mode, numbers.Integral):
         raise KdaArgumentError("gate_mode", f"expected the int 0 or 1, got {type(gate_mode).__name__} "
                                             f"{gate_mode!r}")
+    # a bool, or numpy's bool_ (dtype kind "b")
+    if not (isinstance(beta_activated, bool)
+            or getattr(getattr(beta_activated, "dtype", None), "kind", "") == "b"):
+        raise KdaArgumentError("beta_activated", f"expected a bool, got "
+                                                 f"{type(beta_activated).__name__} {beta_activated!r}")
 
 
 def config_from_args(args: KdaArgs, *, scale=None, norm_eps=1e-5, lower_bound=None,
-                     gate_mode=0) -> KdaConfig:
+                     gate_mode=0, beta_activated=False) -> KdaConfig:
     """Derive the static :class:`KdaConfig` of a call from its tensors (metadata only) and
     scalars.
 
@@ -147,7 +150,7 @@ def config_from_args(args: KdaArgs, *, scale=None, norm_eps=1e-5, lower_bound=No
                                              "positions has neither layout)")
     if scale is None:
         scale = D ** -0.5
-    check_scalar_types(scale, norm_eps, lower_bound, gate_mode)
+    check_scalar_types(scale, norm_eps, lower_bound, gate_mode, beta_activated)
     try:
         return KdaConfig(
             num_heads=H, T=T, window=conv_state.shape[2], conv_layout=layout,
@@ -156,7 +159,8 @@ def config_from_args(args: KdaArgs, *, scale=None, norm_eps=1e-5, lower_bound=No
             record=args.v_record is not None or args.kg_record is not None,
             scale=scale, norm_eps=norm_eps, conv_state_dtype=conv_state.dtype,
             conv_weight_dtype=getattr(args.conv_weight, "dtype", torch.float32),
-            norm_weight_dtype=getattr(args.norm_weight, "dtype", torch.float32))
+            norm_weight_dtype=getattr(args.norm_weight, "dtype", torch.float32),
+            beta_activated=beta_activated)
     except KdaArgumentError as e:
         arg = FIELD_ARG.get(e.arg, e.arg)
         if arg == e.arg:
@@ -171,7 +175,8 @@ FIELD_ARG = {"num_heads": "A_log", "T": "state_indices", "window": "conv_state",
              "conv_layout": "conv_state", "has_conv_bias": "conv_bias", "record": "v_record",
              "conv_state_dtype": "conv_state", "conv_weight_dtype": "conv_weight",
              "norm_weight_dtype": "norm_weight", "gate_mode": "gate_mode",
-             "lower_bound": "lower_bound", "scale": "scale", "norm_eps": "norm_eps"}
+             "lower_bound": "lower_bound", "scale": "scale", "norm_eps": "norm_eps",
+             "beta_activated": "beta_activated"}
 
 
 def check_conv_state_is_3d(conv_state) -> None:
@@ -296,8 +301,7 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
     _check_tensor("f_b", args.f_b, (torch.bfloat16,), (dim, GATE_RANK), dev)
     _check_contiguous("f_b", args.f_b)
     _check_aligned("f_b", args.f_b)
-    _check_tensor("beta", args.beta, (torch.bfloat16,), (N, H), dev)
-    _check_rows("beta", args.beta, vector=False)
+    _check_beta(cfg, args.beta, N, dev)
     _check_tensor("A_log", args.A_log, (torch.float32,), (H,), dev)
     _check_contiguous("A_log", args.A_log)
     _check_tensor("dt_bias", args.dt_bias, (torch.float32,), (dim,), dev)
@@ -321,6 +325,21 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
                 raise KdaArgumentError(name, "given without record mode; pass both v_record and "
                                              "kg_record to enable it")
     _check_no_overlap(args)
+
+
+def _check_beta(cfg: KdaConfig, beta, N: int, dev: torch.device) -> None:
+    """beta [N, H]: bf16 raw logits, or fp32 already activated with ``beta_activated``; the
+    dtype must match the flag (it is never inferred from the dtype)."""
+    check_is_tensor("beta", beta)
+    want = torch.float32 if cfg.beta_activated else torch.bfloat16
+    if beta.dtype != want:
+        form = ("beta_activated=True: the engine's sigmoid(beta), used as it is" if cfg.beta_activated
+                else "raw logits, the op applies the sigmoid; pass beta_activated=True for an "
+                     "already activated float32 beta")
+        raise KdaArgumentError("beta", f"expected dtype {_fmt_dtype(want)} ({form}), got "
+                                       f"{_fmt_dtype(beta.dtype)}")
+    _check_tensor("beta", beta, (want,), (N, cfg.num_heads), dev)
+    _check_rows("beta", beta)
 
 
 def _span(t: torch.Tensor):

@@ -78,7 +78,7 @@ class CudaBackend(Backend):
         pol = policy(cfg.T)
         lb = None if cfg.lower_bound is None else float(cfg.lower_bound)
         conf = (cfg.num_heads, cfg.T, float(cfg.scale), float(cfg.norm_eps), lb, cfg.gate_mode,
-                cfg.record)
+                cfg.record, cfg.beta_activated)
         counters = StreamBuffers(torch.device(device), torch.int32, True,
                                  "the item schedule's counters", min_elems=2)
         launch = ext.step

@@ -22,10 +22,10 @@ void check_cuda(const at::Tensor& t, const at::Tensor& ref, const char* name) {
 }
 
 // One decode step, in place. The tensors come in the order of kda.config.KdaArgs's fields (the
-// launcher passes the record itself, `ext.step(*args, ...)`), then the configuration, then the
-// launch policy: `sched` the current stream's two int32 counters of the item schedule (zero
-// before the first launch, left at zero by each), `static_fraction` and `fb_smem` from
-// backends/cuda/policy.py (see KdaParams in kda_decode.h).
+// launcher passes the record itself, `ext.step(*args, ...)`), then the configuration (with the
+// form of beta), then the launch policy: `sched` the current stream's two int32 counters of the
+// item schedule (zero before the first launch, left at zero by each), `static_fraction` and
+// `fb_smem` from backends/cuda/policy.py (see KdaParams in kda_decode.h).
 void step(const at::Tensor& x, const at::Tensor& conv_weight,
           const c10::optional<at::Tensor>& conv_bias, const at::Tensor& conv_state,
           const at::Tensor& f_a, const at::Tensor& f_b, const at::Tensor& beta,
@@ -34,7 +34,7 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
           const at::Tensor& norm_weight, const c10::optional<at::Tensor>& num_accepted_tokens,
           const c10::optional<at::Tensor>& v_record, const c10::optional<at::Tensor>& kg_record,
           const at::Tensor& out, int64_t num_heads, int64_t T, double scale, double norm_eps,
-          c10::optional<double> lower_bound, int64_t gate_mode, bool record,
+          c10::optional<double> lower_bound, int64_t gate_mode, bool record, bool beta_activated,
           const at::Tensor& sched, double static_fraction, bool fb_smem) {
   TORCH_CHECK(x.is_cuda(), "kda cuda: tensors must be on a CUDA device");
   for (const auto* t : {&conv_weight, &conv_state, &f_a, &f_b, &beta, &A_log, &dt_bias, &state,
@@ -44,13 +44,17 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
   const int window = static_cast<int>(conv_state.size(2));
   const int64_t es = conv_state.element_size();
   const bool sd = conv_state.stride(1) == 1;
-  // Addressing the kernel relies on (the 16-byte cp.async staging).
-  TORCH_CHECK(aligned(x, 16) && aligned(output_gate, 16) && aligned(f_a, 16) && aligned(out, 2) &&
+  // Addressing the kernel relies on (the 16-byte cp.async staging of the pages, windows and
+  // parameters; rows of x / output_gate / f_a at any element alignment, see row_bytes below).
+  TORCH_CHECK(aligned(x, 2) && aligned(output_gate, 2) && aligned(f_a, 2) && aligned(out, 2) &&
                   aligned(state, 16) && aligned(conv_weight, 16) && aligned(dt_bias, 16) &&
                   aligned(conv_state, 16) && aligned(f_b, 4),
-              "kda cuda: operand data must be 16-byte aligned");
-  TORCH_CHECK(x.stride(0) % 8 == 0 && output_gate.stride(0) % 8 == 0 && f_a.stride(0) % 8 == 0,
-              "kda cuda: x / output_gate / f_a row strides must be multiples of 8 elements");
+              "kda cuda: operand data must be 16-byte aligned (x / output_gate / f_a / out: 2)");
+  TORCH_CHECK(x.stride(1) == 1 && output_gate.stride(1) == 1 && f_a.stride(1) == 1,
+              "kda cuda: x / output_gate / f_a rows must be contiguous");
+  TORCH_CHECK(beta.scalar_type() == (beta_activated ? at::kFloat : at::kBFloat16),
+              "kda cuda: beta must be ", beta_activated ? "float32 (beta_activated)" : "bfloat16",
+              ", got ", beta.scalar_type());
   TORCH_CHECK(state.stride(0) % 4 == 0 && state.stride(1) == 128 * 128 && state.stride(2) == 128 &&
                   state.stride(3) == 1,
               "kda cuda: state must be [slots, H, 128, 128] with contiguous inner dims");
@@ -113,6 +117,15 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
   p.conv_state_fp32 = conv_state.scalar_type() == at::kFloat ? 1 : 0;
   p.conv_weight_bf16 = conv_weight.scalar_type() == at::kBFloat16 ? 1 : 0;
   p.norm_weight_bf16 = norm_weight.scalar_type() == at::kBFloat16 ? 1 : 0;
+  p.beta_activated = beta_activated ? 1 : 0;
+  // The rows' widest common access (KdaParams.row_bytes): the lowest set bit of every address
+  // and row pitch in bytes, capped at 16.
+  uint64_t rows = 16;
+  for (const auto* t : {&x, &output_gate, &f_a}) {
+    rows |= reinterpret_cast<uintptr_t>(t->data_ptr());
+    if (t->size(0) > 1) rows |= static_cast<uint64_t>(t->stride(0)) * t->element_size();
+  }
+  p.row_bytes = static_cast<int>(rows & (~rows + 1));
   TORCH_CHECK(fb_smem == (T == 1), "kda cuda: the T=", T, " build ",
               T == 1 ? "stages" : "does not stage", " f_b in shared memory, got fb_smem=", fb_smem);
   p.fb_smem = fb_smem ? 1 : 0;
@@ -141,5 +154,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("norm_weight"), py::arg("num_accepted_tokens"), py::arg("v_record"),
         py::arg("kg_record"), py::arg("out"), py::arg("num_heads"), py::arg("T"),
         py::arg("scale"), py::arg("norm_eps"), py::arg("lower_bound"), py::arg("gate_mode"),
-        py::arg("record"), py::arg("sched"), py::arg("static_fraction"), py::arg("fb_smem"));
+        py::arg("record"), py::arg("beta_activated"), py::arg("sched"),
+        py::arg("static_fraction"), py::arg("fb_smem"));
 }

@@ -11,7 +11,9 @@
 // The step is memory bound (per live item: a 64 KiB fp32 state page read, T pages written, a
 // few KiB of operands), so the loop keeps one state page in flight per CTA almost always.
 // cp.async groups per item: L (its slot row, one item ahead), E (x / output-gate / f_a rows,
-// conv window, head parameters, beta words) and S (the 64 KiB page), committed E then S.
+// conv window, head parameters, beta words) and S (the 64 KiB page), committed E then S. The
+// rows go by 16-byte copies in the V16 builds (rows 16-byte aligned, KdaParams.row_bytes == 16);
+// the other builds stage them with 8- / 4-byte copies or element loads (issue_operands_narrow).
 //
 //   top of item n:   wait for E(n) (S(n) may still be landing); take item n+1 and issue
 //                    L(n+1); f_b fragments (T=1: from shared memory after B1, see below;
@@ -227,6 +229,10 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
 }
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem) : "memory");
+}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
@@ -299,6 +305,61 @@ __device__ __forceinline__ void issue_operands(const KdaParams& p, Smem<T, FB>& 
       cp_async16(&sm.fa[t][piece], fa + n * p.fa_row + piece);
     }
   }
+}
+
+// The same rows when x, output_gate or f_a is not 16-byte aligned (KdaParams.row_bytes < 16,
+// e.g. an engine's packed projection with H % 8 != 0 heads): row_bytes-wide cp.async (8 or 4
+// bytes, into the same group), or, for rows only 2-byte aligned, four element loads per
+// 8-byte piece stored to shared memory, which the barriers before their readers publish as
+// they do the copies. The staging layout is the 16-byte path's.
+template <int T, bool FB>
+__device__ __forceinline__ void issue_operands_narrow(const KdaParams& p, Smem<T, FB>& sm,
+                                                      const Item& it, int tid_) {
+  const int tid = opaque(tid_);
+  const int dim = p.num_heads * kD;
+  const auto* x = opaque(static_cast<const __nv_bfloat16*>(p.x));
+  const auto* og = opaque(static_cast<const __nv_bfloat16*>(p.output_gate));
+  const auto* fa = opaque(static_cast<const __nv_bfloat16*>(p.f_a));
+  const int rb = p.row_bytes;         // 8, 4 or 2
+  const int ew = rb == 4 ? 2 : 4;     // elements per piece
+  const int per = kD / ew;            // pieces per 128-element row
+  const int total = 5 * T * per;      // T tokens x (q, k, v, output gate, f_a) rows
+#pragma unroll 1
+  for (int i = tid; i < total; i += kThreads) {
+    const int row = i / per, e = (i - row * per) * ew;
+    const int t = row / 5, seg = row - t * 5;
+    const int64_t n = static_cast<int64_t>(it.r) * T + t;
+    const __nv_bfloat16* src;
+    __nv_bfloat16* dst;
+    if (seg < 3) {
+      src = x + n * p.x_row + seg * dim + it.h * kD + e;
+      dst = &sm.x[t][seg * kD + e];
+    } else if (seg == 3) {
+      src = og + n * p.og_row + it.h * kD + e;
+      dst = &sm.og[t][e];
+    } else {
+      src = fa + n * p.fa_row + e;
+      dst = &sm.fa[t][e];
+    }
+    if (rb == 8) {
+      cp_async8(dst, src);
+    } else if (rb == 4) {
+      cp_async4(dst, src);
+    } else {
+      const uint16_t* s16 = reinterpret_cast<const uint16_t*>(src);
+      const uint32_t a = __ldg(s16), b = __ldg(s16 + 1), c = __ldg(s16 + 2), d = __ldg(s16 + 3);
+      *reinterpret_cast<uint2*>(dst) = make_uint2(a | (b << 16), c | (d << 16));
+    }
+  }
+}
+
+// The item's x, output-gate and f_a rows by the build's path: 16-byte copies (V16, the rows
+// 16-byte aligned) or the narrower ones above.
+template <int T, bool FB, bool V16>
+__device__ __forceinline__ void issue_rows(const KdaParams& p, Smem<T, FB>& sm, const Item& it,
+                                           int tid) {
+  if constexpr (V16) issue_operands<T>(p, sm, it, tid);
+  else issue_operands_narrow<T>(p, sm, it, tid);
 }
 
 // cp.async of the item's conv history (positions off..off+2 of its 3 x 128 channels).
@@ -413,29 +474,35 @@ __device__ __forceinline__ void read_window(const KdaParams& p, const Smem<T, FB
   }
 }
 
-// cp.async of the 4-byte-aligned words holding beta[r*T + t, h] (bf16, any row stride). The
-// word's other half is a neighbouring beta element, or the 2 bytes after the tensor's last
-// element (same aligned word, so never past a page or allocation granule).
+// cp.async of the 4-byte-aligned words holding beta[r*T + t, h] (any row stride). bf16 logits:
+// the word's other half is a neighbouring element, or the 2 bytes after the tensor's last
+// element (same aligned word, so never past a page or allocation granule); fp32 (activated)
+// beta: the word is the element.
 template <int T, bool FB>
 __device__ __forceinline__ void issue_beta(const KdaParams& p, Smem<T, FB>& sm, const Item& it,
                                            int item, int tid) {
   if (tid < T) {
     const int64_t n = static_cast<int64_t>(it.r) * T + tid;
-    const uint16_t* b = static_cast<const uint16_t*>(p.beta) + n * p.beta_row + it.h;
+    const char* b = static_cast<const char*>(p.beta) +
+                    (n * p.beta_row + it.h) * (p.beta_activated ? 4 : 2);
     cp_async4(&sm.beta_word[item & 1][tid],
               reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(b) & ~uintptr_t(3)));
   }
 }
+// beta of token t as staged: the bf16 logit's value, or the activated fp32 beta itself.
 template <int T, bool FB>
 __device__ __forceinline__ float beta_value(const KdaParams& p, const Smem<T, FB>& sm, const Item& it,
                                             int item, int t) {
+  const uint32_t w = sm.beta_word[item & 1][t];
+  if (p.beta_activated) return __uint_as_float(w);
   const int64_t n = static_cast<int64_t>(it.r) * T + t;
   const uintptr_t b = reinterpret_cast<uintptr_t>(static_cast<const uint16_t*>(p.beta) + n * p.beta_row + it.h);
-  const uint32_t w = sm.beta_word[item & 1][t];
   return bf2f(static_cast<uint16_t>((b & 2) ? (w >> 16) : (w & 0xffffu)));
 }
 
-template <int T, bool FB>
+// V16: the x / output-gate / f_a rows are 16-byte aligned (KdaParams.row_bytes == 16), staged
+// with 16-byte copies; else the narrower path (issue_operands_narrow).
+template <int T, bool FB, bool V16>
 __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_constant__ KdaParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Smem<T, FB>& sm = *reinterpret_cast<Smem<T, FB>*>(smem_raw);
@@ -490,7 +557,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       issue_window<T>(p, sm, first, tid);
       issue_params<T>(p, sm, first.h, tid);
       cp_async_commit();
-      issue_operands<T>(p, sm, first, tid);
+      issue_rows<T, FB, V16>(p, sm, first, tid);
       issue_beta<T>(p, sm, first, 0, tid);
       cp_async_commit();
       // The page last, in its own group, as in the loop (E then S): item 0's conv and gate
@@ -574,7 +641,10 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
         }
       };
       if (!FB) load_afr();
-      if (tid < T) sm.beta[tid] = sigmoidf_fast(beta_value<T>(p, sm, CUR, n, tid));
+      if (tid < T) {
+        const float b = beta_value<T>(p, sm, CUR, n, tid);
+        sm.beta[tid] = p.beta_activated ? b : sigmoidf_fast(b);  // activated: used as it is
+      }
       __syncthreads();  // B1: operands, window, parameters (FB: f_b rows), beta visible
       if (FB) load_afr();
 
@@ -710,7 +780,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
     const bool new_head = nxt.h != sm.params_head;  // params in smem belong to params_head
     if (tid == 0) sm.info[(n + 1) & 1] = nxt;       // read after B3 (no reader of this parity now)
     if (next_live) {
-      issue_operands<T>(p, sm, nxt, tid);
+      issue_rows<T, FB, V16>(p, sm, nxt, tid);
       issue_window<T>(p, sm, nxt, tid);
       if (new_head) issue_params<T>(p, sm, nxt.h, tid);
       issue_beta<T>(p, sm, nxt, n + 1, tid);
@@ -898,7 +968,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
   trigger_dependents();
 }
 
-template <int T, bool FB = false>
+template <int T, bool FB, bool V16>
 cudaError_t launch_t(const KdaParams& p, cudaStream_t stream) {
   constexpr size_t smem = sizeof(Smem<T, FB>);
   static_assert(sizeof(Smem<T, FB>) <= 113 * 1024, "two CTAs per SM must fit");
@@ -913,14 +983,14 @@ cudaError_t launch_t(const KdaParams& p, cudaStream_t stream) {
   static cudaError_t init_err[kMaxDev];
   if (dev >= kMaxDev) return cudaErrorInvalidDevice;
   std::call_once(once[dev], [&] {
-    init_err[dev] = cudaFuncSetAttribute(kda_decode_kernel<T, FB>,
+    init_err[dev] = cudaFuncSetAttribute(kda_decode_kernel<T, FB, V16>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));
     int sms = 0, per_sm = 0;
     if (init_err[dev] == cudaSuccess)
       init_err[dev] = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     if (init_err[dev] == cudaSuccess)
-      init_err[dev] = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kda_decode_kernel<T, FB>,
+      init_err[dev] = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kda_decode_kernel<T, FB, V16>,
                                                                     kThreads, smem);
     ctas[dev] = sms * (per_sm > 0 ? per_sm : 1);
   });
@@ -942,7 +1012,13 @@ cudaError_t launch_t(const KdaParams& p, cudaStream_t stream) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kda_decode_kernel<T, FB>, q);
+  return cudaLaunchKernelEx(&cfg, kda_decode_kernel<T, FB, V16>, q);
+}
+
+// The build for the rows: 16-byte aligned rows take the 16-byte staging, others the narrow one.
+template <int T, bool FB = false>
+cudaError_t launch_rows(const KdaParams& p, cudaStream_t stream) {
+  return p.row_bytes == 16 ? launch_t<T, FB, true>(p, stream) : launch_t<T, FB, false>(p, stream);
 }
 
 }  // namespace
@@ -960,15 +1036,17 @@ extern "C" cudaError_t kda_decode_launch(const KdaParams* params, cudaStream_t s
   if (!(p->static_fraction >= 0.f && p->static_fraction <= 1.f)) return cudaErrorInvalidValue;
   if (p->fb_smem != (p->T == 1 ? 1 : 0)) return cudaErrorInvalidValue;  // no such build
   if (p->record && (p->v_record == nullptr || p->kg_record == nullptr)) return cudaErrorInvalidValue;
+  if (p->row_bytes != 16 && p->row_bytes != 8 && p->row_bytes != 4 && p->row_bytes != 2)
+    return cudaErrorInvalidValue;
   switch (p->T) {
-    case 1: return launch_t<1, true>(*p, stream);
-    case 2: return launch_t<2>(*p, stream);
-    case 3: return launch_t<3>(*p, stream);
-    case 4: return launch_t<4>(*p, stream);
-    case 5: return launch_t<5>(*p, stream);
-    case 6: return launch_t<6>(*p, stream);
-    case 7: return launch_t<7>(*p, stream);
-    case 8: return launch_t<8>(*p, stream);
+    case 1: return launch_rows<1, true>(*p, stream);
+    case 2: return launch_rows<2>(*p, stream);
+    case 3: return launch_rows<3>(*p, stream);
+    case 4: return launch_rows<4>(*p, stream);
+    case 5: return launch_rows<5>(*p, stream);
+    case 6: return launch_rows<6>(*p, stream);
+    case 7: return launch_rows<7>(*p, stream);
+    case 8: return launch_rows<8>(*p, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -15,13 +15,13 @@ extern "C" {
 
 typedef struct KdaParams {
   // ---- tensors (device pointers) ----
-  const void* x;              // [N, 3*dim] bf16, row stride x_row
+  const void* x;              // [N, 3*dim] bf16, row stride x_row (any alignment: row_bytes)
   const void* conv_weight;    // [3, 4, dim] fp32 or bf16 (conv_weight_bf16), contiguous
   const float* conv_bias;     // [3*dim] fp32 or nullptr
   void* conv_state;           // [slots, 3*dim, L] bf16 or fp32 (conv_state_fp32)
   const void* f_a;            // [N, 128] bf16, row stride fa_row
   const void* f_b;            // [dim, 128] bf16, contiguous
-  const void* beta;           // [N, H] bf16, row stride beta_row
+  const void* beta;           // [N, H] bf16 logits, or fp32 with beta_activated; row stride beta_row
   const float* A_log;         // [H]
   const float* dt_bias;       // [dim]
   float* state;               // [slots, H, 128, 128] fp32, slot stride state_slot
@@ -56,6 +56,12 @@ typedef struct KdaParams {
   int conv_state_fp32;
   int conv_weight_bf16;
   int norm_weight_bf16;
+  int beta_activated;  // 1: beta is fp32, already passed through the sigmoid (used as it is)
+  // 16, 8, 4 or 2: the largest power of two up to 16 dividing the data address and, with more
+  // than one row, the row pitch in bytes of x, output_gate and f_a. 16 selects the build that
+  // stages those rows with 16-byte cp.async; below it a build stages them with row_bytes-wide
+  // cp.async (8, 4) or element loads (2). Any other value is rejected.
+  int row_bytes;
   // The item schedule's two int32 counters in device memory (required), zero before the first
   // launch and left at zero by every launch (the last CTA resets them). CTA b first walks its
   // static range (below), then takes each next item from counter 0 (atomicAdd); counter 1

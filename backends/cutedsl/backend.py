@@ -15,6 +15,13 @@ buffer with one slice assignment and calls the launcher (which issues ``cuLaunch
 on torch's current stream). No device values are read, nothing is allocated, nothing is
 synchronized, so the step can be captured in a CUDA graph.
 
+Rows: the kernels are compiled for rows of x, f_a, output_gate and out that are 16-byte
+aligned (:attr:`KernelStatic.row_bytes`). A call whose rows are not (an engine's packed
+projection with H % 8 != 0 heads; :func:`kda.backend.row_bytes`, from the addresses and
+strides the launcher reads anyway) runs the build for its alignment, compiled (or loaded from
+the cache) on the first such call: run one eager step with those tensors before capturing a
+CUDA graph, as for every new batch size.
+
 Both kernels are launched with programmatic dependent launch. The measured choices (the
 kernel by load, the wide kernel's page-last by T) are :mod:`kda.backends.cutedsl.policy`.
 
@@ -27,6 +34,7 @@ Environment:
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import struct
 import threading
@@ -70,11 +78,13 @@ def import_cutedsl() -> Optional[str]:
         return _import_error
 
 
-def kernel_static(kind: str, cfg: KdaConfig) -> KernelStatic:
-    """What kernel ``kind`` ("wide" / "splitC") is compiled for to serve ``cfg``."""
+def kernel_static(kind: str, cfg: KdaConfig, row_bytes: int = 16) -> KernelStatic:
+    """What kernel ``kind`` ("wide" / "splitC") is compiled for to serve ``cfg`` on rows of
+    ``row_bytes`` alignment."""
     if kind == "wide":
-        return KernelStatic.from_config(cfg, page_last=policy.page_last(cfg.T))
-    return KernelStatic.from_config(cfg)
+        return KernelStatic.from_config(cfg, page_last=policy.page_last(cfg.T),
+                                        row_bytes=row_bytes)
+    return KernelStatic.from_config(cfg, row_bytes=row_bytes)
 
 
 def _f32_bits(x: float) -> int:
@@ -109,8 +119,18 @@ def _set_carveout(compiled, smem_bytes: int, device_index: int) -> bool:
         return False
 
 
+#: Indices of the row tensors' addresses (x, f_a, output_gate, out) and of their row strides
+#: (x_rs, fa_rs, og_rs, out_rs) in a launch's argument values.
+_ROW_PTRS = tuple(KdaArgs._fields.index(n) for n in ("x", "f_a", "output_gate", "out"))
+_ROW_STRIDES = tuple(len(KdaArgs._fields) + i for i in (2, 3, 5, 6))
+
+
 class _Launcher:
     """The step function of one (kind, config, device): fills the argument buffer and launches.
+
+    A call on rows of another alignment than its build's (:func:`kda.backend.row_bytes`) runs
+    the build for that alignment (made on first need, shared by the launchers of every
+    alignment).
 
     Args (constructor):
       kind: "wide" or "splitC". cfg: the config. device: a CUDA device. compiled: the
@@ -153,6 +173,21 @@ class _Launcher:
             self._result = self.exe.cuda_result
         except AttributeError:
             self._capi = None
+        self.by_rows = {ks.row_bytes: self}     # the launchers by row alignment
+
+    def for_rows(self, row_bytes: int) -> "_Launcher":
+        """The launcher of the build for rows of ``row_bytes`` alignment (compiled or loaded
+        on first need)."""
+        launcher = self.by_rows.get(row_bytes)
+        if launcher is None:
+            from kda.backends.cutedsl import cache
+
+            ks = dataclasses.replace(self.ks, row_bytes=row_bytes)
+            launcher = _Launcher(self.kind, self.cfg, self.device, cache.get_kernel(self.kind, ks),
+                                 ks)
+            launcher.by_rows = self.by_rows
+            self.by_rows[row_bytes] = launcher
+        return launcher
 
     def _launch(self) -> None:
         if self._capi is not None:
@@ -174,9 +209,19 @@ class _Launcher:
             R, a.state.shape[0], a.x.stride(0), a.f_a.stride(0), a.beta.stride(0),
             a.output_gate.stride(0), a.out.stride(0), a.state.stride(0), a.conv_state.stride(0),
         ]
-        self.buf[0:len(vals)] = vals
-        self.buf[self.i_stream] = current_stream_handle(self.device)
-        self._launch()
+        # kda.backend.row_bytes from these values: the lowest set bit of the row tensors'
+        # addresses and (more than one row) row pitches in bytes, at most 16
+        rows = 16
+        for i in _ROW_PTRS:
+            rows |= vals[i]
+        if R * self.T > 1:
+            for i in _ROW_STRIDES:
+                rows |= 2 * vals[i]
+        rows &= -rows
+        launcher = self if rows == self.ks.row_bytes else self.for_rows(rows)
+        launcher.buf[0:len(vals)] = vals
+        launcher.buf[launcher.i_stream] = current_stream_handle(self.device)
+        launcher._launch()
 
 
 class _CuteDslBackend(Backend):

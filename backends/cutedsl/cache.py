@@ -34,12 +34,14 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 #: Pointer arguments, in kernel order, which is :class:`kda.config.KdaArgs`' field order (the
 #: launcher passes the record's tensors as they come): (name, dtype key, assumed alignment in
-#: bytes).
+#: bytes). "rows": the row tensors' alignment, :attr:`KernelStatic.row_bytes`; "beta": fp32
+#: (4 bytes) with :attr:`KernelStatic.beta_activated`, else bf16 (2).
 POINTER_ARGS = (
-    ("x", "bf16", 16), ("cw", "cw", 4), ("cb", "f32", 4), ("cs", "cs", 16), ("fa", "bf16", 16),
-    ("fb", "bf16", 4), ("beta", "bf16", 2), ("alog", "f32", 4), ("dtb", "f32", 4),
-    ("state", "f32", 16), ("si", "i32", 4), ("og", "bf16", 16), ("nw", "nw", 4),
-    ("na", "i32", 4), ("vrec", "f32", 4), ("kgrec", "bf16", 2), ("out", "bf16", 16),
+    ("x", "bf16", "rows"), ("cw", "cw", 4), ("cb", "f32", 4), ("cs", "cs", 16),
+    ("fa", "bf16", "rows"), ("fb", "bf16", 4), ("beta", "beta", "beta"), ("alog", "f32", 4),
+    ("dtb", "f32", 4), ("state", "f32", 16), ("si", "i32", 4), ("og", "bf16", "rows"),
+    ("nw", "nw", 4), ("na", "i32", 4), ("vrec", "f32", 4), ("kgrec", "bf16", 2),
+    ("out", "bf16", "rows"),
 )
 assert len(POINTER_ARGS) == len(KdaArgs._fields)
 #: Scalar arguments after the pointers: (name, kind) with kind i32 / i64 / f32.
@@ -106,11 +108,23 @@ def _dtype(key: str, ks: KernelStatic):
         key = "bf16" if ks.cs_bf16 else "f32"
     elif key == "nw":
         key = "bf16" if ks.nw_bf16 else "f32"
+    elif key == "beta":
+        key = "f32" if ks.beta_activated else "bf16"
     return {"bf16": BFloat16, "f32": Float32, "i32": Int32}[key]
 
 
+def assumed_align(align, ks: KernelStatic) -> int:
+    """A :data:`POINTER_ARGS` alignment for ``ks``, in bytes."""
+    if align == "rows":
+        return ks.row_bytes
+    if align == "beta":
+        return 4 if ks.beta_activated else 2
+    return align
+
+
 def compile_args(kind: str, ks: KernelStatic) -> list:
-    """Fake arguments for ``cute.compile``: null pointers with the alignments the kernel assumes."""
+    """Fake arguments for ``cute.compile``: null pointers with the alignments the kernel assumes
+    (the row tensors' from ``ks.row_bytes``: a launch passes them only on rows that have it)."""
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64
@@ -119,7 +133,8 @@ def compile_args(kind: str, ks: KernelStatic) -> list:
     args = []
     for _, key, align in POINTER_ARGS:
         dt = _dtype(key, ks)
-        args.append(make_ptr(dt, 0, cute.AddressSpace.gmem, assumed_align=min(align, 16)))
+        args.append(make_ptr(dt, 0, cute.AddressSpace.gmem,
+                             assumed_align=min(assumed_align(align, ks), 16)))
     scalars = SCALAR_ARGS
     for _, k in scalars:
         args.append({"i32": Int32(1), "i64": Int64(1), "f32": Float32(1.0)}[k])

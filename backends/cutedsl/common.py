@@ -151,7 +151,11 @@ class ItemMath:
         P.cp_async16_multi(p.sb + self.plan.ST + p.tid * 16, base, offs, live)
 
     def issue_operands(self, p, desc):
-        """cp.async the token rows of x (q|k|v of head h) and output gate (if live)."""
+        """cp.async the token rows of x (q|k|v of head h) and output gate (if live): 16-byte
+        copies, or with :attr:`KernelStatic.row_bytes` < 16 :meth:`_issue_rows_narrow`."""
+        if self.ks.row_bytes != 16:
+            self._issue_rows_narrow(p, desc)
+            return
         T, dim, pl = self.T, self.dim, self.plan
         r, h, live = desc[0], desc[1], desc[5]
         tid = p.tid
@@ -173,6 +177,42 @@ class ItemMath:
         piece = tid & 15
         gp = p.og + (Int64(r * T + t) * p.og_rs + (h * D + piece * 8))
         P.cp_async16(p.sb + pl.SOG + tid * 16, gp, live & Int32(tid < 16 * T))
+
+    def _issue_rows_narrow(self, p, desc):
+        """The rows of :meth:`issue_operands` when they are not 16-byte aligned (an engine's
+        packed projection with H % 8 != 0 heads), into the same staging layout: 8- or 4-byte
+        ``cp.async`` (row_bytes 8 / 4, in the same group), or for 2-byte aligned rows two
+        pairs of 16-bit loads per 8-byte piece and one shared store (complete at once; the
+        barrier after the wait publishes them with the copies)."""
+        T, dim, pl = self.T, self.dim, self.plan
+        rb = self.ks.row_bytes
+        ew = 2 if rb == 4 else 4                # elements per piece
+        per = D // ew                           # pieces per 128-element row
+        r, h, live = desc[0], desc[1], desc[5]
+        tid = p.tid
+
+        def copy_rows(nrows, row_ptr, row_smem):
+            """``nrows`` rows of 128 elements: row i from ``row_ptr(i)`` to ``row_smem(i)``."""
+            n = nrows * per
+            for i in range((n + NTHREADS - 1) // NTHREADS):
+                ci = tid + NTHREADS * i
+                row = ci // per
+                e = (ci - row * per) * ew
+                gp = row_ptr(row) + e
+                sa = p.sb + row_smem(row) + e * 2
+                ok = live if NTHREADS * (i + 1) <= n else live & Int32(ci < n)
+                if rb == 2:
+                    P.sst_v2_b32(sa, P.gld_nc_u16x2_or0(gp, ok), P.gld_nc_u16x2_or0(gp + 2, ok),
+                                 ok)
+                else:
+                    P.cp_async_ca(sa, gp, rb, ok)
+
+        # x: row 3t + part is token t's q, k or v slice of head h; then the output gate rows
+        copy_rows(3 * T, lambda row: p.x + (Int64(r * T + row // 3) * p.x_rs
+                                            + ((row - (row // 3) * 3) * dim + h * D)),
+                  lambda row: pl.SX + row * (2 * D))
+        copy_rows(T, lambda row: p.og + (Int64(r * T + row) * p.og_rs + h * D),
+                  lambda row: pl.SOG + row * (2 * D))
 
     def _window_ptr(self, p, cslot, ch, pos):
         """Address of conv_state[cslot, ch, pos] in either layout (64-bit slot offset)."""
@@ -231,16 +271,29 @@ class ItemMath:
         return [wreg[base], wreg[base + 1], wreg[base + 2]]
 
     def load_beta(self, p, desc, wreg):
-        """Raw beta logit of token tid-128 (threads 128 .. 128+T-1)."""
+        """Raw beta of token tid-128 (threads 128 .. 128+T-1): the bf16 logit's bits, or with
+        :attr:`KernelStatic.beta_activated` the fp32 value's."""
         r, h, live = desc[0], desc[1], desc[5]
         tb = p.tid - 128
         ok = live & Int32(tb >= 0) & Int32(tb < self.T)
-        wreg[6] = P.gld_nc_u16_or0(p.beta + (Int64(r * self.T + tb) * p.beta_rs + h), ok)
+        gp = p.beta + (Int64(r * self.T + tb) * p.beta_rs + h)
+        if self.ks.beta_activated:
+            wreg[6] = P.gld_nc_b32_or0(gp, ok)
+        else:
+            wreg[6] = P.gld_nc_u16_or0(gp, ok)
 
     def write_zeros(self, p, desc):
-        """A dead item: its T output rows are exact zeros; nothing else is written."""
+        """A dead item: its T output rows are exact zeros; nothing else is written (16-byte
+        stores, or element stores on rows that are not 16-byte aligned)."""
         r, h = desc[0], desc[1]
         tid = p.tid
+        if self.ks.row_bytes != 16:
+            for i in range((self.T * D + NTHREADS - 1) // NTHREADS):
+                idx = tid + NTHREADS * i
+                t = idx >> 7
+                gp = p.out + (Int64(r * self.T + t) * p.out_rs + (h * D + (idx & 127)))
+                P.gst_b16(gp, Int32(0), Int32(t < self.T))
+            return
         t = tid >> 4
         piece = tid & 15
         gp = p.out + (Int64(r * self.T + t) * p.out_rs + (h * D + piece * 8))
@@ -323,12 +376,14 @@ class ItemMath:
         return hp
 
     def gate_b(self, p, desc):
-        """The gate MMA's B fragments: this thread's words of the f_a rows (global)."""
+        """The gate MMA's B fragments: this thread's words of the f_a rows (global; rows only
+        2-byte aligned: each word from two 16-bit loads)."""
         T, r = self.T, desc[0]
         gvalid = Int32(p.g < T)
         fa_row = p.fa + (Int64(r * T + p.g) * p.fa_rs + 2 * p.tig)
-        return [(P.gld_nc_b32_or0(fa_row + 16 * s, gvalid),
-                 P.gld_nc_b32_or0(fa_row + (16 * s + 8), gvalid)) for s in range(8)]
+        load = P.gld_nc_u16x2_or0 if self.ks.row_bytes == 2 else P.gld_nc_b32_or0
+        return [(load(fa_row + 16 * s, gvalid), load(fa_row + (16 * s + 8), gvalid))
+                for s in range(8)]
 
     def gate(self, p, desc, hp):
         """Gate projection on the tensor cores, decay alpha into shared memory, rg record.
@@ -444,7 +499,12 @@ class ItemMath:
         yv = self._conv(p, h, cslot, 2, d, self._history(p, 2, d, wreg, 0), hp.wa, hp.ba)
         for t in range(T):
             P.sst_f32(p.sb + pl.CV + (t * D + d) * 4, yv[t])
-        P.sst_f32(p.sb + pl.CB + d * 4, P.sigmoid(P.bf16_bits_to_f32(wreg[6])), Int32(d < T))
+        addr = p.sb + pl.CB + d * 4
+        if self.ks.beta_activated:      # the engine's sigmoid(beta), used as it is
+            beta = P.f32_from_bits(wreg[6])
+        else:
+            beta = P.sigmoid(P.bf16_bits_to_f32(wreg[6]))
+        P.sst_f32(addr, beta, Int32(d < T))
 
     @cute.jit
     def _phase_a_norm(self, p):

@@ -138,6 +138,18 @@ def cp_async16(saddr, gptr, pred):
         memory=True)
 
 
+def cp_async_ca(saddr, gptr, nbytes: int, pred):
+    """``nbytes`` (4 or 8, an immediate) global -> shared copy (cp.async.ca: .cg takes 16 bytes
+    only), issued where ``pred``; committed and waited for as the 16-byte copies are."""
+    asm(_pred("@p cp.async.ca.shared.global [$0], [$1], %d;" % nbytes, 2), [],
+        [saddr, gptr, pred], memory=True)
+
+
+def sst_v2_b32(addr, a, b, pred):
+    """One 8-byte shared store of two 32-bit words where ``pred``."""
+    asm(_pred("@p st.shared.v2.b32 [$0], {$1, $2};", 3), [], [addr, a, b, pred], memory=True)
+
+
 def cp_async16_multi(sbase, gbase, offsets, pred):
     """Several 16-byte cp.async.cg from ``gbase + goff`` to ``sbase + soff`` (immediates)."""
     body = " ".join("@p cp.async.cg.shared.global [$0+%d], [$1+%d], 16;" % (so, go)
@@ -182,6 +194,14 @@ def gld_nc_u16_or0(gptr, pred):
     """Read-only 16-bit load where ``pred``, else 0."""
     return asm(_pred("mov.b32 $0, 0; @p ld.global.nc.u16 $0, [$1];", 2), [Int32], [gptr, pred],
                memory=True, early=True)
+
+
+def gld_nc_u16x2_or0(gptr, pred):
+    """The 32-bit word of the two 16-bit elements at ``gptr`` (only 2-byte aligned: two
+    read-only 16-bit loads, the first in the low half) where ``pred``, else 0."""
+    return asm("{ .reg .pred p; .reg .b16 l, h; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; "
+               "@p ld.global.nc.b16 l, [$1]; @p ld.global.nc.b16 h, [$1+2]; "
+               "@p mov.b32 $0, {l, h}; }", [Int32], [gptr, pred], memory=True, early=True)
 
 
 def gld_nc_f32(gptr):

@@ -295,7 +295,10 @@ class KdaSplit:
                 for pos in cutlass.range_constexpr(T + 2):
                     s_win[i, pos, tid] = win[pos]
         if tid < T:
-            s_b[tid] = N.sigmoid(Float32(braw))
+            if cutlass.const_expr(ks.beta_activated):
+                s_b[tid] = Float32(braw)      # the engine's sigmoid(beta), used as it is
+            else:
+                s_b[tid] = N.sigmoid(Float32(braw))
         yq = self._conv(hq, xq, wq, bq)
         yk = self._conv(hk, xk, wk, bk)
         if tid < self.rows:

@@ -29,11 +29,18 @@ class KernelStatic:
       gate_mode: 0 (one accumulator chain) or 1 (four chains).
       has_bias: a conv bias is passed. record: record mode.
       cs_bf16 / cw_bf16 / nw_bf16: conv_state / conv_weight / norm_weight are bf16 (else fp32).
+      beta_activated: beta is fp32, already passed through the sigmoid (used as it is);
+        else bf16 logits.
       page_last: the (first) item's state page is committed as its own cp.async group after
         the operand group, so that the item's phase A (conv, norms) runs while the page
         lands; False = page and operands one group, waited for together before phase A. The
         backend passes its choice, ``kda.backends.cutedsl.policy.page_last``; the split
         kernel ignores it.
+      row_bytes: 16, 8, 4 or 2: the widest access every row of x, f_a, output_gate and out
+        allows (:func:`kda.backend.row_bytes`, computed by the launcher for each call), the
+        alignment the kernel's pointers to them assume. The wide kernel stages those rows with
+        16-byte copies at 16, else with narrower copies or element loads (:mod:`common`); the
+        split kernel reads them element by element either way.
 
     Both kernels are launched with programmatic dependent launch and read nothing a
     predecessor may write (slot ids, windows, pages, activations) before
@@ -55,16 +62,21 @@ class KernelStatic:
     cw_bf16: bool
     nw_bf16: bool
     page_last: bool = True
+    beta_activated: bool = False
+    row_bytes: int = 16
 
     @classmethod
-    def from_config(cls, cfg: KdaConfig, page_last: bool = True) -> "KernelStatic":
-        """The static part of ``cfg`` (scale, norm_eps and lower_bound's value excluded)."""
+    def from_config(cls, cfg: KdaConfig, page_last: bool = True,
+                    row_bytes: int = 16) -> "KernelStatic":
+        """The static part of ``cfg`` (scale, norm_eps and lower_bound's value excluded), for
+        rows of ``row_bytes`` alignment."""
         return cls(H=cfg.num_heads, T=cfg.T, L=cfg.window, layout=cfg.conv_layout,
                    bounded=cfg.lower_bound is not None, gate_mode=cfg.gate_mode,
                    has_bias=cfg.has_conv_bias, record=cfg.record,
                    cs_bf16=cfg.conv_state_dtype == torch.bfloat16,
                    cw_bf16=cfg.conv_weight_dtype == torch.bfloat16,
-                   nw_bf16=cfg.norm_weight_dtype == torch.bfloat16, page_last=page_last)
+                   nw_bf16=cfg.norm_weight_dtype == torch.bfloat16, page_last=page_last,
+                   beta_activated=cfg.beta_activated, row_bytes=row_bytes)
 
     def tag(self) -> str:
         """A file-name friendly identifier, e.g. ``H32_T1_L3_SD_sp_g0``."""
@@ -79,6 +91,10 @@ class KernelStatic:
         parts.append("nw16" if self.nw_bf16 else "nw32")
         if not self.page_last:
             parts.append("pj")
+        if self.beta_activated:
+            parts.append("ba32")
+        if self.row_bytes != 16:
+            parts.append(f"rows{self.row_bytes}")
         return "_".join(parts)
 
 

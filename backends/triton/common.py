@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kda.backend import row_bytes
 from kda.config import HEAD_DIM, L2_NORM_EPS, KdaArgs, KdaConfig
 
 #: Head dimension (keys and values per head; a state page is D x D fp32).
@@ -63,10 +64,20 @@ def sm_count(device: torch.device, interp: bool) -> int:
 
 def config_constants(cfg: KdaConfig, interp: bool) -> dict:
     """The constexprs both kernels take from the configuration: heads, tokens, window, conv
-    layout, bias, gate kind and mode, record mode, and whether the interpreter runs them."""
+    layout, bias, gate kind and mode, record mode, the form of beta (``BETA_ACT``: fp32,
+    already activated) and whether the interpreter runs them."""
     return dict(H=cfg.num_heads, T=cfg.T, L=cfg.window, SD=cfg.conv_layout == "SD",
                 HAS_BIAS=cfg.has_conv_bias, BOUNDED=cfg.lower_bound is not None,
-                GATE_MODE=cfg.gate_mode, RECORD=cfg.record, INTERP=interp)
+                GATE_MODE=cfg.gate_mode, RECORD=cfg.record, INTERP=interp,
+                BETA_ACT=cfg.beta_activated)
+
+
+def rows16(args: KdaArgs) -> bool:
+    """The ``ROWS16`` constexpr of a call: every row of x, f_a, output_gate and out is 16-byte
+    aligned (:func:`kda.backend.row_bytes`), so the row offsets may be hinted as multiples of
+    8 elements (16-byte vector loads and stores); False takes the same code without the hint
+    (any row pitch, any element alignment)."""
+    return row_bytes(args) == 16
 
 
 def config_scalars(cfg: KdaConfig) -> tuple:
@@ -116,10 +127,15 @@ def _fma(a, b, c, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _rowoff(n, stride):
-    """``n * stride`` (scalar or 1-D) with the alignment KdaArgs guarantees: every row stride
-    of x, f_a, output_gate and out is a multiple of 8 elements (16 bytes)."""
-    return tl.multiple_of(n * stride, 8)
+def _rowoff(n, stride, ROWS16: tl.constexpr):
+    """``n * stride`` (scalar or 1-D). With ``ROWS16`` (:func:`rows16`: every row stride of x,
+    f_a, output_gate and out a multiple of 8 elements) hinted as a multiple of 8, so that
+    Triton emits 16-byte row accesses; without it no hint, and Triton vectorizes a row only
+    as far as its pointer's own alignment and the stride's specialization prove."""
+    if ROWS16:
+        return tl.multiple_of(n * stride, 8)
+    else:
+        return n * stride
 
 
 @triton.jit
@@ -164,7 +180,8 @@ def _delta_rule(S, alpha, k, q, b, v):
 
 @triton.jit
 def _gate_projection(fa_ptr, stride_fa, row0, fb_ptr, h, live, rt_zero,
-                     T: tl.constexpr, GATE_MODE: tl.constexpr, INTERP: tl.constexpr):
+                     T: tl.constexpr, GATE_MODE: tl.constexpr, INTERP: tl.constexpr,
+                     ROWS16: tl.constexpr):
     """rg[t, k] = bf16(sum_j f_a[row0 + t, j] * f_b[h*128 + k, j]) as a [16, 128] fp32 tile.
 
     bf16 operands on tensor cores (``tl.dot``), fp32 accumulation in four 32-wide K slices.
@@ -185,7 +202,7 @@ def _gate_projection(fa_ptr, stride_fa, row0, fb_ptr, h, live, rt_zero,
         chain = tl.zeros([16, 128], dtype=tl.float32)
         for c in tl.static_range(8):
             jj = c * 16 + tl.arange(0, 16)
-            a = tl.load(fa_ptr + _rowoff(rows, stride_fa)[:, None] + jj[None, :],
+            a = tl.load(fa_ptr + _rowoff(rows, stride_fa, ROWS16)[:, None] + jj[None, :],
                         mask=rmask[:, None], other=0.0).to(tl.float32).to(tl.float64)  # [t, j]
             b = tl.load(fb_rows[None, :] + jj[:, None]).to(tl.float32).to(tl.float64)  # [j, k]
             part = tl.sum(a[:, :, None] * b[None, :, :], axis=1).to(tl.float32)  # [16 t, 128 k]
@@ -202,7 +219,7 @@ def _gate_projection(fa_ptr, stride_fa, row0, fb_ptr, h, live, rt_zero,
         zero = tl.zeros([16, 128], dtype=tl.float32) + rt_zero
         for c in tl.static_range(4):
             jj = c * 32 + tl.arange(0, 32)
-            a = tl.load(fa_ptr + _rowoff(rows, stride_fa)[:, None] + jj[None, :],
+            a = tl.load(fa_ptr + _rowoff(rows, stride_fa, ROWS16)[:, None] + jj[None, :],
                         mask=rmask[:, None], other=0.0)                      # [16, 32] bf16
             b = tl.load(fb_rows[None, :] + jj[:, None])                      # [32, 128] bf16
             if GATE_MODE == 0:
@@ -215,7 +232,7 @@ def _gate_projection(fa_ptr, stride_fa, row0, fb_ptr, h, live, rt_zero,
 @triton.jit
 def _write_window(cs_base, x_ptr, stride_x, n0, h, off, do_write,
                   DIM: tl.constexpr, T: tl.constexpr, STRIDE_C: tl.constexpr,
-                  STRIDE_L: tl.constexpr):
+                  STRIDE_L: tl.constexpr, ROWS16: tl.constexpr):
     """new[0] = w1, new[1] = w2, new[2+t] = x_t for the item's 3x128 channels.
 
     All old-window reads of this CTA (the caller's and this function's) precede the barrier,
@@ -232,14 +249,14 @@ def _write_window(cs_base, x_ptr, stride_x, n0, h, off, do_write,
     tl.store(cptr, w1, mask=cmask)
     tl.store(cptr + STRIDE_L, w2, mask=cmask)
     for t in tl.static_range(T):
-        xv = tl.load(x_ptr + _rowoff(n0 + t, stride_x) + chan, mask=cmask)
+        xv = tl.load(x_ptr + _rowoff(n0 + t, stride_x, ROWS16) + chan, mask=cmask)
         tl.store(cptr + (2 + t) * STRIDE_L, xv.to(cs_base.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
 def _finish_rows(ob_ptr, ob_stride, out_ptr, stride_out, og_ptr, stride_og, nw_ptr, n0, h,
                  norm_eps, live, w_ok, T: tl.constexpr, TP: tl.constexpr, INTERP: tl.constexpr,
-                 FROM_OTHER_CTAS: tl.constexpr):
+                 FROM_OTHER_CTAS: tl.constexpr, ROWS16: tl.constexpr):
     """Gated RMSNorm of the item's T rows: ``out[n0+t, h*128 + v] = bf16(ob * rsqrt(mean(ob^2)
     + eps) * norm_weight[v] * sigmoid(output_gate))``, with ``ob`` (bf16 values) read from
     ``ob_ptr + t*ob_stride + v``; zeros for a dead item; rows written where ``w_ok``.
@@ -252,14 +269,15 @@ def _finish_rows(ob_ptr, ob_stride, out_ptr, stride_out, og_ptr, stride_og, nw_p
     vv = tl.arange(0, 128)[None, :]
     rows = tt < T
     if FROM_OTHER_CTAS:     # written by other CTAs of this grid: read through L2, not L1
-        ob = tl.load(ob_ptr + _rowoff(t1, ob_stride)[:, None] + vv, mask=rows & live, other=0.0,
-                     cache_modifier=".cg").to(tl.float32)
+        ob = tl.load(ob_ptr + _rowoff(t1, ob_stride, ROWS16)[:, None] + vv, mask=rows & live,
+                     other=0.0, cache_modifier=".cg").to(tl.float32)
     else:
-        ob = _load_f32(ob_ptr + _rowoff(t1, ob_stride)[:, None] + vv, rows & live)
-    og = _load_f32(og_ptr + _rowoff(n0 + t1, stride_og)[:, None] + h * 128 + vv, rows & live)
+        ob = _load_f32(ob_ptr + _rowoff(t1, ob_stride, ROWS16)[:, None] + vv, rows & live)
+    og = _load_f32(og_ptr + _rowoff(n0 + t1, stride_og, ROWS16)[:, None] + h * 128 + vv,
+                   rows & live)
     nw = _load_f32(nw_ptr + vv, True)
     rn = tl.rsqrt(tl.sum(ob * ob, axis=1) * (1.0 / 128.0) + norm_eps)
     res = tl.where(live, _bf16_round(ob * rn[:, None] * nw * _sigmoid(og), INTERP), 0.0)
     tl.debug_barrier()                       # ob may live in the out rows written below
-    tl.store(out_ptr + _rowoff(n0 + t1, stride_out)[:, None] + h * 128 + vv,
+    tl.store(out_ptr + _rowoff(n0 + t1, stride_out, ROWS16)[:, None] + h * 128 + vv,
              res.to(tl.bfloat16), mask=rows & w_ok)

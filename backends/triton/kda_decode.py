@@ -88,7 +88,7 @@ from kda.backend import StreamBuffers
 from kda.backends.triton.common import (
     D, _bf16_round, _decay, _delta_rule, _finish_rows, _fma, _gate_projection, _load_f32,
     _rowoff, _sigmoid, _write_window, config_constants, config_scalars, interpreter_enabled,
-    interpreter_quiet, kernel_operands, sm_count)
+    interpreter_quiet, kernel_operands, rows16, sm_count)
 from kda.config import KdaArgs, KdaConfig
 
 
@@ -105,7 +105,8 @@ def _kda_decode_kernel(
         unused0, num_slots, unused1, unused2, scale, norm_eps, lower_bound,
         H: tl.constexpr, T: tl.constexpr, L: tl.constexpr, SD: tl.constexpr,
         HAS_BIAS: tl.constexpr, BOUNDED: tl.constexpr, GATE_MODE: tl.constexpr,
-        RECORD: tl.constexpr, INTERP: tl.constexpr, NV: tl.constexpr, PROWS: tl.constexpr):
+        RECORD: tl.constexpr, INTERP: tl.constexpr, NV: tl.constexpr, PROWS: tl.constexpr,
+        BETA_ACT: tl.constexpr, ROWS16: tl.constexpr):
     """The fused KDA decode step for one work unit: rows ``vb*BV ..`` of item ``pid // NV``
     (see the module docstring).
 
@@ -170,14 +171,15 @@ def _kda_decode_kernel(
 
     # ---- 3. gate projection --------------------------------------------------------------
     G = _gate_projection(fa_ptr, stride_fa, n0, fb_ptr, h, live, scale * 0.0, T, GATE_MODE,
-                         INTERP)
+                         INTERP, ROWS16)
     # The raw gate rows go through the item's own out rows (each is overwritten with the
     # result later; a barrier separates every read of row t from the write of row t). Read
     # back in a layout of Triton's choosing, they cut the MMA layout of tl.dot's result off
     # from the state tile: Triton prefers MMA layouts for elementwise ops, and S * alpha
     # would otherwise move the 64 KiB page through shared memory into the MMA layout.
     tt = tl.arange(0, 16)
-    g_ptr = out_ptr + _rowoff(n0 + tt.to(tl.int64), stride_out)[:, None] + h * 128 + dd[None, :]
+    g_ptr = (out_ptr + _rowoff(n0 + tt.to(tl.int64), stride_out, ROWS16)[:, None] + h * 128
+             + dd[None, :])
     tl.store(g_ptr, G.to(tl.bfloat16), mask=(tt[:, None] < T) & live)
     A = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
 
@@ -207,10 +209,11 @@ def _kda_decode_kernel(
                 if e < 3:
                     s_e = _load_f32(c_ptr + (off + e) * STRIDE_L, cmask)
                 else:
-                    s_e = _load_f32(x_ptr + _rowoff(n0, stride_x) + chan, cmask)
+                    s_e = _load_f32(x_ptr + _rowoff(n0, stride_x, ROWS16) + chan, cmask)
             else:
                 s_w = _load_f32(c_ptr + (off + p) * STRIDE_L, cmask & (p < 3))
-                s_x = _load_f32(x_ptr + _rowoff(n0 + p - 3, stride_x) + chan, cmask & (p >= 3))
+                s_x = _load_f32(x_ptr + _rowoff(n0 + p - 3, stride_x, ROWS16) + chan,
+                                cmask & (p >= 3))
                 s_e = tl.where(p < 3, s_w, s_x)
             acc = _fma(s_e, _load_f32(w_ptr + e * DIM, pmask), acc, INTERP)
         Y = _bf16_round(acc / (1.0 + tl.exp(-acc)), INTERP)
@@ -224,11 +227,13 @@ def _kda_decode_kernel(
         qh = yq * tl.rsqrt(tl.sum(yq * yq, axis=0) + 1e-6) * scale
         kh = yk * tl.rsqrt(tl.sum(yk * yk, axis=0) + 1e-6)
 
-        out_row = out_ptr + _rowoff(n, stride_out) + h * 128
+        out_row = out_ptr + _rowoff(n, stride_out, ROWS16) + h * 128
         rg = _load_f32(out_row + dd, live)                          # row t of the gate tile
         g = rg + _load_f32(dtb_ptr + h * 128 + dd, True)
         alpha = _decay(g, A, lower_bound, BOUNDED)
-        b_t = _sigmoid(tl.load(beta_ptr + n * stride_beta + h, mask=live, other=0.0).to(tl.float32))
+        b_t = tl.load(beta_ptr + n * stride_beta + h, mask=live, other=0.0).to(tl.float32)
+        if not BETA_ACT:                     # raw logits (activated: fp32, used as it is)
+            b_t = _sigmoid(b_t)
 
         S, u, o = _delta_rule(S, alpha, kh, qh, b_t, yv)   # this block's rows
 
@@ -261,17 +266,21 @@ def _kda_decode_kernel(
     # ---- 6. V-split: the last block of the item finishes it; conv window -----------------
     if NV == 1:
         tl.debug_barrier()                   # all o rows are in place
-        _finish_rows(out_ptr + _rowoff(n0, stride_out) + h * 128, stride_out, out_ptr, stride_out,
-                     og_ptr, stride_og, nw_ptr, n0, h, norm_eps, live, True, T, TP, INTERP, False)
-        _write_window(cs_base, x_ptr, stride_x, n0, h, off, live, DIM, T, STRIDE_C, STRIDE_L)
+        _finish_rows(out_ptr + _rowoff(n0, stride_out, ROWS16) + h * 128, stride_out, out_ptr,
+                     stride_out, og_ptr, stride_og, nw_ptr, n0, h, norm_eps, live, True, T, TP,
+                     INTERP, False, ROWS16)
+        _write_window(cs_base, x_ptr, stride_x, n0, h, off, live, DIM, T, STRIDE_C, STRIDE_L,
+                      ROWS16)
     else:
         tl.debug_barrier()                   # all threads' scratch writes and window reads ...
         old = tl.atomic_add(ctr_ptr + item64, 1, mask=live, sem="acq_rel", scope="gpu")
         tl.debug_barrier()                   # ... before the release; loads below after acquire
         last = live & ((old & (NV - 1)) == (NV - 1))
         _finish_rows(scr_ptr + item64 * (T * 128), 128, out_ptr, stride_out,
-                     og_ptr, stride_og, nw_ptr, n0, h, norm_eps, last, last, T, TP, INTERP, True)
-        _write_window(cs_base, x_ptr, stride_x, n0, h, off, last, DIM, T, STRIDE_C, STRIDE_L)
+                     og_ptr, stride_og, nw_ptr, n0, h, norm_eps, last, last, T, TP, INTERP, True,
+                     ROWS16)
+        _write_window(cs_base, x_ptr, stride_x, n0, h, off, last, DIM, T, STRIDE_C, STRIDE_L,
+                      ROWS16)
         # every sibling's increment came before the last one's: the counter goes back to zero
         # for the next launch, whatever its NV
         tl.store(ctr_ptr + item64, tl.zeros_like(old), mask=last)
@@ -303,7 +312,8 @@ class ItemBuild:
         return _kda_decode_kernel
 
     def constants(self, cfg: KdaConfig, interp: bool) -> dict:
-        """The kernel's constexprs for ``cfg`` (``interp``: the interpreter's emulations)."""
+        """The kernel's constexprs for ``cfg`` (``interp``: the interpreter's emulations), all
+        but ``ROWS16``, which each call takes from its rows (:func:`rows16`)."""
         return dict(config_constants(cfg, interp), NV=self.nv, PROWS=self.num_warps)
 
     def options(self, interp: bool) -> dict:
@@ -378,7 +388,8 @@ class ItemStep:
         with interpreter_quiet(self.interp):
             build.kernel[(n_items * build.nv,)](
                 *kernel_operands(args), scr, ctr, 0, args.state.shape[0], 0, 0, *self._scalars,
-                **build.constants(cfg, self.interp), **build.options(self.interp))
+                **build.constants(cfg, self.interp), ROWS16=rows16(args),
+                **build.options(self.interp))
 
 
 __all__ = ["ItemBuild", "ItemStep", "ITEM_NV1", "ITEM_NV2", "ITEM_NV4", "BUILDS"]

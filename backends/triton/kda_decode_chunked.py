@@ -100,7 +100,7 @@ from kda.backend import StreamBuffers
 from kda.backends.triton.common import (
     D, _bf16_round, _decay, _delta_rule, _finish_rows, _fma, _gate_projection, _load_f32,
     _rowoff, _sigmoid, _write_window, config_constants, config_scalars, interpreter_enabled,
-    interpreter_quiet, kernel_operands)
+    interpreter_quiet, kernel_operands, rows16)
 from kda.config import KdaArgs, KdaConfig
 
 #: fp32 values of scratch per item and token: q̂, k̂, α, y_v.
@@ -160,7 +160,7 @@ def _kda_chunked_kernel(
         H: tl.constexpr, T: tl.constexpr, L: tl.constexpr, SD: tl.constexpr,
         HAS_BIAS: tl.constexpr, BOUNDED: tl.constexpr, GATE_MODE: tl.constexpr,
         RECORD: tl.constexpr, INTERP: tl.constexpr, BV: tl.constexpr,
-        NUM_STAGES: tl.constexpr):
+        NUM_STAGES: tl.constexpr, BETA_ACT: tl.constexpr, ROWS16: tl.constexpr):
     """The fused KDA decode step, one program per item, value rows in chunks of ``BV`` (see
     the module docstring). Grid: ``R * H`` programs. Pointers: the :class:`KdaArgs` tensors
     (unused optional ones point at any tensor and are never dereferenced) and the scratch;
@@ -224,7 +224,7 @@ def _kda_chunked_kernel(
     tl.store(scr_item + t2 * 512 + 384 + dd[None, :], yv, mask=m2)
 
     G = _gate_projection(fa_ptr, stride_fa, n0, fb_ptr, h, live, scale * 0.0, T, GATE_MODE,
-                         INTERP)                                    # [16, 128] raw gate rg
+                         INTERP, ROWS16)                            # [16, 128] raw gate rg
     A = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     alpha = _decay(G + _load_f32(dtb_ptr + h * 128 + dd, True)[None, :], A, lower_bound,
                    BOUNDED)
@@ -237,8 +237,10 @@ def _kda_chunked_kernel(
         tl.store(kg_rows + t2 * 256 + dd[None, :], yk.to(tl.bfloat16), mask=m2)
         tl.store(kg_rows + g16 * 256 + 128 + dd[None, :], G.to(tl.bfloat16), mask=gmask)
 
-    bvec = _sigmoid(tl.load(beta_ptr + (n0 + tt) * stride_beta + h, mask=tmask & live,
-                            other=0.0).to(tl.float32))              # [TP] beta per token
+    bvec = tl.load(beta_ptr + (n0 + tt) * stride_beta + h, mask=tmask & live,
+                   other=0.0).to(tl.float32)                        # [TP] beta per token
+    if not BETA_ACT:                         # raw logits (activated: fp32, used as it is)
+        bvec = _sigmoid(bvec)
     if T > 1:
         tgt = tl.load(si_ptr + n0 + tt, mask=tmask & live, other=0)
         tgt_ok = live & (tgt > 0) & (tgt < num_slots)
@@ -283,14 +285,16 @@ def _kda_chunked_kernel(
                 dst = st_ptr + tl.multiple_of(dst_slot * stride_st, 4) + h * (128 * 128) + st_off
                 tl.store(dst, S, mask=valid, cache_modifier=".cs")  # streaming store
             # o (bf16 values) parks in out row t until the epilogue
-            tl.store(out_ptr + _rowoff(n0 + t, stride_out) + h * 128 + vv,
+            tl.store(out_ptr + _rowoff(n0 + t, stride_out, ROWS16) + h * 128 + vv,
                      _bf16_round(o, INTERP).to(tl.bfloat16), mask=live)
 
     # ---- 4. gated RMSNorm of all T rows, conv window -----------------------------------------
     tl.debug_barrier()                       # all o rows are in place
-    _finish_rows(out_ptr + _rowoff(n0, stride_out) + h * 128, stride_out, out_ptr, stride_out,
-                 og_ptr, stride_og, nw_ptr, n0, h, norm_eps, live, True, T, TP, INTERP, False)
-    _write_window(cs_base, x_ptr, stride_x, n0, h, off, live, DIM, T, STRIDE_C, STRIDE_L)
+    _finish_rows(out_ptr + _rowoff(n0, stride_out, ROWS16) + h * 128, stride_out, out_ptr,
+                 stride_out, og_ptr, stride_og, nw_ptr, n0, h, norm_eps, live, True, T, TP, INTERP,
+                 False, ROWS16)
+    _write_window(cs_base, x_ptr, stride_x, n0, h, off, live, DIM, T, STRIDE_C, STRIDE_L,
+                  ROWS16)
 
 
 # --------------------------------------------------------------------------------------------
@@ -321,7 +325,8 @@ class ChunkedBuild:
         return _kda_chunked_kernel
 
     def constants(self, cfg: KdaConfig, interp: bool) -> dict:
-        """The kernel's constexprs for ``cfg`` (``interp``: the interpreter's emulations)."""
+        """The kernel's constexprs for ``cfg`` (``interp``: the interpreter's emulations), all
+        but ``ROWS16``, which each call takes from its rows (:func:`rows16`)."""
         return dict(config_constants(cfg, interp), BV=self.bv, NUM_STAGES=self.num_stages)
 
     def options(self, interp: bool) -> dict:
@@ -388,7 +393,7 @@ class ChunkedStep:
         with interpreter_quiet(self.interp):
             _kda_chunked_kernel[(n_items,)](
                 *kernel_operands(args), scr, args.state.shape[0], *self._scalars,
-                **self._const, **self._opts)
+                **self._const, ROWS16=rows16(args), **self._opts)
 
 
 __all__ = ["ChunkedBuild", "ChunkedStep", "CHUNKED", "CHUNKED_BV16", "CHUNKED_W2",

@@ -2,7 +2,8 @@
 
 :func:`compile_offline` compiles any build of either kernel for an NVIDIA architecture with
 Triton's bundled ptxas, with the signature the JIT gives a launch of the step functions on
-16-byte aligned tensors, and the same constexprs and options the step functions launch with;
+16-byte aligned tensors (or on rows that are not: ``rows16=False``), and the same constexprs
+and options the step functions launch with;
 :func:`resource_usage` reads registers, stack and spills from the result. The backend's tests
 use them to check the builds' resources and code shape.
 """
@@ -26,11 +27,16 @@ BUILDS = {**kda_decode.BUILDS, **kda_decode_chunked.BUILDS}
 
 _DT = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 _STRIDES = ("stride_x", "stride_cs", "stride_fa", "stride_og", "stride_out", "stride_st")
+#: The row tensors (kda.backend.ROW_TENSORS): their pointers and strides lose every
+#: divisibility with ``rows16=False``.
+_ROW_PTRS = ("x_ptr", "fa_ptr", "og_ptr", "out_ptr")
+_ROW_STRIDES = ("stride_x", "stride_fa", "stride_og", "stride_out")
 
 
 def compile_offline(cfg: KdaConfig, build: Union[str, "kda_decode.ItemBuild",
                                                  "kda_decode_chunked.ChunkedBuild"],
-                    arch: int = 90, stride_divisible: bool = True, **options):
+                    arch: int = 90, stride_divisible: bool = True, rows16: bool = True,
+                    **options):
     """Compile ``build`` for ``cfg`` for an NVIDIA GPU of compute capability ``arch``, without
     a GPU, as the JIT would for a step on 16-byte aligned tensors.
 
@@ -40,6 +46,10 @@ def compile_offline(cfg: KdaConfig, build: Union[str, "kda_decode.ItemBuild",
       arch: the compute capability as an integer; 90 = sm_90a (H100/H200).
       stride_divisible: specialize the row/slot strides as multiples of 16 elements (the
         common case; the kernels' own alignment hints do not depend on it).
+      rows16: the rows of x, f_a, output_gate and out are 16-byte aligned (the kernels'
+        ``ROWS16``); False compiles the build a call on unaligned rows gets (an engine's
+        packed projection at H % 8 != 0): their pointers and row strides without any
+        divisibility, no row hint.
       options: Triton options that override the build's (num_warps, maxnreg, ...).
 
     Returns:
@@ -55,12 +65,12 @@ def compile_offline(cfg: KdaConfig, build: Union[str, "kda_decode.ItemBuild",
     if isinstance(build, str):
         build = BUILDS[build]
     kernel = build.kernel
-    consts = build.constants(cfg, interp=False)
+    consts = dict(build.constants(cfg, interp=False), ROWS16=rows16)
     opts = dict(build.options(interp=False), **options)
     ptr = {
         "x_ptr": "*bf16", "cw_ptr": "*" + _DT[cfg.conv_weight_dtype], "cb_ptr": "*fp32",
         "cs_ptr": "*" + _DT[cfg.conv_state_dtype], "fa_ptr": "*bf16", "fb_ptr": "*bf16",
-        "beta_ptr": "*bf16", "alog_ptr": "*fp32", "dtb_ptr": "*fp32", "st_ptr": "*fp32",
+        "beta_ptr": "*fp32" if cfg.beta_activated else "*bf16", "alog_ptr": "*fp32", "dtb_ptr": "*fp32", "st_ptr": "*fp32",
         "si_ptr": "*i32", "nacc_ptr": "*i32", "og_ptr": "*bf16",
         "nw_ptr": "*" + _DT[cfg.norm_weight_dtype], "out_ptr": "*bf16", "vrec_ptr": "*fp32",
         "kgrec_ptr": "*bf16", "scr_ptr": "*fp32", "ctr_ptr": "*i32"}
@@ -70,12 +80,13 @@ def compile_offline(cfg: KdaConfig, build: Union[str, "kda_decode.ItemBuild",
             sig[name] = "constexpr"
         elif name in ptr:
             sig[name] = ptr[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            if rows16 or name not in _ROW_PTRS:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in ("scale", "norm_eps", "lower_bound"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
-            if stride_divisible and name in _STRIDES:
+            if stride_divisible and name in _STRIDES and (rows16 or name not in _ROW_STRIDES):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)

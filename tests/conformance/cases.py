@@ -4,10 +4,12 @@
 cores, yet cover every axis of the contract's matrix: heads 1/4/12, T 1/2/5/8, both conv
 layouts, both gates (lower_bound -5 and -1.5), gate_mode 0/1, conv bias, record mode, fp32
 conv cache, bf16 conv/norm weights, longer windows, padded strides, null slots (0, -1, out of
-range, dead conv slot), out-of-range accepted counts and aliasing write slots.
+range, dead conv slot), out-of-range accepted counts and aliasing write slots, and the
+engine-facing forms (:func:`form_cases`).
 
 ``full``: the GPU matrix: H in {1, 4, 8, 12, 16, 32, 96}, R from 1 to 512, T in {1, 2, 5, 8},
-every layout x gate combination for every H and T, the other axes rotated through.
+every layout x gate combination for every H and T, the other axes rotated through (the
+activated beta and the packed and offset rows among them), plus the forms of ``ci``.
 """
 
 import itertools
@@ -15,6 +17,17 @@ import itertools
 from kda.testing import CaseSpec, make_config
 
 
+
+
+def form_cases():
+    """The engine-facing argument forms: x, beta and f_a as slices of an engine's packed
+    projection whose rows are 8-, 4- and 2-byte aligned (H = 4, 2, 3), output_gate and out at
+    odd element offsets, an activated fp32 beta."""
+    return [
+        CaseSpec(make_config(4, 1, beta_act=True), R=3, packed=True),
+        CaseSpec(make_config(2, 2, "DS", lb=-5.0, gm=1), R=3, packed=True),
+        CaseSpec(make_config(3, 5, bias=True, beta_act=True), R=3, packed=True, offset_rows=True),
+    ]
 
 
 def ci_cases():
@@ -35,7 +48,7 @@ def ci_cases():
         CaseSpec(make_config(2, 2, "SD", lb=-5.0, record=True, gm=1), R=3, padded=True),
         CaseSpec(make_config(4, 2), R=3, null_frac=1.0),
     ]
-    return c
+    return c + form_cases()
 
 
 def full_cases():
@@ -53,10 +66,11 @@ def full_cases():
                     R //= 2
                 cfg = make_config(H, T, layout, lb=lb, gm=i % 2, bias=(i // 2) % 2 == 1,
                            record=(i % 5 == 3), extra_window=(i % 3), cs32=(i % 7 == 4),
-                           bf16_weights=(i % 11 == 6))
-                cases.append(CaseSpec(cfg, R=R, padded=(i % 4 == 1), null_frac=0.25, seed=i))
+                           bf16_weights=(i % 11 == 6), beta_act=(i % 3 == 1))
+                cases.append(CaseSpec(cfg, R=R, padded=(i % 4 == 1), packed=(i % 4 == 3),
+                                      offset_rows=(i % 8 == 5), null_frac=0.25, seed=i))
                 i += 1
-    return cases
+    return cases + form_cases()
 
 
 def cases(matrix: str):

@@ -8,6 +8,8 @@ no NaN. A float64 run anchors the error: the backend may not be much further fro
 function than the reference is.
 """
 
+import torch
+
 from kda.reference import reference_compute, reference_step
 from kda.testing import (CaseSpec, args_to, bits_equal, call_public, clone_args, compare_step,
                          expected_after, make_case, make_config, rel_err)
@@ -71,3 +73,23 @@ def test_three_steps_back_to_back(backend_name, kda_device, require_backend):
         call_public(args, cfg, backend_name)
     errors = compare_step(args, expected, before)
     assert not errors, "\n".join(errors)
+
+
+def test_out_in_an_engine_buffer(backend_name, kda_device, require_backend):
+    """``out`` as an engine hands it: the first N rows of its [1, N_max, H, 128] attention
+    output buffer viewed as [N, H*128], beside the packed projection's rows and an activated
+    beta; the buffer's rows past N are left alone."""
+    spec = CaseSpec(make_config(4, 2, beta_act=True), R=3, packed=True, seed=41)
+    cfg = spec.cfg
+    require_backend(backend_name, cfg, kda_device)
+    args = make_case(spec, kda_device)
+    N = args.x.shape[0]
+    buf = torch.full((1, N + 5, cfg.num_heads, 128), float("nan"), dtype=torch.bfloat16,
+                     device=kda_device)
+    args = args._replace(out=buf[0, :N].view(N, cfg.dim))
+    before, expected = expected_after(cfg, args)
+    out = call_public(args, cfg, backend_name)
+    assert out.data_ptr() == buf.data_ptr()
+    errors = compare_step(args, expected, before)
+    assert not errors, "\n".join(errors)
+    assert torch.isnan(buf[0, N:].float()).all()

@@ -5,7 +5,8 @@
 * two requests naming the same slot -> their results are unspecified, everyone else's exact
 * all-zero q/k rows, extreme gate / beta / output-gate logits -> finite, as the reference
 * NaN in one request's inputs -> does not reach any other request
-* slot offsets past 2**31 elements, more than 65,535 items -> correct (GPU-scale, see marks)
+* slot offsets past 2**31 elements (a contiguous pool, and an engine's pages with a slot pitch
+  larger than the state), more than 65,535 items -> correct (GPU-scale, see marks)
 """
 
 import pytest
@@ -171,3 +172,44 @@ def test_more_items_than_a_65535_grid(backend_name, kda_device, require_backend)
     R = 35_000                                    # 70,000 items
     a = make_case(CaseSpec(cfg, R=R, null_frac=0.0, alias=False, seed=27), kda_device)
     _check(a, cfg, backend_name)
+
+
+@pytest.mark.bigmem
+def test_engine_pages_past_2_pow_31(backend_name, kda_device, require_backend):
+    """An engine's paged pool, each slot's page its conv window then its state page (slot
+    pitch 16,960 floats, larger than H*128*128), 131,100 single-head slots (8.9 GB): the state
+    offsets of the high slots pass 2**31 elements (and 2**32 bytes)."""
+    if kda_device.type != "cuda":
+        pytest.skip("GPU-scale case (8.9 GB pool); runs on the GPU machine")
+    cfg = KdaConfig(num_heads=1)
+    require_backend(backend_name, cfg, kda_device)
+    slots = 131_100
+    small = make_case(CaseSpec(cfg, R=4, null_frac=0.0, seed=28), kda_device)
+    cs_bytes = 3 * cfg.dim * cfg.window * 2
+    page = cs_bytes + 128 * 128 * 4
+
+    def views(raw):
+        cs = torch.as_strided(raw.view(torch.bfloat16), (slots, 3 * cfg.dim, cfg.window),
+                              (page // 2, 1, 3 * cfg.dim))
+        st = torch.as_strided(raw.view(torch.float32), (slots, 1, 128, 128),
+                              (page // 4, 128 * 128, 128, 1), cs_bytes // 4)
+        return cs, st
+
+    raw = torch.zeros(slots * page, dtype=torch.uint8, device=kda_device)
+    conv_state, state = views(raw)
+    high = torch.tensor([slots - 1, slots - 2, 131_073, 5], dtype=torch.int32, device=kda_device)
+    for i, s in enumerate(high.tolist()):
+        state[s] = small.state[int(small.state_indices[i])]
+        conv_state[s] = small.conv_state[int(small.state_indices[i])]
+    assert int(high[0]) * state.stride(0) > 2 ** 31
+    a = small._replace(state=state, conv_state=conv_state, state_indices=high)
+    exp_raw = raw.clone()
+    exp_cs, exp_st = views(exp_raw)
+    exp_args = a._replace(state=exp_st, conv_state=exp_cs, out=torch.empty_like(a.out))
+    reference_step(cfg, exp_args)
+    call_public(a, cfg, backend_name)
+    assert torch.allclose(a.out.float(), exp_args.out.float(), atol=2e-2, rtol=2e-2)
+    for s in high.tolist():
+        assert torch.allclose(state[s], exp_st[s], atol=1e-3, rtol=1e-3), s
+        assert torch.equal(conv_state[s], exp_cs[s]), s
+    assert not raw[page * (slots - 3):page * (slots - 2)].any()   # a slot nobody named

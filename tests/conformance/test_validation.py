@@ -61,9 +61,18 @@ BAD = [
     ("conv_state-transposed", CFG1, lambda a: {"conv_state": a.conv_state.transpose(1, 2)},
      "conv_state", "transpose(1, 2)"),
     ("f_a-shape", CFG1, lambda a: {"f_a": a.f_a[:, :64]}, "f_a", "shape"),
+    ("f_a-columns-strided", CFG1, lambda a: {"f_a": a.f_a.t().contiguous().t()}, "f_a", "stride 1"),
+    ("output_gate-rows-overlap", CFG1,
+     lambda a: {"output_gate": a.output_gate.as_strided(a.output_gate.shape, (100, 1))},
+     "output_gate", "row stride >= 256"),
     ("f_b-dtype", CFG1, lambda a: {"f_b": a.f_b.float()}, "f_b", "dtype"),
     ("f_b-misaligned", CFG1, lambda a: {"f_b": _misaligned(a.f_b)}, "f_b", "16-byte aligned"),
     ("beta-shape", CFG1, lambda a: {"beta": a.beta[:, :1]}, "beta", "shape"),
+    # an activated fp32 beta passed without beta_activated: the flag says, not the dtype
+    ("beta-fp32-without-flag", CFG1, lambda a: {"beta": torch.sigmoid(a.beta.float())}, "beta",
+     "expected dtype bfloat16 (raw logits, the op applies the sigmoid; pass beta_activated=True"),
+    ("beta-columns-strided", CFG1, lambda a: {"beta": a.beta.t().contiguous().t()}, "beta",
+     "stride 1"),
     ("A_log-dtype", CFG1, lambda a: {"A_log": a.A_log.double()}, "A_log", "dtype"),
     ("A_log-heads", CFG1, lambda a: {"A_log": torch.cat([a.A_log, a.A_log])}, "x", "heads"),
     ("dt_bias-shape", CFG1, lambda a: {"dt_bias": a.dt_bias[:128]}, "dt_bias", "shape"),
@@ -212,7 +221,9 @@ def test_meta_tensors_are_rejected_by_device():
 
 
 @pytest.mark.parametrize("over,arg", [({"lower_bound": "-3"}, "lower_bound"), ({"gate_mode": True}, "gate_mode"),
-                                       ({"gate_mode": 1.0}, "gate_mode"), ({"scale": "x"}, "scale")])
+                                       ({"gate_mode": 1.0}, "gate_mode"), ({"scale": "x"}, "scale"),
+                                       ({"beta_activated": 1}, "beta_activated"),
+                                       ({"beta_activated": "yes"}, "beta_activated")])
 def test_scalar_types_are_checked(over, arg):
     a = make_case(CaseSpec(CFG1, R=2))
     with pytest.raises(KdaArgumentError) as ei:
@@ -402,3 +413,44 @@ def test_object_form_names_a_bad_device():
     with pytest.raises(KdaArgumentError) as ei:
         kda.KdaDecode(CFG1, device="gpu", backend="reference")
     assert ei.value.arg == "device" and "'gpu'" in str(ei.value), str(ei.value)
+
+
+def test_beta_form_comes_from_the_flag(backend_name):
+    """``beta_activated`` says what beta is, never beta's dtype: a bf16 beta with the flag set
+    (functional and object form) is refused naming beta with the expected and the given
+    dtype, before anything is written (the reverse case is in BAD)."""
+    cfg = dataclasses.replace(CFG1, beta_activated=True)
+    a = make_case(CaseSpec(CFG1, R=3, null_frac=0.0))          # bf16 logits
+    before = clone_args(a)
+    with pytest.raises(KdaArgumentError) as ei:
+        kda.kda_decode(**_kwargs(a), beta_activated=True, backend=backend_name)
+    assert ei.value.arg == "beta"
+    assert "expected dtype float32 (beta_activated=True" in str(ei.value)
+    assert "got bfloat16" in str(ei.value)
+    with pytest.raises(KdaArgumentError) as ei:
+        kda.KdaDecode(cfg, device="cpu", backend="reference")(**_object_kw(a))
+    assert ei.value.arg == "beta" and "got bfloat16" in str(ei.value)
+    _assert_untouched(a, before)
+    # with the flag and an fp32 beta it runs: the beta values as given, no sigmoid
+    b = make_case(CaseSpec(cfg, R=3, null_frac=0.0))
+    c = clone_args(b)
+    kda.kda_decode(**_kwargs(b), beta_activated=True, backend="reference")
+    kda.kda_decode(**_kwargs(c, beta=torch.logit(c.beta.double()).to(torch.bfloat16)),
+                   backend="reference")
+    assert torch.allclose(b.out.float(), c.out.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_any_row_pitch_and_element_alignment_is_accepted():
+    """x, beta and f_a as slices of an engine's packed projection (row pitch 385*H + 256: odd
+    at H = 3), output_gate and out one element into wider rows: accepted as they are, and
+    the same bits as contiguous copies of the same values."""
+    cfg = KdaConfig(num_heads=3, T=2, window=4)
+    a = make_case(CaseSpec(cfg, R=3, packed=True, offset_rows=True, seed=32))
+    assert a.x.stride(0) == 385 * 3 + 256 and a.f_a.data_ptr() % 4 == 2
+    assert a.output_gate.data_ptr() % 4 == 2 and a.out.data_ptr() % 4 == 2
+    b = clone_args(a)
+    dense = {n: getattr(b, n).contiguous() for n in ("x", "beta", "f_a", "output_gate", "out")}
+    kda.kda_decode(**_kwargs(a), backend="reference")
+    kda.kda_decode(**_kwargs(b, **dense), backend="reference")
+    assert bits_equal(a.out, dense["out"]) and bits_equal(a.state, b.state)
+    assert bits_equal(a.conv_state, b.conv_state)

@@ -107,7 +107,8 @@ def test_custom_op_refuses_scalars_of_the_wrong_kind_before_writing():
     a = make_case(CaseSpec(cfg, R=3, seed=6))
     before = clone_args(a)
     for over, arg in (({"gate_mode": 1.5}, "gate_mode"), ({"gate_mode": True}, "gate_mode"),
-                      ({"scale": "a"}, "scale"), ({"norm_eps": None}, "norm_eps")):
+                      ({"scale": "a"}, "scale"), ({"norm_eps": None}, "norm_eps"),
+                      ({"beta_activated": 1}, "beta_activated")):
         with pytest.raises(KdaArgumentError) as ei:
             kda.torch_op.decode(*_args(a), out=a.out, backend="reference", **over)
         assert ei.value.arg == arg, over
@@ -254,3 +255,35 @@ def test_compiled_entry_points_name_a_meta_tensor():
         assert ei.value.arg == "f_b" and "meta" in str(ei.value)
     for name in ("state", "conv_state", "out"):
         assert bits_equal(getattr(a, name), getattr(before, name)), name
+
+
+def test_custom_op_carries_the_engine_forms():
+    """An activated fp32 beta (``beta_activated``) and rows of an engine's packed projection
+    (4-byte aligned at H = 2) through the op, eagerly and as a compiled KdaDecode: the direct
+    call's bits; a bf16 beta with the flag set is refused naming beta."""
+    import pytest
+    from kda.errors import KdaArgumentError
+    from kda.testing import make_config
+    cfg = make_config(2, 2, beta_act=True)
+    a = make_case(CaseSpec(cfg, R=3, packed=True, seed=8))
+    b, c = clone_args(a), clone_args(a)
+    kda.kda_decode(*_args(a), num_accepted_tokens=a.num_accepted_tokens, beta_activated=True,
+                   out=a.out, backend="reference")
+    kda.torch_op.decode(*_args(b), num_accepted_tokens=b.num_accepted_tokens,
+                        beta_activated=True, out=b.out, backend="reference")
+    step = kda.KdaDecode(cfg, device="cpu", backend="reference")
+
+    def layer(*t):
+        step(*t[:13], num_accepted_tokens=t[13], out=t[14])
+        return t[14].float().sum()
+
+    compiled = torch.compile(layer, fullgraph=True)
+    assert torch.isfinite(compiled(*_args(c), c.num_accepted_tokens, c.out))
+    for name in ("out", "state", "conv_state"):
+        assert bits_equal(getattr(a, name), getattr(b, name)), name
+        assert bits_equal(getattr(a, name), getattr(c, name)), name
+    d = make_case(CaseSpec(make_config(2, 2), R=3, seed=8))        # bf16 beta
+    with pytest.raises(KdaArgumentError) as ei:
+        kda.torch_op.decode(*_args(d), num_accepted_tokens=d.num_accepted_tokens,
+                            beta_activated=True, out=d.out, backend="reference")
+    assert ei.value.arg == "beta" and "float32" in str(ei.value)

@@ -49,7 +49,7 @@ def test_binding_names_the_record_fields_in_order():
 
 
 @pytest.mark.parametrize("cfg", [make_config(4, 1, lb=-5.0, gm=1, record=True),
-                                 make_config(2, 3, "DS", bias=True)],
+                                 make_config(2, 3, "DS", bias=True, beta_act=True)],
                          ids=lambda c: c.short())
 def test_launcher_matches_the_binding(cfg, monkeypatch):
     """The built step passes the record's tensors unchanged, then the configuration and the
@@ -68,8 +68,9 @@ def test_launcher_matches_the_binding(cfg, monkeypatch):
     assert all(got[f] is getattr(args, f) for f in KdaArgs._fields)
     pol = policy.policy(cfg.T)
     assert (got["num_heads"], got["T"], got["scale"], got["norm_eps"], got["lower_bound"],
-            got["gate_mode"], got["record"]) == (cfg.num_heads, cfg.T, cfg.scale, cfg.norm_eps,
-                                                 cfg.lower_bound, cfg.gate_mode, cfg.record)
+            got["gate_mode"], got["record"], got["beta_activated"]) == (
+        cfg.num_heads, cfg.T, cfg.scale, cfg.norm_eps, cfg.lower_bound, cfg.gate_mode,
+        cfg.record, cfg.beta_activated)
     assert (got["static_fraction"], got["fb_smem"]) == (pol.static_fraction, pol.fb_smem)
     sched = got["sched"]
     assert sched.dtype == torch.int32 and sched.numel() >= 2 and not sched.any()

@@ -2,11 +2,12 @@
 
 Compiles ``backends/cuda/kda_decode.cu`` with the machine's nvcc and the backend's own flags
 (``kda.backends.cuda.build.CUDA_FLAGS``) plus ``-Xptxas -v``, then checks that the kernel
-builds are exactly the (T, fb_smem) pairs of the launch policy (``kda.backends.cuda.policy``)
-and, for each: no spill stores or loads, no stack frame (no local memory), and that two
-256-thread CTAs fit on one SM from the reported registers and the dynamic shared memory (read
-from the object itself through a small host probe, so no number is duplicated here).
-Skipped when nvcc is not on PATH. Takes about 15 s on two cores.
+builds are exactly the (T, fb_smem) pairs of the launch policy (``kda.backends.cuda.policy``),
+each in its two row paths (16-byte aligned rows of x / output_gate / f_a, and the narrower
+path for other rows), and, for each: no spill stores or loads, no stack frame (no local
+memory), and that two 256-thread CTAs fit on one SM from the reported registers and the
+dynamic shared memory (read from the object itself through a small host probe, so no number
+is duplicated here). Skipped when nvcc is not on PATH. Takes about 20 s on two cores.
 """
 
 import os
@@ -29,8 +30,8 @@ REGS_PER_SM = 65536
 SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024
 CTAS_PER_SM = 2
-#: (T, fb_smem) of every kernel build the launcher may ask for
-KERNELS = [(t, int(POLICY[t].fb_smem)) for t in range(1, MAX_T + 1)]
+#: (T, fb_smem, 16-byte rows) of every kernel build the launcher may ask for
+KERNELS = [(t, int(POLICY[t].fb_smem), v16) for t in range(1, MAX_T + 1) for v16 in (0, 1)]
 
 # (sizes up to T = MAX_T + 1, which has no build: 0)
 PROBE = r"""
@@ -54,8 +55,8 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """(ptxas report per (T, fb_smem), smem bytes per (T, fb_smem) of the builds, threads per
-    CTA, static range per (items, CTAs, fraction))."""
+    """(ptxas report per (T, fb_smem, 16-byte rows), smem bytes per (T, fb_smem) of the builds,
+    threads per CTA, static range per (items, CTAs, fraction))."""
     d = tmp_path_factory.mktemp("kda_cuda")
     obj = d / "kda_decode.o"
     cmd = [NVCC, "-c", *build.CUDA_FLAGS, "-Xptxas", "-v", str(SRC), "-o", str(obj)]
@@ -78,15 +79,15 @@ def compiled(tmp_path_factory):
 
 
 def _parse_ptxas(text: str):
-    """{(T, fb_smem): {"regs", "stack", "spill_st", "spill_ld", "smem"}} from nvcc -Xptxas -v
-    output."""
+    """{(T, fb_smem, 16-byte rows): {"regs", "stack", "spill_st", "spill_ld", "smem"}} from nvcc
+    -Xptxas -v output."""
     report = {}
     cur = None
     for line in text.splitlines():
         m = re.search(r"Compiling entry function '(\S+)'", line)
         if m:
-            t = re.search(r"kda_decode_kernelILi(\d+)ELb([01])E", m.group(1))
-            cur = (int(t.group(1)), int(t.group(2))) if t else None
+            t = re.search(r"kda_decode_kernelILi(\d+)ELb([01])ELb([01])E", m.group(1))
+            cur = tuple(int(g) for g in t.groups()) if t else None
             if cur is not None:
                 report[cur] = {"smem": 0}
             continue
@@ -105,31 +106,33 @@ def _parse_ptxas(text: str):
 
 
 def test_builds_are_the_policys(compiled):
-    """One build per T, with f_b staged in shared memory exactly where the policy says; the
-    host-side size query knows no other (T, fb_smem) pair either."""
+    """One build per T and row path, with f_b staged in shared memory exactly where the policy
+    says; the host-side size query knows no other (T, fb_smem) pair either."""
     report, smem, threads, _ = compiled
     assert sorted(POLICY) == list(range(1, MAX_T + 1))
     assert sorted(report) == sorted(KERNELS), report.keys()
     assert threads == 256
-    assert sorted(smem) == sorted(KERNELS)
+    assert sorted(smem) == sorted({(t, fb) for t, fb, _ in KERNELS})
 
 
-@pytest.mark.parametrize("T,fb", KERNELS)
-def test_no_local_memory(compiled, T, fb):
-    r = compiled[0][T, fb]
-    assert r["spill_st"] == 0 and r["spill_ld"] == 0, f"T={T} fb_smem={fb}: register spills {r}"
-    assert r["stack"] == 0, f"T={T} fb_smem={fb}: {r['stack']} bytes of stack frame (local memory)"
+@pytest.mark.parametrize("T,fb,v16", KERNELS)
+def test_no_local_memory(compiled, T, fb, v16):
+    r = compiled[0][T, fb, v16]
+    what = f"T={T} fb_smem={fb} rows16={v16}"
+    assert r["spill_st"] == 0 and r["spill_ld"] == 0, f"{what}: register spills {r}"
+    assert r["stack"] == 0, f"{what}: {r['stack']} bytes of stack frame (local memory)"
 
 
-@pytest.mark.parametrize("T,fb", KERNELS)
-def test_two_ctas_per_sm(compiled, T, fb):
+@pytest.mark.parametrize("T,fb,v16", KERNELS)
+def test_two_ctas_per_sm(compiled, T, fb, v16):
     report, smem, threads, _ = compiled
-    r = report[T, fb]
+    r = report[T, fb, v16]
+    what = f"T={T} fb_smem={fb} rows16={v16}"
     regs_per_cta = r["regs"] * threads
-    assert CTAS_PER_SM * regs_per_cta <= REGS_PER_SM, f"T={T} fb_smem={fb}: {r['regs']} registers per thread"
+    assert CTAS_PER_SM * regs_per_cta <= REGS_PER_SM, f"{what}: {r['regs']} registers per thread"
     per_cta = smem[T, fb] + r["smem"] + SMEM_RESERVED_PER_CTA
     assert CTAS_PER_SM * per_cta <= SMEM_PER_SM, (
-        f"T={T} fb_smem={fb}: {per_cta} bytes of shared memory per CTA")
+        f"{what}: {per_cta} bytes of shared memory per CTA")
 
 
 def test_static_range_sizes(compiled):

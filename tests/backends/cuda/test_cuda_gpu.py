@@ -2,6 +2,8 @@
 :func:`kda.reference.reference_step` (the cross-backend matrix is tests/conformance/).
 
 * the T builds that the conformance matrix (T = 1, 2, 5, 8) does not reach;
+* the builds for rows of x / output_gate / f_a that are not 16-byte aligned (an engine's
+  packed projection: 8-, 4- and 2-byte rows), at every T, with many items per CTA;
 * the item schedule: each CTA walks a static head-major range, then takes items from an atomic
   counter pair that the built step keeps per CUDA stream and every launch leaves at zero; three
   launches back to back under programmatic dependent launch, shapes with many items per CTA
@@ -60,6 +62,39 @@ def test_other_T_builds(spec):
     reference_step(cfg, expected)
     _step(cfg)(args)
     torch.cuda.synchronize()
+    errors = compare_step(args, expected, before)
+    assert not errors, "\n".join(errors)
+
+
+# x / output_gate / f_a rows 8-, 4- or 2-byte aligned (kda.backend.row_bytes): the narrow
+# builds, at every T, the T=1 one (f_b staged) across heads
+ROW_CASES = [
+    CaseSpec(make_config(4, 1, beta_act=True), R=300, packed=True, null_frac=0.2),
+    CaseSpec(make_config(2, 2, "DS", gm=1), R=40, packed=True),
+    CaseSpec(make_config(3, 3, lb=-5.0, bias=True), R=30, packed=True, offset_rows=True),
+    CaseSpec(make_config(4, 4, "DS", beta_act=True, cs32=True), R=20, packed=True),
+    CaseSpec(make_config(1, 5, record=True, beta_act=True), R=50, packed=True),
+    CaseSpec(make_config(2, 6, bf16_weights=True), R=20, offset_rows=True),
+    CaseSpec(make_config(2, 7, "DS", bias=True), R=20, packed=True),
+    CaseSpec(make_config(3, 8, "DS", record=True), R=12, packed=True, offset_rows=True),
+]
+
+
+@pytest.mark.parametrize("spec", ROW_CASES, ids=[c.id for c in ROW_CASES])
+def test_row_builds(spec):
+    """Three steps back to back on the narrow build of the case's rows == the reference x3."""
+    from kda.backend import row_bytes
+    cfg = spec.cfg
+    args = make_case(spec, DEV)
+    assert row_bytes(args) < 16
+    before = clone_args(args)
+    expected = clone_args(args)
+    step = _step(cfg)
+    for _ in range(3):
+        step(args)
+        reference_step(cfg, expected)
+    torch.cuda.synchronize()
+    assert _counters_are_zero(step)
     errors = compare_step(args, expected, before)
     assert not errors, "\n".join(errors)
 

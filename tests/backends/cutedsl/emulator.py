@@ -505,6 +505,19 @@ def _cp_async16(saddr, gptr, pred):
     _cta().cp_async(_saddr(saddr), gptr, 16, _pm(pred))
 
 
+@_reg("cp_async_ca")
+def _cp_async_ca(saddr, gptr, nbytes, pred):
+    if nbytes not in (4, 8):
+        raise EmulationError(f"cp.async.ca of {nbytes} bytes (4 or 8 only)")
+    _cta().cp_async(_saddr(saddr), gptr, nbytes, _pm(pred))
+
+
+@_reg("sst_v2_b32")
+def _sst_v2_b32(addr, a, b, pred):
+    words = np.stack([(Int32(w).a & 0xFFFFFFFF).astype(np.uint32) for w in (a, b)], 1)
+    _cta().sstore(_saddr(addr), _from(words, np.uint32), _pm(pred), "st.shared.v2.b32")
+
+
 @_reg("cp_async16_multi")
 def _cp_async16_multi(sbase, gbase, offsets, pred):
     for so, go in offsets:
@@ -559,6 +572,15 @@ def _gld_nc_u16(gptr):
 def _gld_nc_u16_or0(gptr, pred):
     d, m = _gload(gptr, 2, pred, "ld.global.nc.u16")
     return V(np.where(m, _bytes_to(d, np.uint16)[:, 0], 0), "i32")
+
+
+@_reg("gld_nc_u16x2_or0")
+def _gld_nc_u16x2_or0(gptr, pred):
+    lo, m = _gload(gptr, 2, pred, "ld.global.nc.b16")
+    hi, _ = _gload(Ptr(gptr.addr + 2, 1), 2, pred, "ld.global.nc.b16")
+    w = _bytes_to(lo, np.uint16)[:, 0].astype(np.uint32) | (
+        _bytes_to(hi, np.uint16)[:, 0].astype(np.uint32) << np.uint32(16))
+    return V(np.where(m, w.view(np.int32), 0), "i32")
 
 
 @_reg("gld_nc_f32")
@@ -908,12 +930,14 @@ def load_kernels():
 _ESIZE = {torch.bfloat16: 2, torch.float32: 4, torch.int32: 4}
 
 
-def run(cfg, args, page_last: bool = None) -> dict:
+def run(cfg, args, page_last: bool = None, row_bytes: int = None) -> dict:
     """Run the wide kernel on the CPU tensors ``args`` in place (one CTA per item, in order).
 
     Args:
       page_last: the item's page committed as its own cp.async group (default: the
         backend's choice, ``kda.backends.cutedsl.policy.page_last``).
+      row_bytes: the build's row alignment (default: the rows', as the launcher picks it,
+        :func:`kda.backend.row_bytes`); a wider one than the rows have faults as on a GPU.
 
     Returns:
       {"ctas": n, "barriers": total barriers executed}.
@@ -922,10 +946,14 @@ def run(cfg, args, page_last: bool = None) -> dict:
     from kda.backends.cutedsl.policy import page_last as policy_page_last
     from kda.backends.cutedsl.static import KernelStatic, SmemPlan
 
+    from kda.backend import row_bytes as rows_of
+
     mods = load_kernels()
     if page_last is None:
         page_last = policy_page_last(cfg.T)
-    ks = KernelStatic.from_config(cfg, page_last=page_last)
+    if row_bytes is None:
+        row_bytes = rows_of(args)
+    ks = KernelStatic.from_config(cfg, page_last=page_last, row_bytes=row_bytes)
     obj = mods["wide"].KdaWide(ks)
     gmem = GlobalMemory()
     ptrs = []

@@ -6,7 +6,10 @@ windows) is exercised by the wide kernel, built as the backend builds it, throug
 set of configurations (the full product would take too long on 2 cores), and by the split
 kernel on a subset per cluster size: C = 2, 4 and 8 (the sizes ``cutedsl`` runs) each meet
 T = 1 and T > 1 with and without record mode and most other axes, C = 1 is compiled once.
-For each compiled kernel the PTX is checked for the instructions the design relies on (wide:
+The engine-facing forms (rows of x, f_a, output_gate and out aligned to 8, 4 or 2 bytes only,
+an activated fp32 beta) are compiled for both kernels on a few configurations, with the loads
+their build must use. For each compiled kernel the PTX is checked for the instructions the
+design relies on (wide:
 tensor-core gate MMA, 16-byte cp.async staging, 16-byte state stores, griddepcontrol with the
 trigger after a GPU-scope fence; split: its share of the gate MMA, one bulk copy of the state
 rows after the PDL wait plus the f_b row copies, st.async exchanges, one 16-byte store per
@@ -20,6 +23,7 @@ Run with ``CUTE_DSL_ARCH=sm_90a`` (the Bazel target sets it).
 """
 
 import atexit
+import dataclasses
 import os
 import re
 import shutil
@@ -248,6 +252,125 @@ def test_resource_usage(kind, i):
         assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"spills / stack: {usage}"
     else:
         assert usage["STACK"] <= 64 and usage["LOCAL"] == 0, f"spills / stack: {usage}"
+
+
+#: The engine-facing builds: (kind, config, row alignment in bytes).
+FORM_CASES = [
+    ("wide", KdaConfig(num_heads=4, T=1, window=3, beta_activated=True), 8),
+    ("wide", KdaConfig(num_heads=2, T=2, window=4, conv_layout="DS", gate_mode=1), 4),
+    ("wide", KdaConfig(num_heads=3, T=8, window=10, record=True, beta_activated=True), 2),
+    ("wide", KdaConfig(num_heads=4, T=5, window=7, lower_bound=-5.0, beta_activated=True), 16),
+    ("split8", KdaConfig(num_heads=3, T=1, window=3, beta_activated=True), 2),
+    ("split4", KdaConfig(num_heads=2, T=2, window=4, conv_layout="DS"), 4),
+]
+
+
+def _ldst(ptx, pattern):
+    return len(re.findall(pattern, ptx))
+
+
+@pytest.mark.parametrize("kind,cfg,rows", FORM_CASES,
+                         ids=[f"{k}-{c.short()}-rows{r}" for k, c, r in FORM_CASES])
+def test_engine_forms_compile(kind, cfg, rows):
+    """The builds for rows that are not 16-byte aligned and for an activated fp32 beta compile,
+    fit, and read their operands with accesses their alignment allows: the wide kernel stages
+    the x / output-gate rows with 8- or 4-byte copies or 16-bit loads (no 16-byte copy but the
+    page's and the window's), loads f_a in 16-bit halves on 2-byte rows, writes a dead item's
+    zeros element by element; an fp32 beta is one 32-bit load. The split kernel reads every
+    row element by element whatever the alignment: its code is the aligned build's."""
+    ks = kernel_static(kind, cfg, rows)
+    compiled, secs = cache.compile_kernel(kind, ks)
+    ptx = compiled.__ptx__
+    print(f"{kind} {ks.tag()}: compiled in {secs:.2f} s")
+    if not isinstance(ptx, str) or ".entry" not in ptx:
+        pytest.skip("PTX not kept (CuTe DSL was imported before CUTE_DSL_KEEP was set)")
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    usage = _resource_usage(compiled.__cubin__)
+    if kind == "wide":
+        _check_wide_ptx(ptx, cfg)
+        per = 128 // (2 if rows == 4 else 4)       # pieces per 128-element row
+        pieces = -(-3 * cfg.T * per // 256) + -(-cfg.T * per // 256)   # x, output-gate copies
+        ca = r"cp\.async\.ca\.shared\.global \[[^\]]*\], \[[^\]]*\], %d;"
+        assert _ldst(ptx, ca % 8) == (pieces if rows == 8 else 0)
+        assert _ldst(ptx, ca % 4) == (pieces if rows == 4 else 0)
+        # 16-byte copies: the page (one asm of 16 copies) and, SD, the window
+        cg = _ldst(ptx, r"cp\.async\.cg\.shared\.global")
+        assert cg == (16 if cfg.conv_layout == "DS" else 17) + (2 if rows == 16 else 0), cg
+        zeros = _ldst(ptx, r"st\.global\.v4\.b32 \[[^\]]*\], \{0, 0, 0, 0\}")
+        assert zeros == (1 if rows == 16 else 0)
+        if rows == 2:       # f_a: 8 k-steps x 2 words x 2 halves; each x / og piece: 2 x 2
+            assert _ldst(ptx, r"ld\.global\.nc\.b16") == 32 + 4 * pieces
+        if usage is not None:
+            assert usage["REG"] <= 128 and usage["STACK"] <= 512, usage
+    else:
+        C = policy.cluster_of(kind)
+        _check_split_ptx(ptx, cfg, C)
+        aligned, _ = cache.compile_kernel(kind, kernel_static(kind, cfg))
+
+        def code(text):       # the PTX without its kernel names and parameter alignments
+            text = re.sub(r"kernel_cutlass_kernel_\w+", "K", text)
+            return re.sub(r"\.align \d+ ", "", text)
+        assert code(ptx) == code(aligned.__ptx__), "the split kernel's code depends on rows"
+        if usage is not None:
+            assert usage["STACK"] == 0 and usage["LOCAL"] == 0, usage
+    beta_loads = _ldst(ptx, r"ld\.global(\.nc)?\.(b32|f32) ") - _ldst(
+        cache.compile_kernel(kind, kernel_static(kind, dataclasses.replace(
+            cfg, beta_activated=False), rows))[0].__ptx__, r"ld\.global(\.nc)?\.(b32|f32) ")
+    assert beta_loads == (1 if cfg.beta_activated else 0)
+
+
+def test_launcher_runs_the_build_of_its_rows(monkeypatch):
+    """A call on rows that are not 16-byte aligned runs the build for their alignment
+    (:func:`kda.backend.row_bytes`), made on first need and kept; aligned rows run the
+    launcher's own build."""
+    import ctypes
+
+    from kda.backend import row_bytes
+    from kda.backends.cutedsl import backend as be
+    from kda.testing import CaseSpec, make_case, make_config
+
+    ran, made = [], []
+
+    class FakeExe:
+        def __init__(self, rows):
+            self.rows = rows
+            self.cuda_result = ctypes.c_int32(0)
+
+        def _get_invoke_packed_args(self, addrs):
+            return list(addrs) + [ctypes.addressof(self.cuda_result)]
+
+        def capi_func(self, packed):
+            ran.append(self.rows)
+
+    class FakeCompiled:
+        def __init__(self, rows):
+            self.rows = rows
+
+        def to(self, device):
+            return FakeExe(self.rows)
+
+    def get_kernel(kind, ks):
+        made.append((kind, ks))
+        return FakeCompiled(ks.row_bytes)
+
+    monkeypatch.setattr(be, "current_stream_handle", lambda device: 0)
+    monkeypatch.setattr(cache, "get_kernel", get_kernel)
+    cfg = make_config(4, 1)
+    launcher = be._Launcher("wide", cfg, torch.device("cuda", 0), FakeCompiled(16),
+                            kernel_static("wide", cfg))
+    cases = [CaseSpec(cfg, R=3), CaseSpec(cfg, R=3, packed=True),           # 16, 8 bytes
+             CaseSpec(cfg, R=3, offset_rows=True), CaseSpec(cfg, R=2, packed=True),
+             CaseSpec(cfg, R=1, offset_rows=True)]          # 2 bytes; one row: its address
+    want = []
+    for spec in cases:
+        a = make_case(spec, "cpu")
+        want.append(row_bytes(a))
+        launcher(a)
+    assert want == [16, 8, 2, 8, 2] and ran == want
+    assert [ks.row_bytes for _, ks in made] == [8, 2]          # each made once
+    assert all(kind == "wide" and ks == dataclasses.replace(launcher.ks, row_bytes=ks.row_bytes)
+               for kind, ks in made)
+    assert set(launcher.by_rows) == {16, 8, 2}
 
 
 def test_kernel_kinds():

@@ -9,7 +9,9 @@ and 64-bit slot offsets are the conformance suite's (``tests/conformance``). Her
   * the split kernel on every cluster size C in 1, 2, 4, 8 gives the wide kernel's bits
     (out / state / conv_state / records) and matches the reference, on configurations
     covering T in {1, 2, 5, 8}, both conv layouts, both gates, gate_mode 0/1, conv bias,
-    record mode, fp32 conv state, bf16 weights, padded strides, null slots and aliasing;
+    record mode, fp32 conv state, bf16 weights, padded strides, null slots and aliasing, and
+    the engine-facing forms (packed projection rows 8-, 4- and 2-byte aligned, rows at odd
+    element offsets, an activated fp32 beta), each on the build for its rows;
   * ``cutedsl`` runs the kernel :func:`kda.backends.cutedsl.policy.kernel_for` names, on both
     sides of every threshold of the policy;
   * three chained steps on the same buffers (programmatic dependent launch back to back)
@@ -21,6 +23,7 @@ and 64-bit slot offsets are the conformance suite's (``tests/conformance``). Her
 import pytest
 import torch
 
+from kda.backend import row_bytes
 from kda.backends.cutedsl import policy
 from kda.testing import (WRITTEN, CaseSpec, bits_equal, clone_args, compare_step, expected_after,
                          make_case, make_config)
@@ -40,6 +43,10 @@ SPECS = [
     CaseSpec(make_config(8, 1, "DS", record=True, lb=-1.0, gm=1, bias=True, extra_window=3),
              R=12, null_frac=0.5, seed=7),
     CaseSpec(make_config(96, 2, "DS", gm=1, cs32=True, extra_window=1), R=9, seed=8),
+    CaseSpec(make_config(4, 1, beta_act=True), R=5, packed=True, seed=9),
+    CaseSpec(make_config(2, 2, "DS", lb=-5.0, gm=1), R=4, packed=True, seed=10),
+    CaseSpec(make_config(3, 5, bias=True, record=True, beta_act=True), R=3, packed=True,
+             offset_rows=True, seed=12),
 ]
 
 _launchers = {}
@@ -85,6 +92,8 @@ def test_split_bit_identical_to_wide(spec, C, device, require_backend):
     split(a_split)
     wide(a_wide)
     torch.cuda.synchronize()
+    rows = row_bytes(a_split)
+    assert rows in split.by_rows and rows in wide.by_rows      # the build for the rows ran
     errors = [f"split{C}: {e}" for e in compare_step(a_split, expected, before)]
     errors += [f"wide: {e}" for e in compare_step(a_wide, expected, before)]
     assert not errors, "\n".join(errors)

@@ -34,6 +34,16 @@ SPECS = [
                        has_conv_bias=True, conv_state_dtype=f32), R=6, null_frac=0.5, seed=8),
     CaseSpec(KdaConfig(num_heads=5, T=2, window=4, lower_bound=-1.0, norm_weight_dtype=bf16,
                        scale=0.3, norm_eps=1e-3), R=3, seed=9),
+    # the engine-facing forms: packed projection rows 8- / 4- / 2-byte aligned (H = 4 / 2 /
+    # odd), rows at odd element offsets, an activated fp32 beta
+    CaseSpec(KdaConfig(num_heads=4, T=1, window=3, beta_activated=True), R=3, packed=True,
+             seed=10),
+    CaseSpec(KdaConfig(num_heads=2, T=2, window=4, conv_layout="DS", lower_bound=-5.0,
+                       gate_mode=1, has_conv_bias=True), R=3, packed=True, null_frac=0.4, seed=11),
+    CaseSpec(KdaConfig(num_heads=3, T=5, window=7, record=True, beta_activated=True), R=2,
+             packed=True, offset_rows=True, seed=13),
+    CaseSpec(KdaConfig(num_heads=2, T=3, window=5, conv_state_dtype=f32), R=4, offset_rows=True,
+             null_frac=0.5, seed=14),
 ]
 
 
@@ -85,6 +95,19 @@ def test_emulated_chained_steps():
         emulator.run(cfg, args)
     errors = compare_step(args, expected, before)
     assert not errors, "\n".join(errors)
+
+
+def test_row_builds_follow_the_rows():
+    """The launcher's row alignment (kda.backend.row_bytes) of the forms above, and the
+    16-byte build on rows that are not 16-byte aligned faults (a misaligned copy), as it
+    would on a GPU: the narrower builds are needed."""
+    from kda.backend import row_bytes
+
+    forms = SPECS[-4:]
+    assert [row_bytes(make_case(s, "cpu")) for s in forms] == [8, 4, 2, 2]
+    spec = forms[0]
+    with pytest.raises(emulator.EmulationError, match="misaligned"):
+        emulator.run(spec.cfg, make_case(spec, "cpu"), row_bytes=16)
 
 
 def test_emulator_catches_bad_access():

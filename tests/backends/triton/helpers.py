@@ -54,8 +54,8 @@ from kda.config import KdaConfig
 from kda.backends.triton.offline import compile_offline, resource_usage
 
 
-def figures(build, cfg):
-    k = compile_offline(cfg, build)
+def figures(build, cfg, rows16=True):
+    k = compile_offline(cfg, build, rows16=rows16)
     g, ptx = k.asm["ttgir"], k.asm["ptx"]
     dots = [re.search(r"(%\S+) = tt.dot \S+, \S+, (%[\w.]+)", l).groups()
             for l in k.asm["ttir"].splitlines() if "tt.dot" in l]
@@ -78,16 +78,20 @@ T1DS = KdaConfig(num_heads=32, conv_layout="DS", gate_mode=1, has_conv_bias=True
 T2 = KdaConfig(num_heads=32, T=2, window=4)
 T5 = KdaConfig(num_heads=32, T=5, window=7, lower_bound=-5.0)
 T2REC = KdaConfig(num_heads=8, T=2, window=4, record=True, conv_state_dtype=torch.float32)
+T1BETA = KdaConfig(num_heads=4, beta_activated=True)
 CASES = json.loads(sys.argv[1])
-print("RESULT" + json.dumps({name: figures(build, globals()[cfg])
-                             for name, (build, cfg) in CASES.items()}))
+print("RESULT" + json.dumps({name: figures(build, globals()[cfg], *rest)
+                             for name, (build, cfg, *rest) in CASES.items()}))
 """
 
 
 def offline_figures(cases: dict, tmp_path) -> dict:
-    """Compile ``cases`` ({name: (build name, config name)}, configs ``T1`` (SD, gate_mode 0),
-    ``T1DS`` (DS, gate_mode 1, conv bias), ``T2``, ``T5`` (bounded gate), ``T2REC`` (record
-    mode, fp32 conv cache), H=32 but T2REC H=8) for sm_90a in a subprocess without
+    """Compile ``cases`` ({name: (build name, config name[, rows16])}, configs ``T1`` (SD,
+    gate_mode 0), ``T1DS`` (DS, gate_mode 1, conv bias), ``T2``, ``T5`` (bounded gate),
+    ``T2REC`` (record mode, fp32 conv cache), ``T1BETA`` (activated fp32 beta), H=32 but
+    T2REC H=8 and T1BETA H=4; ``rows16=False``: the build for rows that are not 16-byte
+    aligned, :func:`kda.backends.triton.offline.compile_offline`) for sm_90a in a subprocess
+    without
     ``TRITON_INTERPRET`` (under it ``triton.jit`` makes interpreter functions, which do not
     compile), so the tests run under either setting; return each case's figures.
 

@@ -6,7 +6,8 @@ Under the interpreter the builds differ only in their chunk height (16 or 32 row
 pipeline stages are the GPU's), so one build of each height runs there; on a GPU all four.
 The conformance suite reaches the chunked builds at T = 1 and 5 with 16-row chunks and at
 T = 2 with 32; here both heights run T = 1 / 2 / 5 / 8 with records, padded strides, both
-layouts and gates.
+layouts and gates, and the engine-facing forms (packed projection rows, rows at odd element
+offsets, an activated fp32 beta).
 
 On the CPU run with ``TRITON_INTERPRET=1`` (the Bazel target sets it); on a GPU run plainly.
 """
@@ -31,6 +32,7 @@ SPECS = [
     CaseSpec(make_config(1, 2, "DS", lb=-5.0, bias=True, cs32=True), R=3, padded=True),
     CaseSpec(make_config(1, 5, "SD", lb=-1.5, extra_window=1, bf16_weights=True), R=2, seed=1),
     CaseSpec(make_config(1, 8, "DS", gm=1, record=True, bias=True), R=2, seed=5),
+    CaseSpec(make_config(2, 2, beta_act=True), R=2, packed=True, offset_rows=True, seed=6),
 ]
 
 

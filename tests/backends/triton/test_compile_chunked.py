@@ -4,7 +4,8 @@ expected, the state chunks prefetched by the software pipeliner with the build's
 chunk write per token, the gate's accumulation order (and, for every case, the state tile
 never converted to another layout, the gate on tensor cores:
 :func:`tests.backends.triton.helpers.offline_figures`). Runs with or without
-``TRITON_INTERPRET``."""
+``TRITON_INTERPRET``. The build for rows that are not 16-byte aligned, with an activated fp32
+beta, keeps the pipelined page chunks."""
 
 import pytest
 
@@ -18,13 +19,14 @@ CASES = {
     "c_t5": ("chunked", "T5", 8), "c_t2rec": ("chunked", "T2REC", 8),
     "w2s3_t1": ("chunked_w2_s3", "T1", 8), "w2s3_t1ds": ("chunked_w2_s3", "T1DS", 8),
     "w2_t5": ("chunked_w2", "T5", 8), "bv16_t5": ("chunked_bv16", "T5", 4),
+    "w2s3_rows": ("chunked_w2_s3", "T1BETA", 8, False),
 }
 
 
 def test_chunked_builds(tmp_path):
     from kda.backends.triton.kda_decode_chunked import BUILDS
-    res = offline_figures({n: (b, c) for n, (b, c, _) in CASES.items()}, tmp_path)
-    for name, (build, _, per_stage) in CASES.items():
+    res = offline_figures({n: (b, c, *rows) for n, (b, c, _, *rows) in CASES.items()}, tmp_path)
+    for name, (build, _, per_stage, *_) in CASES.items():
         r, b = res[name], BUILDS[build]
         assert r["regs"] <= b.maxnreg, (name, r)       # 88: 5 programs of 4 warps per SM;
         #                                                128: 8 programs of 2 warps per SM
@@ -35,6 +37,7 @@ def test_chunked_builds(tmp_path):
         assert r["stack"] <= 256, (name, r)
     for name in ("c_t1", "c_t1ds", "c_t2rec", "w2s3_t1"):
         assert res[name]["stack"] == 0, (name, res[name])   # no spill
+    assert res["w2s3_rows"]["state_st_v4"] == res["w2s3_t1"]["state_st_v4"]
     assert res["c_t1"]["state_st_v4"] == 8                  # 32x128 chunk: 8 x 16 B per thread
     assert res["c_t5"]["state_st_v4"] == 40                 # one chunk write per token
     assert res["w2_t5"]["state_st_v4"] == 40                # 16x128 chunk on 2 warps: 8

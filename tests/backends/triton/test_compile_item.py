@@ -2,8 +2,9 @@
 :mod:`kda.backends.triton.offline`): the register cap, no spills where none are expected,
 16-byte vector state accesses, the gate's accumulation order, the V-split's acq_rel atomic
 (and, for every case, the state tile never converted to another layout, the gate on tensor
-cores: :func:`tests.backends.triton.helpers.offline_figures`). Runs with or without
-``TRITON_INTERPRET``."""
+cores: :func:`tests.backends.triton.helpers.offline_figures`); the build for rows that are
+not 16-byte aligned with an activated fp32 beta compiles to the same page accesses. Runs with
+or without ``TRITON_INTERPRET``."""
 
 import pytest
 
@@ -16,7 +17,14 @@ def test_item_builds(tmp_path):
     res = offline_figures({
         "nv1_t1": ("item_nv1", "T1"), "nv1_t1ds": ("item_nv1", "T1DS"),
         "nv1_t5": ("item_nv1", "T5"), "nv1_t2rec": ("item_nv1", "T2REC"),
-        "nv2_t5": ("item_nv2", "T5"), "nv4_t2": ("item_nv4", "T2")}, tmp_path)
+        "nv2_t5": ("item_nv2", "T5"), "nv4_t2": ("item_nv4", "T2"),
+        "nv1_rows": ("item_nv1", "T1BETA", False), "nv4_rows": ("item_nv4", "T1BETA", False)},
+        tmp_path)
+    # rows that are not 16-byte aligned: the same 16-byte page accesses, no spill
+    for name, aligned in (("nv1_rows", "nv1_t1"), ("nv4_rows", "nv4_t2")):
+        r = res[name]
+        assert r["stack"] == 0 and r["state_ld_v4"] == res[aligned]["state_ld_v4"], (name, r)
+    assert res["nv1_rows"]["regs"] <= 128 and res["nv1_rows"]["state_st_v4"] == 16
     for name in ("nv1_t1", "nv1_t1ds", "nv1_t5", "nv1_t2rec"):
         r = res[name]
         assert r["regs"] <= 128, (name, r)             # two 8-warp programs per SM

@@ -5,7 +5,8 @@ across steps whose block count changes.
 The conformance suite reaches these builds only at the batch sizes its cases happen to have
 (4 "SMs" under the interpreter); here every build runs every case: T = 1 / 2 / 5 / 8, both
 conv layouts and gates, gate modes, conv bias, record mode, fp32 conv cache, bf16 weights,
-padded strides, aliasing write slots, dead and all-dead batches.
+padded strides, aliasing write slots, dead and all-dead batches, an engine's packed projection
+(rows 2- and 4-byte aligned), rows at odd element offsets and an activated fp32 beta.
 
 On the CPU run with ``TRITON_INTERPRET=1`` (the Bazel target sets it); on a GPU run plainly.
 """
@@ -30,6 +31,8 @@ SPECS = [
     CaseSpec(make_config(1, 5, "DS", gm=1, record=True, bias=True), R=2),
     CaseSpec(make_config(1, 8, "SD"), R=2, seed=3),
     CaseSpec(make_config(1, 3), R=2, null_frac=1.0),
+    CaseSpec(make_config(1, 2, beta_act=True), R=2, packed=True),
+    CaseSpec(make_config(2, 1, "DS", lb=-5.0), R=2, packed=True, offset_rows=True),
 ]
 
 
