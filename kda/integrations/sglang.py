@@ -108,10 +108,6 @@ What it does not cover (SGLang's own path stays, by not calling it, or by the
 * ReplaySSM (``--enable-linear-replayssm``: SGLang's decode then writes rings, not states);
 * Kimi-K3 (``kimi_k3.py``), which already has SGLang's own fused decode
   (``kda_fused_decode``, reached through the ``layer._k3_*`` hand-off);
-* tensor-parallel ranks whose packed projection row pitch is not a multiple of 8 elements:
-  the pitch is ``3*dim + H + 256 = 385*H + 256`` elements, a multiple of 8 only when
-  ``H % 8 == 0`` (Kimi-Linear-48B at TP 8, H = 4 per rank, is refused by the op's
-  validation, naming ``x``);
 * SGLang's CPU / NPU / HIP kernel variants (``sgl_kernel`` AMX conv layout, NPU conv layout).
 
 Numerics differ from SGLang's path only where the contract's rounding points differ: the

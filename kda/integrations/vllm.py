@@ -28,10 +28,8 @@ What the subclass changes
   op; see below) computes ``f_b_proj(f_a)`` and calls vLLM's own ``_forward`` body unchanged,
   as does every call of a layer whose setup the op does not serve: a bf16 (or other non-fp32)
   recurrent state, a quantized ``f_b_proj``, ReplaySSM / RecoverSSM
-  (``cache_config.use_replayssm``), a non-bf16 model, a packed projection whose row pitch is
-  not a multiple of 8 elements (pitch ``3*dim + H + 128 = 385*H + 128``: a multiple of 8 only
-  when ``H % 8 == 0``, so Kimi-Linear-48B at TP 8, H=4 per rank; the op accepts any row pitch,
-  the plugin keeps these on vLLM's path until it is tested with them against vLLM), arguments the op's validation refuses (logged as a warning), ROCm
+  (``cache_config.use_replayssm``), a non-bf16 model, arguments the op's validation refuses
+  (logged as a warning), ROCm
   unless a backend is named (the op's GPU backends target NVIDIA GPUs), and ``auto`` on a GPU
   where it finds only the PyTorch ``reference`` backend. The first reason per layer is logged
   once (logger ``"kda"``).
@@ -88,11 +86,6 @@ from typing import Optional, Tuple
 CONFIG_KEY = "kda_fused_decode_backend"
 #: vLLM's name of the class replaced (the ``op_registry_oot`` key: the class's ``__name__``).
 VLLM_CLASS = "KimiGatedDeltaNetAttention"
-#: The plugin hands the op rows of the packed projection only when their pitch is a multiple
-#: of this many elements and their data 16-byte aligned (the op itself accepts any pitch and
-#: alignment, docs/contract.md section 6, "Strides"; the plugin's other case is not yet tested
-#: against vLLM).
-ROW_PITCH_MULTIPLE = 8
 
 _log = logging.getLogger("kda")
 _lock = threading.RLock()
@@ -365,16 +358,6 @@ def _build_layer_class():
             x, beta, f_a = mixed_qkv[:N], beta[:N], f_a[:N]
             gate = g_proj_states[:N]
             out = core_attn_out.view(core_attn_out.shape[1], dim)[:N]
-            for name, t in (("packed projection", x), ("f_a", f_a), ("output gate", gate)):
-                if t.stride(-1) != 1 or t.stride(0) % ROW_PITCH_MULTIPLE \
-                        or t.data_ptr() % 16:
-                    why = (f"{name} row pitch {t.stride(0)} elements (the plugin routes a "
-                           f"multiple of {ROW_PITCH_MULTIPLE}, 16-byte aligned; "
-                           f"H={self.local_num_heads})")
-                    _log_once(("pitch", self.prefix, why), logging.INFO,
-                              "vLLM plugin: %s stays on vLLM's path: %s", self.prefix, why)
-                    return why
-
             cfg = kda.KdaConfig(
                 num_heads=self.local_num_heads, T=T, window=conv_state.shape[-1],
                 conv_layout="SD" if conv_state.stride(-2) == 1 else "DS",

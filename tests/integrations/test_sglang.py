@@ -203,6 +203,7 @@ CASES = [
     dict(H=8, N=5),                                    # Kimi-Linear-48B at TP 4
     dict(H=8, N=4, lower_bound=-5.0),                  # bounded ("safe") gate
     dict(H=16, N=3, bias=True, norm_dtype=torch.float32),
+    dict(H=4, N=3),                                    # TP 8: row pitch 1796, 8-byte rows
 ]
 
 
@@ -278,9 +279,9 @@ def test_conv_weight_relayout():
 
 @pytest.mark.parametrize("what,arg", [
     ("conv_states", "conv_states"), ("A_log", "A_log"), ("b", "b"),
-    ("pitch", "x"), ("ssm_dtype", "state"), ("indices", "state_indices")])
+    ("ssm_dtype", "state"), ("indices", "state_indices")])
 def test_errors_name_the_argument(what, arg):
-    H = 4 if what == "pitch" else 8
+    H = 8
     t = sglang_layer(H=H, N=3)
     if what == "conv_states":
         t.conv_states = t.conv_states.flatten(1)

@@ -137,7 +137,7 @@ def compare(t, s, out, ref, label):
     assert torch.equal(t.conv_states[slots], s.conv_states[slots]), f"{label}: conv window"
 
 
-CASES = [dict(H=8, N=4), dict(H=8, N=3, lower_bound=-5.0),
+CASES = [dict(H=8, N=4), dict(H=8, N=3, lower_bound=-5.0), dict(H=4, N=3),
          dict(H=16, N=3, bias=True, norm_dtype=torch.float32)]
 
 
