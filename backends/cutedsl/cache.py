@@ -155,7 +155,7 @@ def kernel_object(kind: str, ks: KernelStatic):
     if kind.startswith("split") and kind[5:].isdigit():
         from kda.backends.cutedsl.split import KdaSplit
         return KdaSplit(ks, int(kind[5:]))
-    raise ValueError(f"kind: expected 'wide' or 'splitC' (C in 1, 2, 4, 8), got {kind!r}")
+    raise ValueError(f"kind: expected 'wide' or 'splitC' (C in 2, 4, 8), got {kind!r}")
 
 
 def compile_kernel(kind: str, ks: KernelStatic, options: Optional[str] = None):

@@ -1,6 +1,6 @@
 """KdaSplit: the fused KDA decode step with each (request, head) item split over a cluster.
 
-Grid ``(C, H, R)``, clusters of ``C`` CTAs along x (C in 1, 2, 4, 8): CTA rank ``p`` of the
+Grid ``(C, H, R)``, clusters of ``C`` CTAs along x (C in 2, 4, 8): CTA rank ``p`` of the
 cluster of item (r, h) owns the value rows ``[p*128/C, (p+1)*128/C)`` of the item's state
 page. 160 threads: warps 0-3 ("main") run the conv, the norms, the recurrence of the CTA's
 rows and the RMSNorm epilogue of the tokens the CTA owns; warp 4 ("gate") projects the gate
@@ -54,7 +54,7 @@ NTHREADS = MAIN + 32  # + the gate warp
 LANES = 8           # lanes per state row: a warp instruction covers 4 rows x 128 bytes
 GROUPS = MAIN // LANES  # rows per pass
 FB_ROW = D + 8      # padded f_b row in shared memory (bf16 elements)
-CLUSTERS = (1, 2, 4, 8)  # CTAs per item
+CLUSTERS = (2, 4, 8)  # CTAs per item (st.async needs a cluster of at least 2 CTAs)
 
 
 class Views(NamedTuple):
@@ -186,8 +186,7 @@ class KdaSplit:
                 if rank == t % C:
                     cute.arch.mbarrier_arrive_and_expect_tx(bars + 2 + t, D * 4)
         cute.arch.sync_threads()
-        if cutlass.const_expr(C > 1):
-            cute.arch.cluster_arrive_relaxed()
+        cute.arch.cluster_arrive_relaxed()
 
         # ---- 1. weights (before the PDL wait: nothing a predecessor writes). Every thread
         # loads (the gate warp's copies are unused), so no value leaves a branch.
@@ -327,8 +326,7 @@ class KdaSplit:
         # output gate (used by the owner of each token)
         ogs = [N.sigmoid(Float32(v)) for v in ogr]
         cute.arch.barrier(barrier_id=1, number_of_threads=MAIN)
-        if cutlass.const_expr(C > 1):
-            cute.arch.cluster_wait()
+        cute.arch.cluster_wait()
         cute.arch.mbarrier_wait(bars + 1, 0)       # the decays of every feature
         cute.arch.mbarrier_wait(bars, 0)           # the CTA's state rows
         self._recurrence(g, tid, rank, h, r, cslot, src, slots, s_state, s_q, s_k, s_a, s_o,
@@ -470,8 +468,7 @@ class KdaSplit:
         A = N.fexp(g.alog[h])
         zero = Float32(0.0)
         cute.arch.mbarrier_wait(bar_fb, 0)
-        if cutlass.const_expr(C > 1):
-            cute.arch.cluster_wait()
+        cute.arch.cluster_wait()
         chains = 1 if ks.gate_mode == 0 else 4
         for mt in cutlass.range_constexpr(F // 16):
             tA = thr.partition_A(cute.local_tile(s_fb, (16, D), (mt, 0)))
