@@ -610,7 +610,10 @@ class ItemMath:
         obs = []
         for i in range((T + 1) // 2):
             t = half + 2 * i
-            ob = P.sld_f32(sb + pl.CO + (t * D + v) * 4)
+            # odd T: the last pass of the upper half has no token (t == T; its results are
+            # not stored), so it reads row T-1 rather than past the o buffer
+            row = t if 2 * i + 1 < T else Int32(T - 1)
+            ob = P.sld_f32(sb + pl.CO + (row * D + v) * 4)
             sq = P.warp_sum(P.fmul(ob, ob))
             if (2 * i + 1 < T):
                 P.sst_f32(sb + pl.CRO + (t * 4 + wq) * 4, sq, lane0)

@@ -22,7 +22,7 @@
 #   serve    serve runs checked step for step against the reference
 #   bigmem   the GPU-scale cases (2**31 offsets, >65,535 items)
 #   sanitize compute-sanitizer memcheck, racecheck and synccheck on one checked step of the
-#            CuTe DSL kernels (tools/gpu/step_check.py; cutedsl at a split-kernel batch)
+#            CuTe DSL kernels (tools/gpu/step_check.py; cutedsl at a split-kernel batch, cutedsl_wide at T=1)
 #   full     the full conformance matrix, per backend in $KDA_FULL_SHARDS shards (default 2),
 #            or the jobs listed in $KDA_FULL_JOBS ("backend:i/n ...", e.g. "cuda:2/3")
 #
@@ -144,6 +144,10 @@ if want sanitize; then
     bg "sanitize-$tool" compute-sanitizer --tool "$tool" --print-limit 20 --error-exitcode 9 \
        --report-api-errors no \
        python3 -m tools.gpu.step_check cutedsl 4 3 2
+    # the one-CTA-per-item kernel at an odd T (its epilogue's upper half has no last token)
+    bg "sanitize-$tool-wide" compute-sanitizer --tool "$tool" --print-limit 20 --error-exitcode 9 \
+       --report-api-errors no \
+       python3 -m tools.gpu.step_check cutedsl_wide 4 3 1
   done
 fi
 if want full; then
