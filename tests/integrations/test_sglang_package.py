@@ -23,7 +23,6 @@ kda.testing's tolerances (``test_truncation_is_what_differs`` shows the unpatche
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import importlib.util
 import inspect
@@ -40,13 +39,13 @@ if importlib.util.find_spec("sglang") is None:
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ["TRITON_INTERPRET"] = "1"
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from kda.integrations import sglang as adapter  # noqa: E402
 from kda.testing import TOLERANCES  # noqa: E402
+from tests.integrations.triton_rne import rne_casts  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_sglang import (D, live_rows, new_inputs, run_adapter, sglang_decode,  # noqa: E402
@@ -68,27 +67,6 @@ def _exp(x):
 from sglang.kernels.ops.attention.fla import fused_recurrent as _fused_recurrent  # noqa: E402
 if _fused_recurrent.exp is tl.exp:
     _fused_recurrent.exp = _exp
-
-
-@contextlib.contextmanager
-def rne_casts():
-    """Round fp32 -> bf16 to nearest even in Triton's interpreter (a GPU's rounding)."""
-    from triton.runtime import interpreter
-    cls = interpreter.InterpreterBuilder
-    truncating = cls.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            f32 = torch.from_numpy(np.array(src.data, dtype=np.float32, copy=True))
-            bits = f32.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-            return interpreter.TensorHandle(bits, dst_type.scalar)
-        return truncating(self, src, dst_type)
-
-    cls.cast_impl = cast_impl
-    try:
-        yield
-    finally:
-        cls.cast_impl = truncating
 
 
 def sglang_step(s, packed: bool):

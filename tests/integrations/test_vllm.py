@@ -25,7 +25,7 @@ the plugin's ``forward`` then is ``super().forward``), on copies of the same cac
 
 Rounding: Triton's interpreter casts fp32 to bf16 by truncation, not round-to-nearest-even as
 Triton does on a GPU, so in the interpreter vLLM's kernels round their conv output y, o and
-the normed output toward zero. ``rne_interpreter`` patches that one cast to round to nearest
+the normed output toward zero. ``rne_casts`` patches that one cast to round to nearest
 even; the step comparisons run under it and then meet kda.testing's tolerances (states: 1e-5 +
 1e-4 relative). ``test_state_difference_is_the_interpreters_truncation`` shows what the
 unpatched interpreter gives (the ~9e-3 state difference first measured) and why.
@@ -61,6 +61,7 @@ import triton.language as tl  # noqa: E402
 import kda  # noqa: E402
 from kda.integrations import vllm as plugin  # noqa: E402
 from kda.testing import TOLERANCES, Tolerance  # noqa: E402
+from tests.integrations.triton_rne import rne_casts  # noqa: E402
 
 D = 128
 HIDDEN = 2304          # Kimi-Linear-48B's hidden size
@@ -113,28 +114,6 @@ def env():
             initialize_model_parallel(1, 1)
     plugin.register()
     return vc
-
-
-@contextlib.contextmanager
-def rne_interpreter():
-    """Make the Triton interpreter's fp32 -> bf16 cast round to nearest even (as Triton does
-    on a GPU) instead of truncating; restores it on exit."""
-    from triton.runtime import interpreter as ti
-    builder = ti.InterpreterBuilder
-    orig = builder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            a = np.ascontiguousarray(src.data, dtype=np.float32)
-            b = torch.from_numpy(a).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-            return ti.TensorHandle(b.reshape(a.shape), dst_type.scalar)
-        return orig(self, src, dst_type)
-
-    builder.cast_impl = cast_impl
-    try:
-        yield
-    finally:
-        builder.cast_impl = orig
 
 
 @contextlib.contextmanager
@@ -394,7 +373,7 @@ def test_decode_step_matches_vllm(env, H, layout):
     table = torch.tensor([[5, 11], [0, 0], [2, 12], [9, 13], [0, 0]], dtype=torch.int32)
     md = decode_md(table)
     hs = hidden(table.shape[0])
-    with conv_layout(layout), rne_interpreter():
+    with conv_layout(layout), rne_casts():
         layer, raw = make_layer(env, H)
         y, core, page, path = step(env, layer, raw, md, hs)
         y_v, core_v, page_v, path_v = step(env, layer, raw, md, hs, use_kda=False)
@@ -433,7 +412,7 @@ def test_verify_step_matches_vllm(env, H, layout):
     acc = torch.tensor([2, 1, 3, 1], dtype=torch.int32)
     md = verify_md(table, acc, T, n_real=3)
     hs = hidden(table.shape[0] * T, seed=2)
-    with conv_layout(layout), rne_interpreter():
+    with conv_layout(layout), rne_casts():
         layer, raw = make_layer(env, H, num_spec=T - 1)
         y, core, page, path = step(env, layer, raw, md, hs)
         y_v, core_v, page_v, _ = step(env, layer, raw, md, hs, use_kda=False)
@@ -461,7 +440,7 @@ def test_verify_step_matches_vllm(env, H, layout):
 
 
 def test_state_difference_is_the_interpreters_truncation(env):
-    """Without ``rne_interpreter`` the states differ by up to ~1e-2 (the difference first
+    """Without ``rne_casts`` the states differ by up to ~1e-2 (the difference first
     measured against vLLM on the CPU). Cause: the interpreter truncates every fp32 -> bf16
     cast of vLLM's kernels, among them the conv output y, which feeds the state update (k, v);
     about half of y's elements land one bf16 ulp toward zero. Shown here: vLLM's conv output
@@ -500,7 +479,7 @@ def test_state_difference_is_the_interpreters_truncation(env):
                                         None, activation="silu", conv_state_indices=idx,
                                         out=torch.empty(4, 3 * dim, dtype=torch.bfloat16))
         y_trunc = vllm_conv().float()
-        with rne_interpreter():
+        with rne_casts():
             y_rne = vllm_conv().float()
         gate = layer.g_b_proj(layer.g_a_proj(hs)[0])[0]
         args = KdaArgs(x, layer._kda_conv_weight, None, conv_state0.transpose(-1, -2), f_a,
