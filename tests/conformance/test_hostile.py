@@ -137,6 +137,29 @@ def test_nan_input_does_not_leak(backend_name, kda_device, require_backend):
         assert torch.isfinite(a.state[s]).all()
 
 
+def _check_high_slots(cfg, backend_name, kda_device, state, conv_state, expected_pools, seed):
+    """A 4-request step on slots near the end of a pool too large for 32-bit offsets: the
+    requests' pages and windows are copied into slots ``[-1, -2, 131073, 5]``, the step runs
+    in place, and the pools ``expected_pools()`` returns (copies, as ``(state, conv_state)``)
+    get the reference step."""
+    small = make_case(CaseSpec(cfg, R=4, null_frac=0.0, seed=seed), kda_device)
+    slots = state.shape[0]
+    high = torch.tensor([slots - 1, slots - 2, 131_073, 5], dtype=torch.int32, device=kda_device)
+    for i, s in enumerate(high.tolist()):
+        state[s] = small.state[int(small.state_indices[i])]
+        conv_state[s] = small.conv_state[int(small.state_indices[i])]
+    assert int(high[0]) * state.stride(0) > 2 ** 31
+    a = small._replace(state=state, conv_state=conv_state, state_indices=high)
+    exp_st, exp_cs = expected_pools()
+    exp_args = a._replace(state=exp_st, conv_state=exp_cs, out=torch.empty_like(a.out))
+    reference_step(cfg, exp_args)
+    call_public(a, cfg, backend_name)
+    assert torch.allclose(a.out.float(), exp_args.out.float(), atol=2e-2, rtol=2e-2)
+    for s in high.tolist():
+        assert torch.allclose(state[s], exp_st[s], atol=1e-3, rtol=1e-3), s
+        assert torch.equal(conv_state[s], exp_cs[s]), s
+
+
 @pytest.mark.bigmem
 def test_slot_offsets_past_2_pow_31(backend_name, kda_device, require_backend):
     """A pool of 131,100 single-head slots: slot * 16384 passes 2**31 elements (8 GiB)."""
@@ -145,22 +168,10 @@ def test_slot_offsets_past_2_pow_31(backend_name, kda_device, require_backend):
     cfg = KdaConfig(num_heads=1)
     require_backend(backend_name, cfg, kda_device)
     slots = 131_100
-    small = make_case(CaseSpec(cfg, R=4, null_frac=0.0, seed=26), kda_device)
     state = torch.empty(slots, 1, 128, 128, device=kda_device)
     conv_state = torch.zeros(slots, 3, 384, dtype=torch.bfloat16, device=kda_device).transpose(1, 2)
-    high = torch.tensor([slots - 1, slots - 2, 131_073, 5], dtype=torch.int32, device=kda_device)
-    for i, s in enumerate(high.tolist()):
-        state[s] = small.state[int(small.state_indices[i])]
-        conv_state[s] = small.conv_state[int(small.state_indices[i])]
-    a = small._replace(state=state, conv_state=conv_state, state_indices=high)
-    expected_out = torch.empty_like(a.out)
-    exp_args = a._replace(state=state.clone(), conv_state=conv_state.clone(), out=expected_out)
-    reference_step(cfg, exp_args)
-    call_public(a, cfg, backend_name)
-    assert torch.allclose(a.out.float(), expected_out.float(), atol=2e-2, rtol=2e-2)
-    for s in high.tolist():
-        assert torch.allclose(state[s], exp_args.state[s], atol=1e-3, rtol=1e-3), s
-        assert torch.equal(conv_state[s], exp_args.conv_state[s]), s
+    _check_high_slots(cfg, backend_name, kda_device, state, conv_state,
+                      lambda: (state.clone(), conv_state.clone()), seed=26)
 
 
 @pytest.mark.bigmem
@@ -184,7 +195,6 @@ def test_engine_pages_past_2_pow_31(backend_name, kda_device, require_backend):
     cfg = KdaConfig(num_heads=1)
     require_backend(backend_name, cfg, kda_device)
     slots = 131_100
-    small = make_case(CaseSpec(cfg, R=4, null_frac=0.0, seed=28), kda_device)
     cs_bytes = 3 * cfg.dim * cfg.window * 2
     page = cs_bytes + 128 * 128 * 4
 
@@ -193,23 +203,10 @@ def test_engine_pages_past_2_pow_31(backend_name, kda_device, require_backend):
                               (page // 2, 1, 3 * cfg.dim))
         st = torch.as_strided(raw.view(torch.float32), (slots, 1, 128, 128),
                               (page // 4, 128 * 128, 128, 1), cs_bytes // 4)
-        return cs, st
+        return st, cs
 
     raw = torch.zeros(slots * page, dtype=torch.uint8, device=kda_device)
-    conv_state, state = views(raw)
-    high = torch.tensor([slots - 1, slots - 2, 131_073, 5], dtype=torch.int32, device=kda_device)
-    for i, s in enumerate(high.tolist()):
-        state[s] = small.state[int(small.state_indices[i])]
-        conv_state[s] = small.conv_state[int(small.state_indices[i])]
-    assert int(high[0]) * state.stride(0) > 2 ** 31
-    a = small._replace(state=state, conv_state=conv_state, state_indices=high)
-    exp_raw = raw.clone()
-    exp_cs, exp_st = views(exp_raw)
-    exp_args = a._replace(state=exp_st, conv_state=exp_cs, out=torch.empty_like(a.out))
-    reference_step(cfg, exp_args)
-    call_public(a, cfg, backend_name)
-    assert torch.allclose(a.out.float(), exp_args.out.float(), atol=2e-2, rtol=2e-2)
-    for s in high.tolist():
-        assert torch.allclose(state[s], exp_st[s], atol=1e-3, rtol=1e-3), s
-        assert torch.equal(conv_state[s], exp_cs[s]), s
+    state, conv_state = views(raw)
+    _check_high_slots(cfg, backend_name, kda_device, state, conv_state,
+                      lambda: views(raw.clone()), seed=28)
     assert not raw[page * (slots - 3):page * (slots - 2)].any()   # a slot nobody named
