@@ -24,7 +24,6 @@
 # Steps 1-3 are skipped when the venv was built by this version of the script. On a 2-core
 # machine: a few minutes to build the venv (PyPI reachable), then about a minute of tests.
 set -euo pipefail
-root=$(cd "$(dirname "$0")/../.." && pwd)
 venv=${KDA_SGLANG_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kda/sglang-venv-0.5.23}
 torch_req=${KDA_SGLANG_TORCH:-torch==2.13.0}
 py=${KDA_SGLANG_BASE_PYTHON:-python3}
@@ -37,30 +36,9 @@ deps=(
   IPython zstandard regex "python-dateutil<3" python-multipart prometheus-client setproctitle
   xxhash interegular easydict distro packaging
 )
-stamp=$(sha256sum < "$0" | cut -c1-16)
-
-if [ "$(cat "$venv/.kda-stamp" 2>/dev/null || true)" != "$stamp" ]; then
-  start=$SECONDS
-  echo "[sglang-tests] building $venv" >&2
-  rm -rf "$venv"
-  mkdir -p "$(dirname "$venv")"
-  "$py" -m venv "$venv"
-  pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
-  constraints="$venv/kda-constraints.txt"
-  "${pip[@]}" --isolated --cert /etc/ssl/certs/ca-certificates.crt "$torch_req" \
-    "torchvision==0.28.0" numpy einops "pytest==9.0.3" "pytest-timeout==2.4.0"
-  "$venv/bin/python" -c 'from importlib.metadata import version; print("torch==" + version("torch"))' > "$constraints"
-  "${pip[@]}" --no-deps "sglang==0.5.23"
-  "${pip[@]}" -c "$constraints" "${deps[@]}"
-  "${pip[@]}" -c "$constraints" -e "$root"          # with its own deps (absl-py, rich)
-  echo "$stamp" > "$venv/.kda-stamp"
-  echo "[sglang-tests] venv built in $((SECONDS - start)) s" >&2
-fi
-"$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$root"
-"$venv/bin/python" -c 'from importlib.metadata import version as v
-print("[sglang-tests] " + ", ".join(f"{p} {v(p)}" for p in ("sglang", "torch", "triton")))'
-
-cd "$root"
-export CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1
-unset KDA_BACKEND || true
-exec "$venv/bin/python" -m pytest tests/integrations/test_sglang_package.py -v -rs "$@"
+base=(--isolated --cert /etc/ssl/certs/ca-certificates.crt "$torch_req" "torchvision==0.28.0"
+      numpy einops "pytest==9.0.3" "pytest-timeout==2.4.0")
+engine="sglang==0.5.23"
+tag=sglang-tests tests=tests/integrations/test_sglang_package.py unset_vars="KDA_BACKEND"
+source "$(dirname "$0")/../engine_venv.sh"
+run_engine_tests "$@"

@@ -24,7 +24,6 @@
 # machine: 1.5-2.5 minutes to build the venv (3 GB; PyPI reachable), then about 2 minutes of
 # tests (vLLM's kernels in Triton's interpreter; the verify steps are the slow ones).
 set -euo pipefail
-root=$(cd "$(dirname "$0")/../.." && pwd)
 venv=${KDA_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kda/vllm-venv-0.33.0}
 torch_req=${KDA_VLLM_TORCH:-torch==2.13.0}
 py=${KDA_VLLM_BASE_PYTHON:-python3}
@@ -38,29 +37,8 @@ deps=(
   regex cbor2 psutil urllib3 openai-harmony pybase64 cachetools msgspec cloudpickle uvloop
   py-cpuinfo partial-json-parser
 )
-stamp=$(cat "$0" | sha256sum | cut -c1-16)
-
-if [ "$(cat "$venv/.kda-stamp" 2>/dev/null || true)" != "$stamp" ]; then
-  start=$SECONDS
-  echo "[vllm-tests] building $venv" >&2
-  rm -rf "$venv"
-  mkdir -p "$(dirname "$venv")"
-  "$py" -m venv "$venv"
-  pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
-  constraints="$venv/kda-constraints.txt"
-  "${pip[@]}" "$torch_req" "triton==3.8.0" numpy einops "pytest==9.0.3" "pytest-timeout==2.4.0"
-  "$venv/bin/python" -c 'import torch; print(f"torch=={torch.__version__}")' > "$constraints"
-  "${pip[@]}" --no-deps "vllm==0.33.0"
-  "${pip[@]}" -c "$constraints" "${deps[@]}"
-  "${pip[@]}" -c "$constraints" -e "$root"          # with its own deps (absl-py, rich)
-  echo "$stamp" > "$venv/.kda-stamp"
-  echo "[vllm-tests] venv built in $((SECONDS - start)) s" >&2
-fi
-"$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$root"
-"$venv/bin/python" -c 'from importlib.metadata import version as v
-print("[vllm-tests] " + ", ".join(f"{p} {v(p)}" for p in ("vllm", "torch", "triton")))'
-
-cd "$root"
-export CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1
-unset VLLM_PLUGINS KDA_BACKEND || true
-exec "$venv/bin/python" -m pytest tests/integrations/test_vllm.py -v -rs "$@"
+base=("$torch_req" "triton==3.8.0" numpy einops "pytest==9.0.3" "pytest-timeout==2.4.0")
+engine="vllm==0.33.0"
+tag=vllm-tests tests=tests/integrations/test_vllm.py unset_vars="VLLM_PLUGINS KDA_BACKEND"
+source "$(dirname "$0")/../engine_venv.sh"
+run_engine_tests "$@"
