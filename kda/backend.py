@@ -109,7 +109,7 @@ def row_bytes(args: KdaArgs) -> int:
     backend chooses the build it launches by it.
     """
     acc = 16
-    for t in (args.x, args.f_a, args.output_gate, args.out):
+    for t in (getattr(args, name) for name in ROW_TENSORS):
         acc |= t.data_ptr()
         if t.shape[0] > 1:
             acc |= t.stride(0) * t.element_size()
