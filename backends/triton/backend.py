@@ -61,9 +61,6 @@ class TritonBackend(Backend):
         reasons = super().unsupported(cfg, device)
         if cfg.T > MAX_T:
             reasons.append(f"triton serves T <= {MAX_T}, got T={cfg.T}")
-        if cfg.state_dtype != torch.float32:
-            reasons.append(f"state dtype {cfg.state_dtype}: the kernels read and write fp32 "
-                           "state pages only")
         if device.type == "cuda" and not _interpreter():
             try:
                 major, minor = torch.cuda.get_device_capability(device)

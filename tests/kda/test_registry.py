@@ -185,7 +185,7 @@ def test_stream_buffers_per_stream_and_in_capture():
 
 
 CFG_BF16 = KdaConfig(num_heads=2, state_dtype=torch.bfloat16)
-FP32_STATE_ONLY = ("cuda", "cutedsl", "cutedsl_wide", "triton")
+FP32_STATE_ONLY = ("cuda", "cutedsl", "cutedsl_wide")
 
 
 @pytest.mark.parametrize("name", FP32_STATE_ONLY)
