@@ -2,7 +2,7 @@
 
 A :class:`KdaConfig` holds everything that selects a kernel variant (head count, tokens per
 request, conv window length and layout, gate kind, gate accumulation order, conv bias, record
-mode, cache dtypes, the form of beta). It is hashable, so backends key their compiled kernels
+mode, cache and state dtypes, the form of beta). It is hashable, so backends key their compiled kernels
 on it. Everything that changes per step (batch size, slot ids, accepted counts, the tensors
 themselves) lives in :class:`KdaArgs`.
 
@@ -57,6 +57,9 @@ class KdaConfig:
       scale: q scale, default D**-0.5.
       norm_eps: eps of the gated RMSNorm, default 1e-5.
       conv_state_dtype: bf16 (default) or fp32.
+      state_dtype: dtype of the recurrent state pool: fp32 (default) or bf16. A bf16 page is
+        widened to fp32 on load, all math stays fp32, and every state written is rounded to
+        bf16 once (round to nearest even). fp16 is rejected.
       conv_weight_dtype: fp32 (default) or bf16.
       norm_weight_dtype: fp32 (default) or bf16.
       beta_activated: False (default): ``beta`` is bf16 raw logits and the op applies the
@@ -71,7 +74,7 @@ class KdaConfig:
         T < 1, a window shorter than T + 2, an unknown layout, lower_bound outside [-5, 0)
         (or not < 0 in fp32), gate_mode not 0 / 1, a scale or norm_eps that is not a finite
         number > 0 that is normal in fp32 (the kernels' precision), a flag that is not a
-        bool, a dtype other than bf16 / fp32.
+        bool, a dtype other than bf16 / fp32 (``state_dtype``: float16 with its own message).
     """
 
     num_heads: int
@@ -88,6 +91,7 @@ class KdaConfig:
     conv_weight_dtype: torch.dtype = torch.float32
     norm_weight_dtype: torch.dtype = torch.float32
     beta_activated: bool = False
+    state_dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
         for name in ("num_heads", "T", "window", "gate_mode"):
@@ -138,6 +142,13 @@ class KdaConfig:
             dt = getattr(self, name)
             if dt not in (torch.bfloat16, torch.float32):
                 raise KdaArgumentError(name, f"expected torch.bfloat16 or torch.float32, got {dt}")
+        if self.state_dtype == torch.float16:
+            raise KdaArgumentError("state_dtype", "float16 states are not supported: expected "
+                                                  "a torch.float32 or torch.bfloat16 state "
+                                                  "pool, got torch.float16")
+        if self.state_dtype not in (torch.float32, torch.bfloat16):
+            raise KdaArgumentError("state_dtype", f"expected torch.float32 or torch.bfloat16, "
+                                                  f"got {self.state_dtype}")
         normal = dict(num_heads=int(self.num_heads), T=int(self.T), window=window,
                       lower_bound=None if lb is None else float(lb),
                       gate_mode=int(self.gate_mode), has_conv_bias=bool(self.has_conv_bias),
@@ -170,6 +181,8 @@ class KdaConfig:
             parts.append("cs32")
         if self.beta_activated:
             parts.append("beta32")
+        if self.state_dtype == torch.bfloat16:
+            parts.append("st16")
         return "-".join(parts)
 
 
@@ -202,8 +215,9 @@ class KdaArgs(NamedTuple):
         kernels pick their row loads by :func:`kda.backend.row_bytes`).
       beta [N, H]: bf16 (float32 with ``KdaConfig.beta_activated``), last stride 1, any row
         stride >= H.
-      state [slots, H, 128, 128] fp32: inner three dims contiguous, slot stride a multiple
-        of 4 elements, 16-byte aligned.
+      state [slots, H, 128, 128] fp32 or bf16 (``KdaConfig.state_dtype``): inner three dims
+        contiguous, slot stride a multiple of 16 bytes (4 fp32 / 8 bf16 elements), 16-byte
+        aligned.
       conv_state [slots, 3*dim, L] (bf16 or fp32): "SD" strides [s, 1, 3*dim], "DS" strides
         [s, L, 1], slot stride s any multiple of 8 elements, 16-byte aligned.
       conv_weight [3, 4, dim], conv_bias [3*dim] (or None), f_b [dim, 128], A_log [H],

@@ -71,7 +71,12 @@ def kda_decode(
       beta: [N, H] bf16 logits (sigmoid applied here), or with ``beta_activated`` [N, H] fp32
         already passed through the sigmoid (used as it is, not rounded).
       A_log: [H] fp32. dt_bias: [dim] fp32.
-      state: [slots, H, 128(v), 128(k)] fp32, V-major; updated in place (not in record mode).
+      state: [slots, H, 128(v), 128(k)] fp32 or bf16, V-major; updated in place (not in
+        record mode). A bf16 pool is widened to fp32 on load, all math is fp32, and each state
+        written is rounded once to bf16 (nearest even); the dtype sets ``state_dtype`` of the
+        configuration (float16 is an error naming ``state``). Served by ``reference`` and
+        ``triton``; the other backends keep fp32 pages (KdaBackendError, and ``auto`` skips
+        them).
       state_indices: [R] int32 (T=1) or [R, T] int32 (verify): slot per request / draft position.
         Ids <= 0 or >= slots are null. The item is dead (zeros out, nothing else written) when
         its source slot (T=1: the id; T>1: position a-1, a = accepted count) or its conv slot
@@ -97,7 +102,7 @@ def kda_decode(
     stride 1 and any row stride >= the row length, at any element alignment (column slices of
     an engine's packed projection, whatever its row pitch, are read in place; rows that are
     not 16-byte aligned take a narrower load path in the GPU kernels); each slot's state page
-    contiguous (any slot stride, multiple of 4); conv_state in either layout with any slot
+    contiguous (any slot stride, a multiple of 16 bytes); conv_state in either layout with any slot
     stride (multiple of 8); everything else contiguous. Written buffers may not share memory
     with any other argument.
 
@@ -264,7 +269,8 @@ class KdaDecode:
                                lower_bound=c.lower_bound, gate_mode=c.gate_mode,
                                beta_activated=c.beta_activated)
         for field in ("num_heads", "T", "window", "conv_layout", "has_conv_bias", "record",
-                      "conv_state_dtype", "conv_weight_dtype", "norm_weight_dtype"):
+                      "conv_state_dtype", "conv_weight_dtype", "norm_weight_dtype",
+                      "state_dtype"):
             if getattr(got, field) != getattr(c, field):
                 arg = FIELD_ARG[field]
                 if field == "record" and args.v_record is None and args.kg_record is not None:

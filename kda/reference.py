@@ -1,7 +1,10 @@
 """The PyTorch reference of the fused KDA decode step: it defines the project's numerics.
 
 Every formula here is section 2 of the contract (``docs/contract.md``); the bf16 rounding
-points are those of its section 3 (conv output y, raw gate rg, recurrence output o, out).
+points are those of its section 3 (conv output y, raw gate rg, recurrence output o, out;
+and with a bf16 state pool each state written: the page is widened to fp32 when loaded, the
+recurrence runs in fp32, and a state is rounded to bf16 (nearest even) only where it is
+stored, so a T > 1 step carries the unrounded fp32 state from one token to the next).
 It is vectorized over requests and heads (no Python loop over items; one loop over the T
 tokens) and never reads device-side values on the host, so it also runs on a GPU and under
 CUDA-graph capture.
@@ -47,7 +50,8 @@ class ReferenceResult:
 
     Shapes (R requests, T tokens, H heads): ``out`` [R*T, H*D]; ``live`` [R] bool;
     ``new_window`` [R, 3*dim, T+2] (positions 0..T+1 of the rewritten window);
-    ``states`` [R, T, H, D, D] (state after each token); ``u`` [R, H, T, D];
+    ``states`` [R, T, H, D, D] (state after each token, fp32: before the bf16 rounding of a
+    bf16 pool's store, which :func:`reference_step` applies); ``u`` [R, H, T, D];
     ``k_raw`` [R, H, T, D] (conv output of k, before the L2 norm); ``rg`` [R, H, T, D] (raw
     gate before dt_bias); ``src``, ``conv_slot`` [R] int64. Dtypes are float32 (float64 in
     float64 mode), ``out`` is bf16 in bf16 mode.
@@ -219,7 +223,7 @@ def reference_compute(cfg: KdaConfig, args: KdaArgs, precision: str = "bf16") ->
         beta = torch.sigmoid(beta)
 
     # ---- recurrence ------------------------------------------------------------------------
-    S = args.state[src_c].to(ft)                                         # [R, H, D(v), D(k)] (a copy)
+    S = args.state[src_c].to(ft)             # [R, H, D(v), D(k)]: a copy, a bf16 page widened
     o = torch.empty(R, H, T, D, dtype=ft, device=dev)
     u_all = torch.empty(R, H, T, D, dtype=ft, device=dev)
     states = torch.empty(R, T, H, D, D, dtype=ft, device=dev) if T > 1 else None
@@ -277,7 +281,8 @@ def reference_step(cfg: KdaConfig, args: KdaArgs) -> None:
     ``conv_state[conv_slot]``; the state (T=1: ``state[src]``; T>1: ``state[state_indices[r, t]]``
     after token t, skipped where that index is <= 0 or >= slots; record mode: nothing) and, in
     record mode, ``v_record`` / ``kg_record`` rows ``conv_slot``. Dead items write zeros to
-    their output rows and nothing else.
+    their output rows and nothing else. A bf16 state pool receives each written state rounded
+    once to bf16 (round to nearest even) from the fp32 recurrence; ``v_record`` (u) stays fp32.
 
     Args:
       cfg: static configuration. args: validated tensors (see :class:`kda.config.KdaArgs`).
@@ -307,11 +312,14 @@ def reference_step(cfg: KdaConfig, args: KdaArgs) -> None:
         kg = torch.cat([res.k_raw, res.rg], dim=-1)                      # [R, H, T, 2D]
         _masked_scatter_(kr, res.conv_slot, live, kg)
         return
+    # the state's one rounding point: fp32 -> the pool's dtype (torch's cast to bf16 rounds to
+    # nearest even; the identity for an fp32 pool)
+    states = res.states.to(args.state.dtype)
     if args.state_indices.dim() == 1:
-        _masked_scatter_(args.state, res.src, live, res.states[:, 0])
+        _masked_scatter_(args.state, res.src, live, states[:, 0])
         return
     idx = args.state_indices.long()
     for t in range(T):
         tgt = idx[:, t]
         valid = live & (tgt > 0) & (tgt < num_slots)
-        _masked_scatter_(args.state, tgt, valid, res.states[:, t])
+        _masked_scatter_(args.state, tgt, valid, states[:, t])

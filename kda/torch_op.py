@@ -8,8 +8,9 @@ their dtypes, shapes, strides and devices (and scalars, backend choice), and aft
 compares that metadata only (aliasing between buffers is not re-checked while it is
 unchanged). The dispatcher adds a per-call cost that the direct eager path
 (:class:`kda.KdaDecode`) does not pay; ``tools/bench/host_overhead.py`` measures both.
-``import kda`` registers it; :func:`kda.kda_decode` and :class:`kda.KdaDecode` are traced as
-this op under ``torch.compile``.
+The static configuration, the state pool's dtype (fp32 or bf16) included, comes from the
+tensors, as in :func:`kda.kda_decode`. ``import kda`` registers it; :func:`kda.kda_decode`
+and :class:`kda.KdaDecode` are traced as this op under ``torch.compile``.
 
     out = kda.torch_op.decode(x, conv_weight, ..., norm_weight, out=out)
 """

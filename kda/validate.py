@@ -123,7 +123,7 @@ def config_from_args(args: KdaArgs, *, scale=None, norm_eps=1e-5, lower_bound=No
     Raises:
       KdaArgumentError: named after the call argument a field comes from (``A_log`` for the
         head count, ``state_indices`` for T, ``conv_state`` for the window, layout and dtype,
-        ``conv_weight`` / ``norm_weight`` for their dtypes, ``v_record`` for record mode; the
+        ``conv_weight`` / ``norm_weight`` / ``state`` for their dtypes, ``v_record`` for record mode; the
         scalars under their own names).
     """
     A_log, state_indices, conv_state = args.A_log, args.state_indices, args.conv_state
@@ -160,7 +160,8 @@ def config_from_args(args: KdaArgs, *, scale=None, norm_eps=1e-5, lower_bound=No
             scale=scale, norm_eps=norm_eps, conv_state_dtype=conv_state.dtype,
             conv_weight_dtype=getattr(args.conv_weight, "dtype", torch.float32),
             norm_weight_dtype=getattr(args.norm_weight, "dtype", torch.float32),
-            beta_activated=beta_activated)
+            beta_activated=beta_activated,
+            state_dtype=getattr(args.state, "dtype", torch.float32))
     except KdaArgumentError as e:
         arg = FIELD_ARG.get(e.arg, e.arg)
         if arg == e.arg:
@@ -176,7 +177,7 @@ FIELD_ARG = {"num_heads": "A_log", "T": "state_indices", "window": "conv_state",
              "conv_state_dtype": "conv_state", "conv_weight_dtype": "conv_weight",
              "norm_weight_dtype": "norm_weight", "gate_mode": "gate_mode",
              "lower_bound": "lower_bound", "scale": "scale", "norm_eps": "norm_eps",
-             "beta_activated": "beta_activated"}
+             "beta_activated": "beta_activated", "state_dtype": "state"}
 
 
 def check_conv_state_is_3d(conv_state) -> None:
@@ -260,15 +261,16 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
         raise KdaArgumentError("state", "expected a 4-D tensor [slots, H, 128, 128], got "
                                + (f"shape {list(st.shape)}" if isinstance(st, torch.Tensor) else type(st).__name__))
     slots = st.shape[0]
-    _check_tensor("state", st, (torch.float32,), (slots, H, D, D), dev)
+    _check_tensor("state", st, (cfg.state_dtype,), (slots, H, D, D), dev)
     if slots < 1:
         raise KdaArgumentError("state", "expected at least one slot (slot 0 is the null slot), got 0")
     if st.stride()[1:] != (D * D, D, 1):
         raise KdaArgumentError("state", f"expected each slot's [H, 128(v), 128(k)] page contiguous "
                                         f"(V-major, strides [s, {D * D}, {D}, 1]), got strides {list(st.stride())}")
-    if slots > 1 and (st.stride(0) < H * D * D or st.stride(0) % 4):
-        raise KdaArgumentError("state", f"expected a slot stride >= {H * D * D} and a multiple of 4 "
-                                        f"elements, got {st.stride(0)}")
+    per16 = 16 // st.element_size()     # elements in 16 bytes: 4 fp32, 8 bf16
+    if slots > 1 and (st.stride(0) < H * D * D or st.stride(0) % per16):
+        raise KdaArgumentError("state", f"expected a slot stride >= {H * D * D} and a multiple of "
+                                        f"{per16} elements (16 bytes), got {st.stride(0)}")
     _check_aligned("state", st)
     cs = args.conv_state
     check_conv_state_is_3d(cs)

@@ -27,8 +27,8 @@ class CudaBackend(Backend):
 
     Available when torch sees an sm_90 GPU and the extension is built or nvcc can build it
     (:mod:`kda.backends.cuda.build`). Serves T <= :data:`MAX_T` (8, the kernel's instantiations);
-    every other axis of the contract (both layouts, gates, gate_mode, bias, records, any
-    head count and window).
+    fp32 state pools only (not a bf16 one); every other axis of the contract (both layouts,
+    gates, gate_mode, bias, records, any head count and window).
     """
 
     name = "cuda"

@@ -29,7 +29,7 @@ import triton.language as tl
 from kda.backend import row_bytes
 from kda.config import HEAD_DIM, L2_NORM_EPS, KdaArgs, KdaConfig
 
-#: Head dimension (keys and values per head; a state page is D x D fp32).
+#: Head dimension (keys and values per head; a state page is D x D, fp32 or bf16).
 D = HEAD_DIM
 assert L2_NORM_EPS == 1e-6  # written as a literal in the kernels (a JIT function reads no globals)
 #: SM count assumed under the interpreter: the tests' batches of 1 to a few dozen items then
@@ -65,11 +65,12 @@ def sm_count(device: torch.device, interp: bool) -> int:
 def config_constants(cfg: KdaConfig, interp: bool) -> dict:
     """The constexprs both kernels take from the configuration: heads, tokens, window, conv
     layout, bias, gate kind and mode, record mode, the form of beta (``BETA_ACT``: fp32,
-    already activated) and whether the interpreter runs them."""
+    already activated), the state pool's dtype (``STATE_BF16``) and whether the interpreter
+    runs them."""
     return dict(H=cfg.num_heads, T=cfg.T, L=cfg.window, SD=cfg.conv_layout == "SD",
                 HAS_BIAS=cfg.has_conv_bias, BOUNDED=cfg.lower_bound is not None,
                 GATE_MODE=cfg.gate_mode, RECORD=cfg.record, INTERP=interp,
-                BETA_ACT=cfg.beta_activated)
+                BETA_ACT=cfg.beta_activated, STATE_BF16=cfg.state_dtype == torch.bfloat16)
 
 
 def rows16(args: KdaArgs) -> bool:
@@ -115,6 +116,18 @@ def _bf16_round(x, INTERP: tl.constexpr):
         return b.to(tl.float32, bitcast=True)
     else:
         return x.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _bf16_rne(x, INTERP: tl.constexpr):
+    """fp32 ``x`` rounded to the nearest bf16 (ties to even), as bf16: a bf16 state's store.
+    On the GPU Triton's conversion with ``rtne`` (its default for a float downcast, spelled
+    out: ``cvt.rn.bf16``); under the interpreter, whose cast truncates, the integer rounding of
+    :func:`_bf16_round` first, after which the cast is exact."""
+    if INTERP:
+        return _bf16_round(x, INTERP).to(tl.bfloat16)
+    else:
+        return x.to(tl.bfloat16, fp_downcast_rounding="rtne")
 
 
 @triton.jit

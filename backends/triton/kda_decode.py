@@ -86,8 +86,8 @@ import triton.language as tl
 
 from kda.backend import StreamBuffers
 from kda.backends.triton.common import (
-    D, _bf16_round, _decay, _delta_rule, _finish_rows, _fma, _gate_projection, _load_f32,
-    _rowoff, _sigmoid, _write_window, config_constants, config_scalars, interpreter_enabled,
+    D, _bf16_rne, _bf16_round, _decay, _delta_rule, _finish_rows, _fma, _gate_projection,
+    _load_f32, _rowoff, _sigmoid, _write_window, config_constants, config_scalars, interpreter_enabled,
     interpreter_quiet, kernel_operands, rows16, sm_count)
 from kda.config import KdaArgs, KdaConfig
 
@@ -106,7 +106,8 @@ def _kda_decode_kernel(
         H: tl.constexpr, T: tl.constexpr, L: tl.constexpr, SD: tl.constexpr,
         HAS_BIAS: tl.constexpr, BOUNDED: tl.constexpr, GATE_MODE: tl.constexpr,
         RECORD: tl.constexpr, INTERP: tl.constexpr, NV: tl.constexpr, PROWS: tl.constexpr,
-        BETA_ACT: tl.constexpr, ROWS16: tl.constexpr):
+        BETA_ACT: tl.constexpr, ROWS16: tl.constexpr,
+        STATE_BF16: tl.constexpr):
     """The fused KDA decode step for one work unit: rows ``vb*BV ..`` of item ``pid // NV``
     (see the module docstring).
 
@@ -187,6 +188,8 @@ def _kda_decode_kernel(
     st_rows = st_ptr + tl.multiple_of(src64 * stride_st, 4) + h * (128 * 128)
     st_off = vv[:, None] * 128 + dd[None, :]
     S = tl.load(st_rows + st_off, mask=live, other=0.0, eviction_policy="evict_first")
+    if STATE_BF16:
+        S = S.to(tl.float32)                                   # widened once, fp32 from here
     # every thread's reads of the state page precede any state write (a token's write slot
     # may be the source slot), and the gate rows stored above are visible to every thread
     tl.debug_barrier()
@@ -252,7 +255,10 @@ def _kda_decode_kernel(
                 valid = live & (tgt > 0) & (tgt < num_slots)
                 tgt64 = tl.where(valid, tgt, 0).to(tl.int64)
             dst = st_ptr + tl.multiple_of(tgt64 * stride_st, 4) + h * (128 * 128) + st_off
-            tl.store(dst, S, mask=valid, cache_modifier=".cs")     # streaming store
+            if STATE_BF16:                      # the state's one rounding (fp32 S carries on)
+                tl.store(dst, _bf16_rne(S, INTERP), mask=valid, cache_modifier=".cs")
+            else:
+                tl.store(dst, S, mask=valid, cache_modifier=".cs")     # streaming store
 
         ob = _bf16_round(o, INTERP)
         tl.debug_barrier()                   # every thread has read row t's gate (above)

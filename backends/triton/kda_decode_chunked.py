@@ -98,8 +98,8 @@ import triton.language as tl
 
 from kda.backend import StreamBuffers
 from kda.backends.triton.common import (
-    D, _bf16_round, _decay, _delta_rule, _finish_rows, _fma, _gate_projection, _load_f32,
-    _rowoff, _sigmoid, _write_window, config_constants, config_scalars, interpreter_enabled,
+    D, _bf16_rne, _bf16_round, _decay, _delta_rule, _finish_rows, _fma, _gate_projection,
+    _load_f32, _rowoff, _sigmoid, _write_window, config_constants, config_scalars, interpreter_enabled,
     interpreter_quiet, kernel_operands, rows16)
 from kda.config import KdaArgs, KdaConfig
 
@@ -160,7 +160,8 @@ def _kda_chunked_kernel(
         H: tl.constexpr, T: tl.constexpr, L: tl.constexpr, SD: tl.constexpr,
         HAS_BIAS: tl.constexpr, BOUNDED: tl.constexpr, GATE_MODE: tl.constexpr,
         RECORD: tl.constexpr, INTERP: tl.constexpr, BV: tl.constexpr,
-        NUM_STAGES: tl.constexpr, BETA_ACT: tl.constexpr, ROWS16: tl.constexpr):
+        NUM_STAGES: tl.constexpr, BETA_ACT: tl.constexpr, ROWS16: tl.constexpr,
+        STATE_BF16: tl.constexpr):
     """The fused KDA decode step, one program per item, value rows in chunks of ``BV`` (see
     the module docstring). Grid: ``R * H`` programs. Pointers: the :class:`KdaArgs` tensors
     (unused optional ones point at any tensor and are never dereferenced) and the scratch;
@@ -259,6 +260,8 @@ def _kda_chunked_kernel(
         vv = c * BV + rows                                          # this chunk's value rows
         st_off = vv[:, None] * 128 + dd[None, :]
         S = tl.load(st_page + st_off, mask=live, other=0.0, eviction_policy="evict_first")
+        if STATE_BF16:
+            S = S.to(tl.float32)                               # widened once, fp32 from here
         for t in tl.static_range(T):
             v_t = tl.load(scr_item + t * 512 + 384 + vv)            # the chunk's rows of y_v
             if T == 1:                                # read back before the loop
@@ -283,7 +286,10 @@ def _kda_chunked_kernel(
                     dst_slot = tl.sum(tl.where(tt == t, tgt64, 0), axis=0)
                     valid = dst_slot > 0
                 dst = st_ptr + tl.multiple_of(dst_slot * stride_st, 4) + h * (128 * 128) + st_off
-                tl.store(dst, S, mask=valid, cache_modifier=".cs")  # streaming store
+                if STATE_BF16:                  # the state's one rounding (fp32 S carries on)
+                    tl.store(dst, _bf16_rne(S, INTERP), mask=valid, cache_modifier=".cs")
+                else:
+                    tl.store(dst, S, mask=valid, cache_modifier=".cs")  # streaming store
             # o (bf16 values) parks in out row t until the epilogue
             tl.store(out_ptr + _rowoff(n0 + t, stride_out, ROWS16) + h * 128 + vv,
                      _bf16_round(o, INTERP).to(tl.bfloat16), mask=live)

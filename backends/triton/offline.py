@@ -70,7 +70,7 @@ def compile_offline(cfg: KdaConfig, build: Union[str, "kda_decode.ItemBuild",
     ptr = {
         "x_ptr": "*bf16", "cw_ptr": "*" + _DT[cfg.conv_weight_dtype], "cb_ptr": "*fp32",
         "cs_ptr": "*" + _DT[cfg.conv_state_dtype], "fa_ptr": "*bf16", "fb_ptr": "*bf16",
-        "beta_ptr": "*fp32" if cfg.beta_activated else "*bf16", "alog_ptr": "*fp32", "dtb_ptr": "*fp32", "st_ptr": "*fp32",
+        "beta_ptr": "*fp32" if cfg.beta_activated else "*bf16", "alog_ptr": "*fp32", "dtb_ptr": "*fp32", "st_ptr": "*" + _DT[cfg.state_dtype],
         "si_ptr": "*i32", "nacc_ptr": "*i32", "og_ptr": "*bf16",
         "nw_ptr": "*" + _DT[cfg.norm_weight_dtype], "out_ptr": "*bf16", "vrec_ptr": "*fp32",
         "kgrec_ptr": "*bf16", "scr_ptr": "*fp32", "ctr_ptr": "*i32"}

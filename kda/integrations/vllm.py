@@ -20,14 +20,18 @@ What the subclass changes
   decodes, every request ``T = num_spec + 1`` tokens) run one :class:`kda.KdaDecode` on the
   engine's own tensors: the q|k|v, beta and f_a slices of the packed projection (strided views,
   no copy), ``f_b_proj.weight``, the conv cache (SD: vLLM's ``.transpose(-1, -2)`` view, DS:
-  as is), the fp32 state pool, the slot table (null block 0) and ``num_accepted_tokens``. The
-  op writes the gated-RMSNorm output straight into ``core_attn_out``, so ``o_norm`` is skipped
-  for those rows. Rows past ``num_actual_tokens`` are left as vLLM leaves them (unused).
+  as is), the state pool (fp32, or bf16 with ``--mamba-ssm-cache-dtype bfloat16``: the op
+  widens each page to fp32 and rounds each state written once to nearest even), the slot
+  table (null block 0) and ``num_accepted_tokens``. The op writes the gated-RMSNorm output
+  straight into ``core_attn_out``, so ``o_norm`` is skipped for those rows. Rows past
+  ``num_actual_tokens`` are left as vLLM leaves them (unused).
 * **Every other batch** (prefills, mixed batches, ragged spec batches, a plain decode batch of
   a layer configured for speculative decoding, whose window vLLM shifts differently from the
   op; see below) computes ``f_b_proj(f_a)`` and calls vLLM's own ``_forward`` body unchanged,
-  as does every call of a layer whose setup the op does not serve: a bf16 (or other non-fp32)
-  recurrent state, a quantized ``f_b_proj``, ReplaySSM / RecoverSSM
+  as does every call of a layer whose setup the op does not serve: a recurrent state other
+  than fp32 / bf16, a bf16 state when the chosen backend keeps fp32 pages (``cuda``,
+  ``cutedsl``, ``cutedsl_wide`` named explicitly; ``auto`` picks one that serves it), a
+  quantized ``f_b_proj``, ReplaySSM / RecoverSSM
   (``cache_config.use_replayssm``), a non-bf16 model, arguments the op's validation refuses
   (logged as a warning), ROCm
   unless a backend is named (the op's GPU backends target NVIDIA GPUs), and ``auto`` on a GPU
@@ -279,8 +283,8 @@ def _build_layer_class():
                 return f"head_dim {self.head_dim} / conv size {self.conv_size} (op: 128 / 4)"
             if mixed_qkv.dtype != torch.bfloat16:
                 return f"activations in {mixed_qkv.dtype} (op: bf16)"
-            if state.dtype != torch.float32:
-                return f"recurrent state in {state.dtype} (op: fp32)"
+            if state.dtype not in (torch.float32, torch.bfloat16):
+                return f"recurrent state in {state.dtype} (op: fp32 or bf16)"
             if conv_state.dtype not in (torch.bfloat16, torch.float32):
                 return f"conv state in {conv_state.dtype} (op: bf16 or fp32)"
             fb = self.f_b_proj
@@ -363,14 +367,25 @@ def _build_layer_class():
                 conv_layout="SD" if conv_state.stride(-2) == 1 else "DS",
                 lower_bound=self.gate_lower_bound, has_conv_bias=self.conv1d.bias is not None,
                 norm_eps=float(self.o_norm.eps), conv_state_dtype=conv_state.dtype,
-                conv_weight_dtype=torch.float32, norm_weight_dtype=self.o_norm.weight.dtype)
+                conv_weight_dtype=torch.float32, norm_weight_dtype=self.o_norm.weight.dtype,
+                state_dtype=state.dtype)
             if cfg in self._kda_refused:
                 return self._kda_refused[cfg]
             step = self.kda_steps.get(cfg)
             if step is None:
                 # Built once per (layer, configuration); a backend that cannot serve it
-                # (an explicitly named one on the wrong GPU) raises here, at warm-up.
-                step = kda.KdaDecode(cfg, device=x.device, backend=self.kda_backend)
+                # (an explicitly named one on the wrong GPU) raises here, at warm-up; for a
+                # bf16 state (which not every backend serves) vLLM's path serves it instead.
+                try:
+                    step = kda.KdaDecode(cfg, device=x.device, backend=self.kda_backend)
+                except kda.KdaBackendError as e:
+                    if cfg.state_dtype == torch.float32:
+                        raise
+                    why = f"bf16 recurrent state: {e}"
+                    self._kda_refused[cfg] = why
+                    _log.warning("vLLM plugin: %s stays on vLLM's path for %s: %s",
+                                 self.prefix, cfg.short(), why)
+                    return why
                 if (x.device.type == "cuda" and self.kda_backend == "auto"
                         and step.backend_name == "reference"):
                     why = ("auto found no GPU backend for this GPU (only the PyTorch "

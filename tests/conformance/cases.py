@@ -10,11 +10,20 @@ engine-facing forms (:func:`form_cases`).
 ``full``: the GPU matrix: H in {1, 4, 8, 12, 16, 32, 96}, R from 1 to 512, T in {1, 2, 5, 8},
 every layout x gate combination for every H and T, the other axes rotated through (the
 activated beta and the packed and offset rows among them), plus the forms of ``ci``.
+
+Both matrices run every case with each state pool dtype (:data:`STATE_DTYPES`: fp32 and
+bf16); ``--kda-state-dtypes`` picks a subset (the Bazel targets split the ci matrix by it).
 """
 
+import dataclasses
 import itertools
 
+import torch
+
 from kda.testing import CaseSpec, make_config
+
+#: The state pool dtypes every case runs with, by their option names.
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 
@@ -73,5 +82,12 @@ def full_cases():
     return cases + form_cases()
 
 
-def cases(matrix: str):
-    return ci_cases() if matrix == "ci" else full_cases()
+def with_state_dtypes(specs, state_dtypes=tuple(STATE_DTYPES)):
+    """Each spec once per state dtype name in ``state_dtypes`` (the spec as it is for fp32)."""
+    return [dataclasses.replace(c, cfg=dataclasses.replace(c.cfg, state_dtype=STATE_DTYPES[d]))
+            for c in specs for d in state_dtypes]
+
+
+def cases(matrix: str, state_dtypes=tuple(STATE_DTYPES)):
+    """The ``ci`` or ``full`` matrix, every case with each of ``state_dtypes``."""
+    return with_state_dtypes(ci_cases() if matrix == "ci" else full_cases(), state_dtypes)

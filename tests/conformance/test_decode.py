@@ -5,23 +5,34 @@ backend through the public entry point, run the reference on a copy, and check w
 :func:`kda.testing.compare_step`: outputs, states, windows (exact) and records within
 tolerance, dead items' rows exact zeros, every other buffer element bit-for-bit untouched,
 no NaN. A float64 run anchors the error: the backend may not be much further from the exact
-function than the reference is.
+function than the reference is. Every case and every test here runs with each state pool
+dtype of ``--kda-state-dtypes`` (fp32 and bf16).
 """
+
+import dataclasses
 
 import torch
 
 from kda.reference import reference_compute, reference_step
 from kda.testing import (CaseSpec, args_to, bits_equal, call_public, clone_args, compare_step,
                          expected_after, make_case, make_config, rel_err)
-from tests.conformance.cases import cases
-from tests.conftest import shard_of
+from tests.conformance.cases import STATE_DTYPES, cases
+from tests.conftest import shard_of, state_dtypes_of
 
 
 def pytest_generate_tests(metafunc):  # noqa: D103 - pytest hook
     if "spec" in metafunc.fixturenames:
         i, n = shard_of(metafunc.config)
-        cs = cases(metafunc.config.getoption("--kda-matrix"))[i::n]
+        cs = cases(metafunc.config.getoption("--kda-matrix"),
+                   state_dtypes_of(metafunc.config))[i::n]
         metafunc.parametrize("spec", cs, ids=[c.id for c in cs])
+    if "state_dtype" in metafunc.fixturenames:
+        metafunc.parametrize("state_dtype", state_dtypes_of(metafunc.config))
+
+
+def _with_state(spec: CaseSpec, state_dtype: str) -> CaseSpec:
+    return dataclasses.replace(spec, cfg=dataclasses.replace(
+        spec.cfg, state_dtype=STATE_DTYPES[state_dtype]))
 
 
 
@@ -47,10 +58,10 @@ def test_matches_reference(backend_name, spec, kda_device, require_backend):
         assert e_backend <= 1.5 * e_ref + 1e-3, (e_backend, e_ref)
 
 
-def test_repeatable(backend_name, kda_device, require_backend):
+def test_repeatable(backend_name, state_dtype, kda_device, require_backend):
     """Two runs on the same inputs give bit-identical results (no races)."""
     from tests.conformance.cases import ci_cases
-    spec = ci_cases()[7]
+    spec = _with_state(ci_cases()[7], state_dtype)
     cfg = spec.cfg
     require_backend(backend_name, cfg, kda_device)
     a1 = make_case(spec, kda_device)
@@ -61,10 +72,10 @@ def test_repeatable(backend_name, kda_device, require_backend):
         assert bits_equal(getattr(a1, name), getattr(a2, name)), name
 
 
-def test_three_steps_back_to_back(backend_name, kda_device, require_backend):
+def test_three_steps_back_to_back(backend_name, state_dtype, kda_device, require_backend):
     """Three steps launched back to back on the same buffers (no host sync between them; on
     the GPU a PDL chain) equal three reference steps: each step reads what the last wrote."""
-    spec = CaseSpec(make_config(2, 3, "DS", lb=-5.0), R=3, seed=5)
+    spec = _with_state(CaseSpec(make_config(2, 3, "DS", lb=-5.0), R=3, seed=5), state_dtype)
     cfg = spec.cfg
     require_backend(backend_name, cfg, kda_device)
     args = make_case(spec, kda_device)
@@ -75,11 +86,12 @@ def test_three_steps_back_to_back(backend_name, kda_device, require_backend):
     assert not errors, "\n".join(errors)
 
 
-def test_out_in_an_engine_buffer(backend_name, kda_device, require_backend):
+def test_out_in_an_engine_buffer(backend_name, state_dtype, kda_device, require_backend):
     """``out`` as an engine hands it: the first N rows of its [1, N_max, H, 128] attention
     output buffer viewed as [N, H*128], beside the packed projection's rows and an activated
     beta; the buffer's rows past N are left alone."""
-    spec = CaseSpec(make_config(4, 2, beta_act=True), R=3, packed=True, seed=41)
+    spec = _with_state(CaseSpec(make_config(4, 2, beta_act=True), R=3, packed=True, seed=41),
+                       state_dtype)
     cfg = spec.cfg
     require_backend(backend_name, cfg, kda_device)
     args = make_case(spec, kda_device)

@@ -76,7 +76,14 @@ BAD = [
     ("A_log-dtype", CFG1, lambda a: {"A_log": a.A_log.double()}, "A_log", "dtype"),
     ("A_log-heads", CFG1, lambda a: {"A_log": torch.cat([a.A_log, a.A_log])}, "x", "heads"),
     ("dt_bias-shape", CFG1, lambda a: {"dt_bias": a.dt_bias[:128]}, "dt_bias", "shape"),
-    ("state-dtype", CFG1, lambda a: {"state": a.state.to(torch.bfloat16)}, "state", "dtype"),
+    ("state-dtype", CFG1, lambda a: {"state": a.state.double()}, "state",
+     "expected torch.float32 or torch.bfloat16, got torch.float64"),
+    ("state-fp16", CFG1, lambda a: {"state": a.state.half()}, "state",
+     "float16 states are not supported"),
+    ("state-bf16-slot-stride", CFG1,
+     lambda a: {"state": torch.zeros(a.state.shape[0], 2 * 128 * 128 + 4,
+                                     dtype=torch.bfloat16)[:, :2 * 128 * 128].view(-1, 2, 128, 128)},
+     "state", "multiple of 8 elements (16 bytes)"),
     ("state-kmajor-view", CFG1, lambda a: {"state": a.state.transpose(2, 3)}, "state", "V-major"),
     ("state-heads", CFG1, lambda a: {"state": a.state[:, :1]}, "state", "shape"),
     ("state_indices-dtype", CFG1, lambda a: {"state_indices": a.state_indices.long()}, "state_indices", "int32"),
@@ -454,3 +461,16 @@ def test_any_row_pitch_and_element_alignment_is_accepted():
     kda.kda_decode(**_kwargs(b, **dense), backend="reference")
     assert bits_equal(a.out, dense["out"]) and bits_equal(a.state, b.state)
     assert bits_equal(a.conv_state, b.conv_state)
+
+
+def test_object_form_names_the_state_dtype():
+    """KdaDecode's configuration fixes the state dtype: a pool of the other dtype is an error
+    naming ``state`` with the expected and the given dtype, and nothing is written."""
+    args = make_case(CaseSpec(CFG1, R=2))
+    before = clone_args(args)
+    step = kda.KdaDecode(CFG1, device="cpu", backend="reference")
+    with pytest.raises(KdaArgumentError) as ei:
+        step(**_kwargs(args, state=args.state.to(torch.bfloat16)))
+    assert ei.value.arg == "state"
+    assert "expected dtype float32" in str(ei.value) and "got bfloat16" in str(ei.value)
+    _assert_untouched(args, before)

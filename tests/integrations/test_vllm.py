@@ -571,14 +571,45 @@ def test_ragged_verify_batch_falls_back(env):
     assert torch.equal(y, y_v) and torch.equal(page, page_v)
 
 
-def test_bf16_state_falls_back(env):
+def test_bf16_state_runs_the_op(env):
+    """vLLM's bf16 recurrent state (--mamba-ssm-cache-dtype bfloat16) goes to the op, which
+    agrees with vLLM's own kernels (round-to-nearest casts in the interpreter, as on a GPU):
+    outputs as for fp32, each written page within one bf16 ulp for all but 1% of its
+    elements, every other slot bit for bit."""
+    md = decode_md(torch.tensor([[5], [0], [2]], dtype=torch.int32))
+    hs = hidden(3, seed=12)
+    with rne_interpreter():
+        layer, raw = make_layer(env, 8, state_dtype=torch.bfloat16, seed=11)
+        y, core, page, path = step(env, layer, raw, md, hs)
+        y_v, core_v, page_v, _ = step(env, layer, raw, md, hs, use_kda=False)
+        conv, state, _ = views(layer, page)
+        conv_v, state_v, _ = views(layer, page_v)
+        conv0, state0, _ = views(layer, raw.clone())
+    assert path == "kda", path
+    assert state.dtype == torch.bfloat16
+    (cfg, _), = layer.kda_steps.items()
+    assert cfg.state_dtype == torch.bfloat16
+    assert_close("out", core, core_v, TOLERANCES["out"])
+    assert_close("y", y, y_v, TOLERANCES["out"])
+    assert torch.equal(conv, conv_v)
+    assert_close("state", state[[5, 2]].float(), state_v[[5, 2]].float(),
+                 TOLERANCES["state_bf16"])
+    untouched = [s for s in range(SLOTS) if s not in (5, 2)]
+    assert torch.equal(state[untouched].view(torch.int16), state0[untouched].view(torch.int16))
+
+
+def test_bf16_state_with_a_backend_that_keeps_fp32_pages_falls_back(env, caplog):
+    """A named backend that does not serve a bf16 state: vLLM's path, logged once."""
     layer, raw = make_layer(env, 8, state_dtype=torch.bfloat16, seed=11)
+    layer.kda_backend = "cutedsl_wide"
     md = decode_md(torch.tensor([[5], [2]], dtype=torch.int32))
     hs = hidden(2, seed=12)
+    caplog.set_level(logging.WARNING, logger="kda")
     y, _, page, path = step(env, layer, raw, md, hs)
     y_v, _, page_v, _ = step(env, layer, raw, md, hs, use_kda=False)
-    assert path == "vllm: recurrent state in torch.bfloat16 (op: fp32)", path
+    assert path.startswith("vllm: bf16 recurrent state: KDA backend 'cutedsl_wide'"), path
     assert torch.equal(y, y_v) and torch.equal(page, page_v)
+    assert any("cutedsl_wide" in r.getMessage() for r in caplog.records)
 
 
 def test_one_kdadecode_per_layer_and_configuration(env):

@@ -23,6 +23,8 @@ BAD = [
     ("beta_activated", None, "bool"),
     ("conv_state_dtype", torch.float16, "bfloat16"), ("conv_weight_dtype", torch.int32, "float32"),
     ("norm_weight_dtype", torch.float64, "float32"),
+    ("state_dtype", torch.float16, "float16 states are not supported"),
+    ("state_dtype", torch.float64, "torch.bfloat16"),
 ]
 
 

@@ -52,3 +52,62 @@ def test_to_f32_once_matches_exact_rounding_on_random_pairs():
         best = min(cands, key=lambda c: (abs(Fraction(float(c)) - exact),
                                          int(np.array(c).view(np.uint32)) & 1))
         assert got[i].item() == float(best), i
+
+
+def _widened(args):
+    """``args`` with the bf16 state pool copied into an fp32 one (the same values, NaN
+    poison included)."""
+    from kda.testing import clone_args
+    c = clone_args(args)
+    return c._replace(state=c.state.float())
+
+
+@pytest.mark.parametrize("T,record", [(1, False), (3, False), (2, True)])
+def test_bf16_state_is_widened_and_each_write_rounded_once(T, record):
+    """A bf16 pool gives what the fp32 pool of the same values gives, with each state written
+    rounded once to nearest even (T > 1: every token's write, the recurrence carrying the
+    unrounded fp32 state), and the same out, window and fp32 records; pages no live write
+    targets keep their bits."""
+    from kda.reference import reference_step
+    from kda.testing import bits_equal, clone_args
+    cfg16 = make_config(2, T, record=record, bf16_state=True)
+    cfg32 = make_config(2, T, record=record)
+    a16 = make_case(CaseSpec(cfg16, R=6, seed=4))
+    before = clone_args(a16)
+    a32 = _widened(a16)
+    reference_step(cfg16, a16)
+    reference_step(cfg32, a32)
+    assert a16.state.dtype == torch.bfloat16
+    for name in ("out", "conv_state", "v_record", "kg_record"):
+        assert bits_equal(getattr(a16, name), getattr(a32, name)), name
+    fin = torch.isfinite(a32.state)              # (NaN poison: payload bits not carried)
+    assert torch.equal(fin, torch.isfinite(a16.state.float()))
+    # torch's cast: nearest even
+    assert bits_equal(a16.state[fin], a32.state[fin].to(torch.bfloat16))
+    if record:
+        assert a16.v_record.dtype == torch.float32
+        assert bits_equal(a16.state, before.state)
+    written = ~(a16.state.view(torch.int16) == before.state.view(torch.int16)).all(-1).all(-1).all(-1)
+    assert written.any() or record
+    # each written page is the fp32 state after its token rounded once (not twice, not
+    # truncated): a T > 1 write of token t equals bf16(fp32 state t) from the same recurrence
+    res = reference_compute(cfg32, _widened(before))
+    if T > 1 and not record:
+        idx = before.state_indices.long()
+        for r in range(idx.shape[0]):
+            if not res.live[r]:
+                continue
+            for t in range(T):
+                s = int(idx[r, t])
+                # the last write to a slot lands (an aliasing source is read before any write)
+                last = max(u for u in range(T) if int(idx[r, u]) == s)
+                if 0 < s < a16.state.shape[0] and last == t:
+                    assert bits_equal(a16.state[s], res.states[r, t].to(torch.bfloat16)), (r, t)
+
+
+def test_bf16_state_rounds_to_nearest_even():
+    """The written bf16 state is fp32 rounded to nearest, ties to even (torch's cast); a
+    truncating cast would differ on these values."""
+    x = torch.tensor([1 + 2 ** -8 + 2 ** -10, 1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -7 + 2 ** -9)])
+    got = x.to(torch.bfloat16).float()
+    assert got.tolist() == [1 + 2 ** -7, 1.0, 1 + 2 ** -6, -(1 + 2 ** -7)]

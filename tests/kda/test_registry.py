@@ -1,5 +1,6 @@
 """Backend choice: argument > --kda_backend flag > $KDA_BACKEND > auto; logging once; errors."""
 
+import dataclasses
 import logging as pylogging
 import os
 import subprocess
@@ -181,3 +182,51 @@ def test_stream_buffers_per_stream_and_in_capture():
     with pytest.raises(RuntimeError, match="eager step"):
         with torch.cuda.graph(g2, stream=torch.cuda.Stream()):
             b.get(1000)
+
+
+CFG_BF16 = KdaConfig(num_heads=2, state_dtype=torch.bfloat16)
+FP32_STATE_ONLY = ("cuda", "cutedsl", "cutedsl_wide")
+
+
+@pytest.mark.parametrize("name", FP32_STATE_ONLY)
+def test_backends_without_bf16_state_say_so(name):
+    b = registry.get_backend(name)
+    for dev in ("cpu", "cuda"):
+        why = b.unsupported(CFG_BF16, torch.device(dev))
+        assert any("state dtype torch.bfloat16" in r and "fp32 state pages only" in r
+                   for r in why), why
+        assert not any("state dtype" in r for r in b.unsupported(CFG, torch.device(dev)))
+
+
+@pytest.mark.parametrize("name", ("cuda", "cutedsl_wide"))
+def test_explicit_backend_without_bf16_state_raises_with_the_reason(name, monkeypatch):
+    monkeypatch.setattr(registry.get_backend(name), "availability", lambda: None)  # as on a GPU
+    a = make_case(CaseSpec(CFG_BF16, R=2))
+    with pytest.raises(KdaBackendError) as ei:
+        kda.kda_decode(**a._asdict(), backend=name)
+    assert f"KDA backend {name!r}" in str(ei.value)
+    assert "state dtype torch.bfloat16: the kernel reads and writes fp32 state pages only" \
+        in str(ei.value)
+    with pytest.raises(KdaBackendError):
+        kda.KdaDecode(CFG_BF16, device="cpu", backend=name)
+
+
+def test_auto_skips_backends_without_bf16_state(monkeypatch):
+    """On a (pretend) GPU where every backend runs, auto's candidates for a bf16 state are
+    those that serve it; an fp32 state keeps the table's choices."""
+    monkeypatch.delenv("KDA_BACKEND", raising=False)
+    monkeypatch.setattr(registry, "unsupported_reasons", lambda n, cfg, dev: [
+        r for r in registry.get_backend(n).unsupported(cfg, dev) if "state dtype" in r])
+    cfg = KdaConfig(num_heads=32, state_dtype=torch.bfloat16)
+    got = registry.resolve(cfg, torch.device("cuda"))
+    names = {b.name for c in getattr(got, "candidates", {None: [got]}).values() for b in c}
+    assert names and not names & set(FP32_STATE_ONLY), names
+    got32 = registry.resolve(dataclasses.replace(cfg, state_dtype=torch.float32),
+                             torch.device("cuda"))
+    names32 = {b.name for c in getattr(got32, "candidates", {None: [got32]}).values() for b in c}
+    assert names32 & {"cuda", "cutedsl", "cutedsl_wide"}, names32
+
+
+def test_auto_on_cpu_serves_a_bf16_state_with_the_reference(monkeypatch):
+    monkeypatch.delenv("KDA_BACKEND", raising=False)
+    assert registry.resolve(CFG_BF16, torch.device("cpu")).name == "reference"

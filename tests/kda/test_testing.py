@@ -145,3 +145,58 @@ def test_record_fault_is_caught():
         finite = torch.isfinite(vr)
         vr[finite] = vr[finite] * 1.01
     assert any("v_record" in e for e in _run(CFG_REC, m))
+
+
+CFG_BF16 = KdaConfig(num_heads=2, T=3, window=5, state_dtype=torch.bfloat16)
+
+
+def _run_bf16(mutate=None):
+    return _run(CFG_BF16, mutate)
+
+
+def test_bf16_state_faithful_reference_passes():
+    assert _run_bf16() == []
+    assert _run(dataclasses.replace(CFG_BF16, T=1, window=3)) == []
+
+
+def test_bf16_state_dead_page_write_is_caught():
+    """One bit of a page no live item writes (poison) changed in a bf16 pool."""
+    def m(args, before):
+        bits = args.state.view(torch.int16)
+        untouched = (bits == before.state.view(torch.int16)).flatten(1).all(1)
+        s = int(untouched.nonzero()[0])
+        bits[s, 0, 0, 0] ^= 1
+    assert any("state" in e and "outside" in e for e in _run_bf16(m))
+
+
+def _ulp_moves(args, before, every):
+    """Move every ``every``-th written bf16 state element one ulp toward zero."""
+    bits = args.state.view(torch.int16)
+    changed = ~(bits == before.state.view(torch.int16)).flatten(1).all(1)
+    page = bits[changed]
+    flat = page.view(-1)
+    sel = flat[::every]
+    fin = torch.isfinite(sel.view(torch.bfloat16).float()) & (sel & 0x7FFF != 0)
+    flat[::every] = torch.where(fin, sel - 1, sel)
+    bits[changed] = page
+
+
+def test_bf16_state_few_one_ulp_flips_pass():
+    """An fp32 difference straddling a bf16 rounding boundary: one ulp on a few elements."""
+    assert _run_bf16(lambda a, b: _ulp_moves(a, b, 50)) == []
+
+
+def test_bf16_state_truncation_is_caught():
+    """About half the elements one ulp toward zero (what a truncating cast does): every one
+    within one ulp, but far too many differ."""
+    errs = _run_bf16(lambda a, b: _ulp_moves(a, b, 2))
+    assert any(e.startswith("state:") and "differ from the reference" in e for e in errs), errs
+
+
+def test_bf16_state_beyond_one_ulp_is_caught():
+    """5% of the elements two ulps off: beyond the one-ulp bound for more than 1%."""
+    def m(args, before):
+        _ulp_moves(args, before, 20)
+        _ulp_moves(args, before, 20)
+    errs = _run_bf16(m)
+    assert any(e.startswith("state:") and "beyond atol" in e for e in errs), errs

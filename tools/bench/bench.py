@@ -9,7 +9,10 @@ Every ``//tools/bench`` target is this program with ``--backends`` preset:
 Per cell: median time, the copy-bandwidth floor (bytes the step must move / copy bandwidth
 measured in the same run) and floor/time, side by side for every backend and peer. Writes
 a table to the terminal and ``bench-<tag>.json`` plus ``bench-<tag>.png`` (fraction of floor
-vs R, one panel per T) to ``--out_dir``. See :mod:`tools.bench.harness` for the method.
+vs R, one panel per T) to ``--out_dir``. ``--state_dtype=fp32,bf16`` adds the state pool's
+dtype as a dimension (each cell names it in the JSON's ``state_dtype``, fp32 when absent in
+older runs; a bf16 cell's floor counts 32 KiB pages). See :mod:`tools.bench.harness` for the
+method.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from absl import app, flags, logging
 from kda import registry
 from kda.config import KdaConfig
 from tools import flags as _shared_flags  # noqa: F401  (defines --gate_mode)
-from tools.flags import user_path
+from tools.flags import STATE_DTYPES, user_path
 from tools.bench import harness, peers, plot
 
 FLAGS = flags.FLAGS
@@ -135,18 +138,21 @@ def main(argv):
 
     cells: List[harness.Cell] = []
     failed: List[str] = []
-    grid = [(int(H), T, R) for H in FLAGS.heads for T in tokens for R in batches]
-    for H, T, R in track(grid, description="cells", console=console):
+    grid = [(int(H), T, R, sd) for H in FLAGS.heads for T in tokens for R in batches
+            for sd in FLAGS.state_dtype]
+    for H, T, R, sd in track(grid, description="cells", console=console):
         if not gpu and R * H > FLAGS.max_items:
             console.print(f"[dim]H={H} T={T} R={R}: skipped on the CPU (R*H = {R * H} > "
                           f"--max_items={FLAGS.max_items:g})[/]")
             continue
         cfg = KdaConfig(num_heads=H, T=T, window=T + 2, conv_layout=FLAGS.layout,
                         lower_bound=-5.0 if FLAGS.gate == "bounded" else None,
-                        gate_mode=FLAGS.gate_mode)
+                        gate_mode=FLAGS.gate_mode, state_dtype=STATE_DTYPES[sd])
         wl = harness.Workload(cfg, R, device, pool, FLAGS.sets, hot=FLAGS.hot_state)
         for name, make in runners:
             why = registry.unsupported_reasons(name, cfg, device) if name in registry.BACKEND_NAMES else []
+            if not why and sd != "fp32" and name in peers.PEERS and not name.startswith("touch"):
+                why = ["the peer keeps an fp32 state"]
             if why:
                 logging.info("%s cannot run %s: %s", name, cfg.short(), why)
                 continue
@@ -176,14 +182,15 @@ def main(argv):
     tab.add_column("H")
     tab.add_column("T")
     tab.add_column("R")
+    tab.add_column("state")
     tab.add_column("floor us", justify="right")
     for n in order:
         tab.add_column(escape(n), justify="right")
-    keys = list(dict.fromkeys((c.H, c.T, c.R) for c in cells))
+    keys = list(dict.fromkeys((c.H, c.T, c.R, c.state_dtype) for c in cells))
     for key in keys:
-        row = {c.backend: c for c in cells if (c.H, c.T, c.R) == key}
+        row = {c.backend: c for c in cells if (c.H, c.T, c.R, c.state_dtype) == key}
         floor = next(iter(row.values())).floor_us
-        tab.add_row(str(key[0]), str(key[1]), str(key[2]), f"{floor:.1f}",
+        tab.add_row(str(key[0]), str(key[1]), str(key[2]), key[3], f"{floor:.1f}",
                     *[f"{row[n].time_us:.1f} ({row[n].frac:.2f})" if n in row else "-" for n in order])
     console.print(tab)
 

@@ -24,8 +24,6 @@ from kda.config import GATE_RANK, HEAD_DIM as D
 from kda.config import KdaArgs, KdaConfig
 from kda.testing import step_bytes
 
-PAGE = D * D * 4
-
 
 @dataclasses.dataclass
 class Cell:
@@ -44,6 +42,7 @@ class Cell:
     mode: str
     iters: int
     note: str = ""
+    state_dtype: str = "fp32"
 
 
 def copy_bandwidth(device: torch.device, gib: float = 2.0, iters: int = 20) -> float:
@@ -88,9 +87,10 @@ class Workload:
         H, T, dim, L = cfg.num_heads, cfg.T, cfg.dim, cfg.window
         g = torch.Generator().manual_seed(seed)
         per_set = R * T
-        slots = max(per_set + 1, int(pool_gib * (1 << 30)) // (H * PAGE))
+        page = D * D * torch.empty((), dtype=cfg.state_dtype).element_size()
+        slots = max(per_set + 1, int(pool_gib * (1 << 30)) // (H * page))
         self.slots = slots
-        state = torch.empty(slots, H, D, D, dtype=torch.float32, device=device)
+        state = torch.empty(slots, H, D, D, dtype=cfg.state_dtype, device=device)
         state.normal_(0, 0.5, generator=None)
         if cfg.conv_layout == "SD":
             conv_state = torch.randn(slots, L, 3 * dim, device=device).to(cfg.conv_state_dtype).transpose(1, 2)
@@ -192,6 +192,7 @@ def measure(name: str, make_step: Callable[[Workload], Callable[[int], None]], w
     nbytes = step_bytes(wl.cfg, wl.R)
     floor = nbytes / copy_bw
     return Cell(backend=name, H=wl.cfg.num_heads, R=wl.R, T=wl.cfg.T, gate=wl.cfg.gate,
+                state_dtype="bf16" if wl.cfg.state_dtype == torch.bfloat16 else "fp32",
                 layout=wl.cfg.conv_layout, time_us=t * 1e6, floor_us=floor * 1e6,
                 frac=floor / t, bytes=nbytes, mode=used, iters=iters)
 

@@ -24,11 +24,15 @@ def plot_json(path: str) -> str:
     fig, axes = plt.subplots(len(heads), len(Ts), figsize=(5 * len(Ts), 4 * len(heads)), squeeze=False)
     for row, H in zip(axes, heads):
         for ax, T in zip(row, Ts):
-            for name in dict.fromkeys(c["backend"] for c in cells):
+            # one line per backend and state dtype (older runs: fp32 only, named as before)
+            for name, sd in dict.fromkeys((c["backend"], c.get("state_dtype", "fp32"))
+                                          for c in cells):
                 pts = sorted((c["R"], c["frac"]) for c in cells
-                             if c["backend"] == name and c["T"] == T and c["H"] == H)
+                             if c["backend"] == name and c["T"] == T and c["H"] == H
+                             and c.get("state_dtype", "fp32") == sd)
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                            label=name if sd == "fp32" else f"{name} ({sd} state)")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("requests R")
             ax.set_ylabel("fraction of copy-bandwidth floor")

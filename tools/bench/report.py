@@ -34,19 +34,22 @@ def load_run(path: str):
 def table(path: str, root: str) -> str:
     meta, cells = load_run(path)
     order = list(dict.fromkeys(c["backend"] for c in cells))
-    keys = list(dict.fromkeys((c["H"], c["T"], c["R"]) for c in cells))
+    sd = lambda c: c.get("state_dtype", "fp32")     # noqa: E731 (older runs: fp32 only)
+    keys = list(dict.fromkeys((c["H"], c["T"], c["R"], sd(c)) for c in cells))
+    dtypes = any(k[3] != "fp32" for k in keys)      # a "state" column only when it varies
     rel = os.path.relpath(path, root)
     lines = [f"From [`{rel}`]({rel}): {meta['device']}, {meta['date']}, commit `{meta['commit']}`, "
              f"copy bandwidth {meta['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, {meta['timing']}, "
              f"{meta['gate']} gate, {meta['layout']} conv layout. Command: `{meta['command']}`.",
              "",
-             "| H | T | R | floor us | " + " | ".join(order) + " |",
-             "|---|---|---|---|" + "---|" * len(order)]
+             "| H | T | R | " + ("state | " if dtypes else "") + "floor us | " + " | ".join(order) + " |",
+             "|---|---|---|" + ("---|" if dtypes else "") + "---|" + "---|" * len(order)]
     for key in keys:
-        row = {c["backend"]: c for c in cells if (c["H"], c["T"], c["R"]) == key}
+        row = {c["backend"]: c for c in cells if (c["H"], c["T"], c["R"], sd(c)) == key}
         floor = next(iter(row.values()))["floor_us"]
         vals = [f"{row[n]['time_us']:.1f} ({row[n]['frac']:.2f})" if n in row else "-" for n in order]
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {floor:.1f} | " + " | ".join(vals) + " |")
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | " + (f"{key[3]} | " if dtypes else "")
+                     + f"{floor:.1f} | " + " | ".join(vals) + " |")
     png = os.path.splitext(rel)[0] + ".png"
     if os.path.exists(os.path.join(root, png)):
         lines += ["", f"![fraction of floor]({png})"]

@@ -8,7 +8,8 @@ page of slot ``state_indices[r]`` and writes it back there; T>1 reads the page o
 ``state_indices[r, a-1]`` (``a`` = ``num_accepted_tokens[r]`` clamped to 1..T) and writes
 it to each slot ``state_indices[r, t]``, t < T, that is in 1..slots-1. An item is dead (no
 read, no write) when its source slot or its conv slot (``state_indices[r, 0]``; T=1: the
-source) is outside 1..slots-1; the benchmark's slots never are. No conv window, operands,
+source) is outside 1..slots-1; the benchmark's slots never are. The pages move in the
+pool's dtype (fp32, or bf16 for ``--state_dtype=bf16``: half the bytes). No conv window, operands,
 norm or output: the floor also counts those bytes (4.3% of the step's at T=1, 3.9% at T=2,
 3.5% at T=5, H=32), so a touch at the copy bandwidth would read about 1.045 at T=1 (1.036
 at T=5), and a fused step moving all its bytes as efficiently as the touch kernel moves the
@@ -76,7 +77,8 @@ def make_touch(name: str, cfg: KdaConfig, args: KdaArgs
     Args:
       name: a key of :data:`TOUCH_PEERS`.
       cfg: the step's configuration (H, T).
-      args: its buffers; only ``args.state`` ([slots, H, 128, 128] fp32, contiguous) is used.
+      args: its buffers; only ``args.state`` ([slots, H, 128, 128] fp32 or bf16, contiguous)
+        is used. A bf16 pool moves as bf16 pages (32 KiB, as the step's bf16 state).
 
     Raises:
       ValueError: unknown ``name`` or a non-contiguous state pool.

@@ -38,7 +38,7 @@ from kda.testing import TOLERANCES
 from tools.serve import checkpoint as ckpt
 from tools.serve.layer import KdaLayer
 from tools import flags as _shared_flags  # noqa: F401  (defines --gate_mode)
-from tools.flags import user_path
+from tools.flags import STATE_DTYPES, user_path
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", "", "safetensors file with HF Kimi-Linear parameter names "
@@ -171,16 +171,18 @@ def main(argv):
     except Exception as e:  # noqa: BLE001 - safetensors raises its own types for bad files
         _usage(f"--checkpoint {path} --layer {FLAGS.layer}: {type(e).__name__}: {e}")
     label = "SYNTHETIC" if "SYNTHETIC" in meta.get("content", "") else "checkpoint"
+    if len(FLAGS.state_dtype) != 1:
+        _usage(f"--state_dtype={','.join(FLAGS.state_dtype)}: the server takes one of fp32, bf16")
     cfg = KdaConfig(num_heads=H, T=T, window=T + 2, conv_layout=FLAGS.conv_layout,
                     lower_bound=FLAGS.lower_bound, gate_mode=FLAGS.gate_mode,
-                    norm_eps=FLAGS.norm_eps)
+                    norm_eps=FLAGS.norm_eps, state_dtype=STATE_DTYPES[FLAGS.state_dtype[0]])
     total = params["A_log"].numel()
     if (FLAGS.tp_rank + 1) * H > total:
         _usage(f"--num_heads={H} --tp_rank={FLAGS.tp_rank}: heads "
                f"[{FLAGS.tp_rank * H}, {(FLAGS.tp_rank + 1) * H}) are outside the "
                f"checkpoint's {total} heads")
     slots = FLAGS.max_batch * T + 1          # the state pool: every active request's T slots
-    pool_bytes = slots * H * 128 * 128 * 4
+    pool_bytes = slots * H * 128 * 128 * (2 if cfg.state_dtype == torch.bfloat16 else 4)
     free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
             else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
     if pool_bytes > 0.8 * free:
@@ -202,7 +204,7 @@ def main(argv):
 
     # ---- caches -------------------------------------------------------------------------
     dim = cfg.dim
-    state = torch.zeros(slots, H, 128, 128, dtype=torch.float32, device=device)
+    state = torch.zeros(slots, H, 128, 128, dtype=cfg.state_dtype, device=device)
     if cfg.conv_layout == "SD":
         conv_state = torch.zeros(slots, cfg.window, 3 * dim, dtype=torch.bfloat16,
                                  device=device).transpose(1, 2)
@@ -249,7 +251,7 @@ def main(argv):
                 prompt = hidden(req, req.prompt_len)
                 res = layer.sequence(prompt)
                 s0 = req.slots[0]
-                state[s0] = res.state
+                state[s0] = res.state.to(state.dtype)
                 conv_state[s0, :, 0:3] = res.window.to(conv_state.dtype)
                 req.hidden.append(prompt)
                 active[req.rid] = req

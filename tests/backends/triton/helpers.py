@@ -70,7 +70,11 @@ def figures(build, cfg, rows16=True):
         atom=len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)),
         state_async=len(re.findall(r"ttg\.async_copy_global_to_local .* evictionPolicy = "
                                    r"evict_first .*tensor<(16|32)x128x!tt\.ptr<f32>", g)),
-        cp_async16=len(re.findall(r"cp\.async\.cg\.shared\.global .*, 0x10", ptx)))
+        cp_async16=len(re.findall(r"cp\.async\.cg\.shared\.global .*, 0x10", ptx)),
+        state_ld_v2=len(re.findall(r"ld\.global\.L1::evict_first[.\w:]*\.v2\.b32", ptx)),
+        state_st_v2=len(re.findall(r"st\.global\.cs\.v2\.b32", ptx)),
+        cvt_bf16x2=len(re.findall(r"cvt\.rn\.bf16x2\.f32", ptx)),
+        cvt_bf16_not_rn=len(re.findall(r"cvt\.r[zmp]i?\.bf16", ptx)))
 
 
 T1 = KdaConfig(num_heads=32)
@@ -79,6 +83,8 @@ T2 = KdaConfig(num_heads=32, T=2, window=4)
 T5 = KdaConfig(num_heads=32, T=5, window=7, lower_bound=-5.0)
 T2REC = KdaConfig(num_heads=8, T=2, window=4, record=True, conv_state_dtype=torch.float32)
 T1BETA = KdaConfig(num_heads=4, beta_activated=True)
+T1S16 = KdaConfig(num_heads=32, state_dtype=torch.bfloat16)
+T2S16 = KdaConfig(num_heads=32, T=2, window=4, state_dtype=torch.bfloat16)
 CASES = json.loads(sys.argv[1])
 print("RESULT" + json.dumps({name: figures(build, globals()[cfg], *rest)
                              for name, (build, cfg, *rest) in CASES.items()}))
@@ -88,7 +94,8 @@ print("RESULT" + json.dumps({name: figures(build, globals()[cfg], *rest)
 def offline_figures(cases: dict, tmp_path) -> dict:
     """Compile ``cases`` ({name: (build name, config name[, rows16])}, configs ``T1`` (SD,
     gate_mode 0), ``T1DS`` (DS, gate_mode 1, conv bias), ``T2``, ``T5`` (bounded gate),
-    ``T2REC`` (record mode, fp32 conv cache), ``T1BETA`` (activated fp32 beta), H=32 but
+    ``T2REC`` (record mode, fp32 conv cache), ``T1BETA`` (activated fp32 beta), ``T1S16`` /
+    ``T2S16`` (bf16 state pool, T = 1 / 2), H=32 but
     T2REC H=8 and T1BETA H=4; ``rows16=False``: the build for rows that are not 16-byte
     aligned, :func:`kda.backends.triton.offline.compile_offline`) for sm_90a in a subprocess
     without

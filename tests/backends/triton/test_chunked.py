@@ -6,8 +6,8 @@ Under the interpreter the builds differ only in their chunk height (16 or 32 row
 pipeline stages are the GPU's), so one build of each height runs there; on a GPU all four.
 The conformance suite reaches the chunked builds at T = 1 and 5 with 16-row chunks and at
 T = 2 with 32; here both heights run T = 1 / 2 / 5 / 8 with records, padded strides, both
-layouts and gates, and the engine-facing forms (packed projection rows, rows at odd element
-offsets, an activated fp32 beta).
+layouts and gates, the engine-facing forms (packed projection rows, rows at odd element
+offsets, an activated fp32 beta) and bf16 state pools.
 
 On the CPU run with ``TRITON_INTERPRET=1`` (the Bazel target sets it); on a GPU run plainly.
 """
@@ -33,6 +33,10 @@ SPECS = [
     CaseSpec(make_config(1, 5, "SD", lb=-1.5, extra_window=1, bf16_weights=True), R=2, seed=1),
     CaseSpec(make_config(1, 8, "DS", gm=1, record=True, bias=True), R=2, seed=5),
     CaseSpec(make_config(2, 2, beta_act=True), R=2, packed=True, offset_rows=True, seed=6),
+    # bf16 state pools: T=1 in place, T=3 per-token writes (an alias), record mode
+    CaseSpec(make_config(2, 1, bf16_state=True), R=3, padded=True),
+    CaseSpec(make_config(1, 3, "DS", bf16_state=True), R=3, seed=5),
+    CaseSpec(make_config(1, 2, lb=-5.0, record=True, bf16_state=True), R=2, seed=7),
 ]
 
 

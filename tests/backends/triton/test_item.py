@@ -6,7 +6,8 @@ The conformance suite reaches these builds only at the batch sizes its cases hap
 (4 "SMs" under the interpreter); here every build runs every case: T = 1 / 2 / 5 / 8, both
 conv layouts and gates, gate modes, conv bias, record mode, fp32 conv cache, bf16 weights,
 padded strides, aliasing write slots, dead and all-dead batches, an engine's packed projection
-(rows 2- and 4-byte aligned), rows at odd element offsets and an activated fp32 beta.
+(rows 2- and 4-byte aligned), rows at odd element offsets, an activated fp32 beta and bf16
+state pools.
 
 On the CPU run with ``TRITON_INTERPRET=1`` (the Bazel target sets it); on a GPU run plainly.
 """
@@ -33,6 +34,9 @@ SPECS = [
     CaseSpec(make_config(1, 3), R=2, null_frac=1.0),
     CaseSpec(make_config(1, 2, beta_act=True), R=2, packed=True),
     CaseSpec(make_config(2, 1, "DS", lb=-5.0), R=2, packed=True, offset_rows=True),
+    # bf16 state pools: T=1 in place (padded slot stride), T=3 per-token writes with an alias
+    CaseSpec(make_config(2, 1, bf16_state=True), R=3, padded=True),
+    CaseSpec(make_config(1, 3, "DS", lb=-5.0, bf16_state=True), R=3, seed=5),
 ]
 
 
@@ -69,3 +73,26 @@ def test_split_counters_across_calls(dev):
         assert not errors, f"step {i} (R={R}): " + "\n".join(errors)
         assert int(auto.item.counters.abs().sum()) == 0, auto.item.counters
 
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_bf16_state_is_the_fp32_step_rounded_once(T, dev):
+    """A bf16 pool gives the fp32 pool of the same values' results: out and window bit for
+    bit, every state written that fp32 state rounded once to nearest even (T=3: each token's,
+    the fp32 state carried on). Under the interpreter only (the two builds run the same
+    emulated fp32 arithmetic there; a GPU compiler may schedule them differently)."""
+    if not INTERP:
+        pytest.skip("bit equality of two builds holds under the interpreter")
+    import torch
+    from kda.testing import bits_equal, clone_args, make_case
+    spec = CaseSpec(make_config(1, T, bf16_state=True), R=3, seed=11)
+    a16 = make_case(spec, dev)
+    a32 = clone_args(a16)
+    a32 = a32._replace(state=a32.state.float())
+    kd.ItemStep(spec.cfg, dev)(a16)
+    kd.ItemStep(make_config(1, T), dev)(a32)
+    for name in ("out", "conv_state"):
+        assert bits_equal(getattr(a16, name), getattr(a32, name)), name
+    fin = torch.isfinite(a32.state)
+    assert torch.equal(fin, torch.isfinite(a16.state.float()))
+    assert bits_equal(a16.state[fin], a32.state[fin].to(torch.bfloat16))

@@ -51,6 +51,26 @@ def test_bench_cpu_run_writes_json(tmp_path, capsys):
     assert (tmp_path / "bench-t.png").exists()
 
 
+def test_bench_state_dtype_is_a_dimension(tmp_path, capsys):
+    """--state_dtype=fp32,bf16: every cell twice, named by its state dtype, the bf16 floor
+    counting half the page bytes; the report's table gets a state column."""
+    FLAGS.unparse_flags()
+    FLAGS(["bench"])
+    try:
+        with flagsaver.flagsaver(backends=["reference"], batches=["1"], tokens=["1"],
+                                 heads=["2"], iters=1, warmup=0, pool_gib=0.01,
+                                 state_dtype=["fp32", "bf16"], out_dir=str(tmp_path), tag="s",
+                                 plot=True, device="cpu"):
+            assert bench.main(["bench"]) == 0
+    finally:
+        FLAGS.unparse_flags()
+    cells = {c["state_dtype"]: c for c in json.load(open(tmp_path / "bench-s.json"))["cells"]}
+    assert set(cells) == {"fp32", "bf16"}
+    # one live request, 2 heads, T=1: a page read and written, 32 KiB less each in bf16
+    assert cells["fp32"]["bytes"] - cells["bf16"]["bytes"] == 2 * 2 * 128 * 128 * 2
+    assert "| state |" in report.table(str(tmp_path / "bench-s.json"), str(tmp_path))
+
+
 def test_host_overhead_measures_every_entry_point():
     res = host_overhead.measure(heads=2, batch=4, tokens=1, calls=20)
     assert len(res) == 3 and all(v > 0 for v in res.values())

@@ -39,15 +39,16 @@ def _expected(state, si, nacc, T):
 
 @pytest.mark.parametrize("name", sorted(TOUCH_PEERS))
 @pytest.mark.parametrize("T", [1, 3])
-def test_touch_moves_exactly_the_step_pages(name, T):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_touch_moves_exactly_the_step_pages(name, T, dtype):
     """Every page distinct (no NaN poison, which would hide copies of poison onto poison), so
     a copy from the wrong slot, head or rows, a write to a dead slot or a skipped write shows.
     (T=1 writes each page back onto itself: there only "nothing else changes" is checked.)"""
-    cfg = KdaConfig(num_heads=2, T=T, window=T + 2)
+    cfg = KdaConfig(num_heads=2, T=T, window=T + 2, state_dtype=dtype)
     R = 7
     args = make_case(CaseSpec(cfg, R=R, seed=7 + T), DEVICE)
     slots = R * T + 6
-    state = torch.randn(slots, 2, 128, 128, generator=torch.Generator().manual_seed(T))
+    state = torch.randn(slots, 2, 128, 128, generator=torch.Generator().manual_seed(T)).to(dtype)
     si = (torch.randperm(slots - 1, generator=torch.Generator().manual_seed(1))[:R * T] + 1)
     si = si.to(torch.int32).view(R, T) if T > 1 else si.to(torch.int32)
     nacc = None
@@ -69,9 +70,9 @@ def test_touch_moves_exactly_the_step_pages(name, T):
     nacc = None if T == 1 else args.num_accepted_tokens.cpu()
     expected = _expected(state0.cpu(), si.cpu(), nacc, T)
     if T > 1:
-        assert not torch.equal(expected.view(torch.int32), state0.cpu().view(torch.int32))
-    # bitwise: the pages are copied, nothing else changes
-    assert torch.equal(args.state.cpu().view(torch.int32), expected.view(torch.int32))
+        assert not torch.equal(expected.view(torch.int16), state0.cpu().view(torch.int16))
+    # bitwise: the pages are copied (bf16 pages as bf16), nothing else changes
+    assert torch.equal(args.state.cpu().view(torch.int16), expected.view(torch.int16))
 
 
 def test_unknown_touch_peer_is_refused():

@@ -30,3 +30,16 @@ def test_serve_small(T, capsys):
     assert "CHECK PASSED" in out, out
     assert "heads [10, 12) of 32" in out
     assert rc == 0
+
+
+def test_serve_bf16_state(capsys):
+    """--state_dtype=bf16: a bf16 state pool through continuous batching and speculative
+    verify, step for step as the reference and within the fla-core check."""
+    with flagsaver.flagsaver(num_heads=2, num_requests=4, max_batch=3, spec_tokens=3,
+                             prompt_len="3:9", gen_len="2:6", check_against="reference",
+                             state_dtype=["bf16"]):
+        rc = serve.main(["serve"])
+    out = capsys.readouterr().out
+    assert "CHECK PASSED" in out, out
+    assert "st16" in out
+    assert rc == 0
