@@ -578,7 +578,7 @@ def test_bf16_state_runs_the_op(env):
     elements, every other slot bit for bit."""
     md = decode_md(torch.tensor([[5], [0], [2]], dtype=torch.int32))
     hs = hidden(3, seed=12)
-    with rne_interpreter():
+    with rne_casts():
         layer, raw = make_layer(env, 8, state_dtype=torch.bfloat16, seed=11)
         y, core, page, path = step(env, layer, raw, md, hs)
         y_v, core_v, page_v, _ = step(env, layer, raw, md, hs, use_kda=False)
