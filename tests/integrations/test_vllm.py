@@ -547,15 +547,21 @@ def test_prefill_and_mixed_batches_fall_back(env, monkeypatch):
     assert not torch.equal(page, raw)
 
 
+def assert_falls_back(env, layer, raw, md, hs, reason: str):
+    """The plugin leaves this batch on vLLM's path (its path starts with ``reason``): output
+    and pages bit-identical to vLLM's own run."""
+    y, _, page, path = step(env, layer, raw, md, hs)
+    y_v, _, page_v, _ = step(env, layer, raw, md, hs, use_kda=False)
+    assert path.startswith(reason), path
+    assert torch.equal(y, y_v) and torch.equal(page, page_v)
+
+
 def test_plain_decode_of_a_spec_layer_falls_back(env):
     # num_spec=2: window 5; vLLM's T=1 update shifts all 5 positions, the op's rewrites 0..2
     layer, raw = make_layer(env, 8, num_spec=2, seed=7)
     md = decode_md(torch.tensor([[5, 6, 7], [2, 3, 4]], dtype=torch.int32))
     hs = hidden(2, seed=8)
-    y, _, page, path = step(env, layer, raw, md, hs)
-    y_v, _, page_v, _ = step(env, layer, raw, md, hs, use_kda=False)
-    assert path.startswith("vllm: plain decode with a conv window of 5"), path
-    assert torch.equal(y, y_v) and torch.equal(page, page_v)
+    assert_falls_back(env, layer, raw, md, hs, "vllm: plain decode with a conv window of 5")
 
 
 def test_ragged_verify_batch_falls_back(env):
@@ -565,10 +571,7 @@ def test_ragged_verify_batch_falls_back(env):
     md = verify_md(table, torch.tensor([2, 1], dtype=torch.int32), T, n_real=2,
                    query_lens=[3, 1])       # a request that drafted nothing: 1 token
     hs = hidden(4, seed=10)
-    y, _, page, path = step(env, layer, raw, md, hs)
-    y_v, _, page_v, _ = step(env, layer, raw, md, hs, use_kda=False)
-    assert path.startswith("vllm: ragged speculative batch"), path
-    assert torch.equal(y, y_v) and torch.equal(page, page_v)
+    assert_falls_back(env, layer, raw, md, hs, "vllm: ragged speculative batch")
 
 
 def test_bf16_state_runs_the_op(env):
@@ -605,10 +608,8 @@ def test_bf16_state_with_a_backend_that_keeps_fp32_pages_falls_back(env, caplog)
     md = decode_md(torch.tensor([[5], [2]], dtype=torch.int32))
     hs = hidden(2, seed=12)
     caplog.set_level(logging.WARNING, logger="kda")
-    y, _, page, path = step(env, layer, raw, md, hs)
-    y_v, _, page_v, _ = step(env, layer, raw, md, hs, use_kda=False)
-    assert path.startswith("vllm: bf16 recurrent state: KDA backend 'cutedsl_wide'"), path
-    assert torch.equal(y, y_v) and torch.equal(page, page_v)
+    assert_falls_back(env, layer, raw, md, hs,
+                      "vllm: bf16 recurrent state: KDA backend 'cutedsl_wide'")
     assert any("cutedsl_wide" in r.getMessage() for r in caplog.records)
 
 
