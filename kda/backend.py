@@ -112,11 +112,19 @@ def row_bytes(args: KdaArgs) -> int:
     Host metadata only (addresses and strides), a few integer operations per call; each GPU
     backend chooses the build it launches by it.
     """
+    rows = [getattr(args, name) for name in ROW_TENSORS]
+    return widest_access([t.data_ptr() for t in rows],
+                         [t.stride(0) * t.element_size() for t in rows if t.shape[0] > 1])
+
+
+def widest_access(addresses, pitches) -> int:
+    """The rule of :func:`row_bytes` on plain integers: the largest power of two up to 16 that
+    divides every address and every row pitch (bytes; pass no pitch for single-row tensors)."""
     acc = 16
-    for t in (getattr(args, name) for name in ROW_TENSORS):
-        acc |= t.data_ptr()
-        if t.shape[0] > 1:
-            acc |= t.stride(0) * t.element_size()
+    for v in addresses:
+        acc |= v
+    for v in pitches:
+        acc |= v
     return acc & -acc
 
 

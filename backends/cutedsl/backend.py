@@ -43,7 +43,7 @@ from typing import List, Optional
 import torch
 
 from kda.backend import (Backend, StepFn, current_stream_handle, gpu_reason,
-                         kernel_config_reasons)
+                         kernel_config_reasons, widest_access)
 from kda.backends.cutedsl import policy
 from kda.backends.cutedsl.static import KernelStatic, SmemPlan
 from kda.config import KdaArgs, KdaConfig
@@ -209,15 +209,9 @@ class _Launcher:
             R, a.state.shape[0], a.x.stride(0), a.f_a.stride(0), a.beta.stride(0),
             a.output_gate.stride(0), a.out.stride(0), a.state.stride(0), a.conv_state.stride(0),
         ]
-        # kda.backend.row_bytes from these values: the lowest set bit of the row tensors'
-        # addresses and (more than one row) row pitches in bytes, at most 16
-        rows = 16
-        for i in _ROW_PTRS:
-            rows |= vals[i]
-        if R * self.T > 1:
-            for i in _ROW_STRIDES:
-                rows |= 2 * vals[i]
-        rows &= -rows
+        # kda.backend.row_bytes, from the addresses and row strides (bf16 rows) read above
+        rows = widest_access([vals[i] for i in _ROW_PTRS],
+                             [2 * vals[i] for i in _ROW_STRIDES] if R * self.T > 1 else ())
         launcher = self if rows == self.ks.row_bytes else self.for_rows(rows)
         launcher.buf[0:len(vals)] = vals
         launcher.buf[launcher.i_stream] = current_stream_handle(self.device)
