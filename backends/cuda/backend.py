@@ -26,9 +26,9 @@ class CudaBackend(Backend):
     """The ``cuda`` backend: the CUDA C++ extension (``kda_decode.cu``) for sm_90 GPUs.
 
     Available when torch sees an sm_90 GPU and the extension is built or nvcc can build it
-    (:mod:`kda.backends.cuda.build`). Serves T <= :data:`MAX_T` (8, the kernel's instantiations);
-    fp32 state pools only (not a bf16 one); every other axis of the contract (both layouts,
-    gates, gate_mode, bias, records, any head count and window).
+    (:mod:`kda.backends.cuda.build`). Serves T <= :data:`MAX_T` (8, the kernel's instantiations)
+    and every other axis of the contract (fp32 and bf16 state pools, both layouts, gates,
+    gate_mode, bias, records, any head count and window).
     """
 
     name = "cuda"
@@ -55,7 +55,7 @@ class CudaBackend(Backend):
             cap = torch.cuda.get_device_capability(device)
             if cap != (9, 0):
                 reasons.append(f"kernel is built for sm_90a, device is sm_{cap[0]}{cap[1]}")
-        reasons += kernel_config_reasons(cfg, MAX_T)
+        reasons += kernel_config_reasons(cfg, MAX_T, bf16_state=True)
         return reasons
 
     def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:
@@ -75,7 +75,7 @@ class CudaBackend(Backend):
         from kda.backends.cuda import build
 
         ext = build.load()
-        pol = policy(cfg.T)
+        pol = policy(cfg.T, cfg.state_dtype == torch.bfloat16)
         lb = None if cfg.lower_bound is None else float(cfg.lower_bound)
         conf = (cfg.num_heads, cfg.T, float(cfg.scale), float(cfg.norm_eps), lb, cfg.gate_mode,
                 cfg.record, cfg.beta_activated)

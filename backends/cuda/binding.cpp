@@ -55,9 +55,12 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
   TORCH_CHECK(beta.scalar_type() == (beta_activated ? at::kFloat : at::kBFloat16),
               "kda cuda: beta must be ", beta_activated ? "float32 (beta_activated)" : "bfloat16",
               ", got ", beta.scalar_type());
-  TORCH_CHECK(state.stride(0) % 4 == 0 && state.stride(1) == 128 * 128 && state.stride(2) == 128 &&
-                  state.stride(3) == 1,
-              "kda cuda: state must be [slots, H, 128, 128] with contiguous inner dims");
+  TORCH_CHECK(state.scalar_type() == at::kFloat || state.scalar_type() == at::kBFloat16,
+              "kda cuda: state must be float32 or bfloat16, got ", state.scalar_type());
+  TORCH_CHECK((state.stride(0) * state.element_size()) % 16 == 0 && state.stride(1) == 128 * 128 &&
+                  state.stride(2) == 128 && state.stride(3) == 1,
+              "kda cuda: state must be [slots, H, 128, 128] with contiguous inner dims and a slot "
+              "stride of a multiple of 16 bytes");
   TORCH_CHECK((conv_state.stride(0) * es) % 16 == 0,
               "kda cuda: conv_state slot stride must be a multiple of 16 bytes");
   TORCH_CHECK(sd ? (conv_state.stride(2) * es) % 16 == 0 : conv_state.stride(2) == 1,
@@ -83,7 +86,7 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
   p.beta = beta.data_ptr();
   p.A_log = A_log.data_ptr<float>();
   p.dt_bias = dt_bias.data_ptr<float>();
-  p.state = state.data_ptr<float>();
+  p.state = state.data_ptr();
   p.state_indices = state_indices.data_ptr<int32_t>();
   p.num_accepted = num_accepted_tokens ? num_accepted_tokens->data_ptr<int32_t>() : nullptr;
   p.output_gate = output_gate.data_ptr();
@@ -118,6 +121,7 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
   p.conv_weight_bf16 = conv_weight.scalar_type() == at::kBFloat16 ? 1 : 0;
   p.norm_weight_bf16 = norm_weight.scalar_type() == at::kBFloat16 ? 1 : 0;
   p.beta_activated = beta_activated ? 1 : 0;
+  p.state_bf16 = state.scalar_type() == at::kBFloat16 ? 1 : 0;
   // The rows' widest common access (KdaParams.row_bytes): the lowest set bit of every address
   // and row pitch in bytes, capped at 16.
   uint64_t rows = 16;
@@ -126,8 +130,10 @@ void step(const at::Tensor& x, const at::Tensor& conv_weight,
     if (t->size(0) > 1) rows |= static_cast<uint64_t>(t->stride(0)) * t->element_size();
   }
   p.row_bytes = static_cast<int>(rows & (~rows + 1));
-  TORCH_CHECK(fb_smem == (T == 1), "kda cuda: the T=", T, " build ",
-              T == 1 ? "stages" : "does not stage", " f_b in shared memory, got fb_smem=", fb_smem);
+  const bool fb_build = T == 1 || p.state_bf16;
+  TORCH_CHECK(fb_smem == fb_build, "kda cuda: the T=", T, p.state_bf16 ? " bf16-state" : " fp32-state",
+              " build ", fb_build ? "stages" : "does not stage", " f_b in shared memory, got fb_smem=",
+              fb_smem);
   p.fb_smem = fb_smem ? 1 : 0;
   check_cuda(sched, x, "sched");
   TORCH_CHECK(sched.scalar_type() == at::kInt && sched.numel() >= 2 && sched.is_contiguous(),

@@ -10,6 +10,13 @@
 //
 // The step is memory bound (per live item: a 64 KiB fp32 state page read, T pages written, a
 // few KiB of operands), so the loop keeps one state page in flight per CTA almost always.
+//
+// bf16 state pools (KdaParams.state_bf16, the BF builds): the 32 KiB page is staged with the
+// same 16-byte copies, widened to fp32 exactly when it moves into registers, and every page
+// written is rounded once to nearest even (docs/contract.md); all arithmetic is the fp32 build's.
+// A thread then holds 8 consecutive bf16 key columns per 16-byte access (key_col), so the row
+// sums run over the columns in another order than in the fp32 build. The page staging is 32 KiB
+// smaller, so the BF builds stage the head's f_b rows in shared memory at every T.
 // cp.async groups per item: L (its slot row, one item ahead), E (x / output-gate / f_a rows,
 // conv window, head parameters, beta words) and S (the 64 KiB page), committed E then S. The
 // rows go by 16-byte copies in the V16 builds (rows 16-byte aligned, KdaParams.row_bytes == 16);
@@ -131,9 +138,9 @@ struct __align__(16) Item {
   int pad[3];
 };
 
-template <int T, bool FB = false>
+template <int T, bool FB, bool BF>
 struct __align__(16) Smem {
-  float4 state[16 * kThreads];          // [chunk][thread] float4
+  float4 state[(BF ? 8 : 16) * kThreads];  // [chunk][thread] 16 bytes (fp32: 64 KiB, bf16: 32 KiB)
   __nv_bfloat16 x[T][3 * kD];           // staged x row slice: q | k | v of this head
   __nv_bfloat16 og[T][kD];              // staged output-gate row slice
   __nv_bfloat16 fa[T][kFaStride];       // staged f_a rows (padded)
@@ -175,6 +182,11 @@ __device__ __forceinline__ float bf16r(float x) {
 }
 __device__ __forceinline__ uint16_t f2bf_raw(float x) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+// (lo, hi) rounded to nearest even, lo in the low half (the lower address)
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
 }
 // Fast sigmoid / SiLU (ex2.approx + approximate division), used where a bf16 rounding or
 // the tolerance of an unrounded fp32 factor (beta) follows.
@@ -240,15 +252,15 @@ __device__ __forceinline__ void cp_async_wait() {
 
 // cp.async of request r's slot row (and accepted count) into sm.slots[iter & 1], by threads
 // 0..8 (warp 0 only: before B2 the next item's index is known to warp 0 alone).
-template <int T, bool FB>
-__device__ __forceinline__ void issue_slots(const KdaParams& p, Smem<T, FB>& sm, int iter, int r, int tid) {
+template <int T, bool FB, bool BF>
+__device__ __forceinline__ void issue_slots(const KdaParams& p, Smem<T, FB, BF>& sm, int iter, int r, int tid) {
   if (tid < T) cp_async4(&sm.slots[iter & 1][tid], p.state_indices + static_cast<int64_t>(r) * p.idx_row + tid);
   if (T > 1 && tid == kMaxT) cp_async4(&sm.slots[iter & 1][8], p.num_accepted + r);
 }
 
 // The item of iteration `iter` = (request r, head h), with its slots from its staged slot row.
-template <int T, bool FB>
-__device__ __forceinline__ Item item_at(const KdaParams& p, const Smem<T, FB>& sm, int iter, int r, int h) {
+template <int T, bool FB, bool BF>
+__device__ __forceinline__ Item item_at(const KdaParams& p, const Smem<T, FB, BF>& sm, int iter, int r, int h) {
   Item it;
   it.r = r;
   it.h = h;
@@ -270,20 +282,40 @@ __device__ __forceinline__ Item item_at(const KdaParams& p, const Smem<T, FB>& s
   return it;
 }
 
-// cp.async of the item's 64 KiB state page into the thread's own staging chunks.
-template <int T, bool FB>
-__device__ __forceinline__ void issue_state(const KdaParams& p, Smem<T, FB>& sm, const Item& it,
-                                            int tid) {
-  const float* base = p.state + static_cast<int64_t>(it.src) * p.state_slot +
-                      static_cast<int64_t>(it.h) * (kD * kD) + (tid >> 3) * kD + 4 * (tid & 7);
+// The thread's key columns in chunk c (0..3) of its rows: fp32 pages 4*(lane8 + 8c)..+3
+// (16-byte chunks, a warp access covers 4 rows x 128 contiguous bytes); bf16 pages
+// 8*(lane8 + 8*(c/2)) + 4*(c%2)..+3, so that chunks 2c', 2c'+1 are one 16-byte access of 8
+// bf16 (again 4 rows x 128 contiguous bytes per warp access).
+template <bool BF>
+__device__ __forceinline__ int key_col(int lane8, int c) {
+  return BF ? 8 * (lane8 + 8 * (c >> 1)) + 4 * (c & 1) : 4 * (lane8 + 8 * c);
+}
+
+// cp.async of the item's state page (64 KiB fp32 or 32 KiB bf16) into the thread's own staging
+// chunks, 16 bytes each: [chunk][thread] (BF: the first half of sm.state as [8][256] uint4).
+template <int T, bool FB, bool BF>
+__device__ __forceinline__ void issue_state(const KdaParams& p, Smem<T, FB, BF>& sm, const Item& it,
+                                            int tid_) {
+  const int tid = opaque(tid_);  // keep the tid-only index math inside the item loop
+  const int64_t off = static_cast<int64_t>(it.src) * p.state_slot + static_cast<int64_t>(it.h) * (kD * kD) +
+                      (tid >> 3) * kD;
+  if (BF) {
+    const auto* base = static_cast<const __nv_bfloat16*>(p.state) + off + 8 * (tid & 7);
+    uint4* st = reinterpret_cast<uint4*>(sm.state);
 #pragma unroll
-  for (int j = 0; j < 16; ++j)  // chunk (m, c) = (j/4, j%4): row tid/8 + 32m, columns 4*(tid%8 + 8c)..+3
-    cp_async16(&sm.state[j * kThreads + tid], base + (j >> 2) * 32 * kD + 32 * (j & 3));
+    for (int j = 0; j < 8; ++j)  // chunk (m, c') = (j/2, j%2): row tid/8 + 32m, columns key_col(c = 2c', 2c'+1)
+      cp_async16(&st[j * kThreads + tid], base + (j >> 1) * 32 * kD + 64 * (j & 1));
+  } else {
+    const float* base = static_cast<const float*>(p.state) + off + 4 * (tid & 7);
+#pragma unroll
+    for (int j = 0; j < 16; ++j)  // chunk (m, c) = (j/4, j%4): row tid/8 + 32m, columns key_col(c)
+      cp_async16(&sm.state[j * kThreads + tid], base + (j >> 2) * 32 * kD + 32 * (j & 3));
+  }
 }
 
 // cp.async of the item's x (q|k|v slice), output-gate and f_a rows, T tokens.
-template <int T, bool FB>
-__device__ __forceinline__ void issue_operands(const KdaParams& p, Smem<T, FB>& sm, const Item& it,
+template <int T, bool FB, bool BF>
+__device__ __forceinline__ void issue_operands(const KdaParams& p, Smem<T, FB, BF>& sm, const Item& it,
                                                int tid_) {
   const int tid = opaque(tid_);  // keep the tid-only index math inside the item loop
   const int dim = p.num_heads * kD;
@@ -312,8 +344,8 @@ __device__ __forceinline__ void issue_operands(const KdaParams& p, Smem<T, FB>& 
 // bytes, into the same group), or, for rows only 2-byte aligned, four element loads per
 // 8-byte piece stored to shared memory, which the barriers before their readers publish as
 // they do the copies. The staging layout is the 16-byte path's.
-template <int T, bool FB>
-__device__ __forceinline__ void issue_operands_narrow(const KdaParams& p, Smem<T, FB>& sm,
+template <int T, bool FB, bool BF>
+__device__ __forceinline__ void issue_operands_narrow(const KdaParams& p, Smem<T, FB, BF>& sm,
                                                       const Item& it, int tid_) {
   const int tid = opaque(tid_);
   const int dim = p.num_heads * kD;
@@ -355,16 +387,16 @@ __device__ __forceinline__ void issue_operands_narrow(const KdaParams& p, Smem<T
 
 // The item's x, output-gate and f_a rows by the build's path: 16-byte copies (V16, the rows
 // 16-byte aligned) or the narrower ones above.
-template <int T, bool FB, bool V16>
-__device__ __forceinline__ void issue_rows(const KdaParams& p, Smem<T, FB>& sm, const Item& it,
+template <int T, bool FB, bool V16, bool BF>
+__device__ __forceinline__ void issue_rows(const KdaParams& p, Smem<T, FB, BF>& sm, const Item& it,
                                            int tid) {
   if constexpr (V16) issue_operands<T>(p, sm, it, tid);
   else issue_operands_narrow<T>(p, sm, it, tid);
 }
 
 // cp.async of the item's conv history (positions off..off+2 of its 3 x 128 channels).
-template <int T, bool FB>
-__device__ __forceinline__ void issue_window(const KdaParams& p, Smem<T, FB>& sm, const Item& it,
+template <int T, bool FB, bool BF>
+__device__ __forceinline__ void issue_window(const KdaParams& p, Smem<T, FB, BF>& sm, const Item& it,
                                              int tid_) {
   const int tid = opaque(tid_);
   const int dim = p.num_heads * kD;
@@ -409,8 +441,8 @@ __device__ __forceinline__ void issue_window(const KdaParams& p, Smem<T, FB>& sm
 
 // cp.async of the head's conv taps, conv bias and dt_bias (L2-resident parameters); FB: also
 // the head's 128 f_b rows (32 KiB, swizzled, see Smem::fb), and no conv bias (read from global).
-template <int T, bool FB>
-__device__ __forceinline__ void issue_params(const KdaParams& p, Smem<T, FB>& sm, int h, int tid_) {
+template <int T, bool FB, bool BF>
+__device__ __forceinline__ void issue_params(const KdaParams& p, Smem<T, FB, BF>& sm, int h, int tid_) {
   const int tid = opaque(tid_);
   const int dim = p.num_heads * kD;
   if (FB) {
@@ -449,8 +481,8 @@ __device__ __forceinline__ void issue_params(const KdaParams& p, Smem<T, FB>& sm
 }
 
 // Raw bits (bf16 in the low half) of the three history values of channel d of `part`.
-template <int T, bool FB>
-__device__ __forceinline__ void read_window(const KdaParams& p, const Smem<T, FB>& sm, const Item& it,
+template <int T, bool FB, bool BF>
+__device__ __forceinline__ void read_window(const KdaParams& p, const Smem<T, FB, BF>& sm, const Item& it,
                                             int part, int d, uint32_t (&raw)[3]) {
   if (p.conv_chan == 1) {
     if (p.conv_state_fp32) {
@@ -478,8 +510,8 @@ __device__ __forceinline__ void read_window(const KdaParams& p, const Smem<T, FB
 // the word's other half is a neighbouring element, or the 2 bytes after the tensor's last
 // element (same aligned word, so never past a page or allocation granule); fp32 (activated)
 // beta: the word is the element.
-template <int T, bool FB>
-__device__ __forceinline__ void issue_beta(const KdaParams& p, Smem<T, FB>& sm, const Item& it,
+template <int T, bool FB, bool BF>
+__device__ __forceinline__ void issue_beta(const KdaParams& p, Smem<T, FB, BF>& sm, const Item& it,
                                            int item, int tid) {
   if (tid < T) {
     const int64_t n = static_cast<int64_t>(it.r) * T + tid;
@@ -490,8 +522,8 @@ __device__ __forceinline__ void issue_beta(const KdaParams& p, Smem<T, FB>& sm, 
   }
 }
 // beta of token t as staged: the bf16 logit's value, or the activated fp32 beta itself.
-template <int T, bool FB>
-__device__ __forceinline__ float beta_value(const KdaParams& p, const Smem<T, FB>& sm, const Item& it,
+template <int T, bool FB, bool BF>
+__device__ __forceinline__ float beta_value(const KdaParams& p, const Smem<T, FB, BF>& sm, const Item& it,
                                             int item, int t) {
   const uint32_t w = sm.beta_word[item & 1][t];
   if (p.beta_activated) return __uint_as_float(w);
@@ -502,10 +534,10 @@ __device__ __forceinline__ float beta_value(const KdaParams& p, const Smem<T, FB
 
 // V16: the x / output-gate / f_a rows are 16-byte aligned (KdaParams.row_bytes == 16), staged
 // with 16-byte copies; else the narrower path (issue_operands_narrow).
-template <int T, bool FB, bool V16>
+template <int T, bool FB, bool V16, bool BF>
 __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_constant__ KdaParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  Smem<T, FB>& sm = *reinterpret_cast<Smem<T, FB>*>(smem_raw);
+  Smem<T, FB, BF>& sm = *reinterpret_cast<Smem<T, FB, BF>*>(smem_raw);
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
@@ -596,12 +628,14 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
     cp_async_commit();
     // Item info lives in shared memory (written once per item by thread 0), not in registers.
 #define CUR (sm.info[n & 1])
-    const bool live = CUR.src > 0;
+    // (re-read from shared memory where used: held in a register from here to the
+    // recurrence, it spills in the bf16-state builds at T = 2..4)
+#define LIVE (*reinterpret_cast<volatile const int*>(&CUR.src) > 0)
 #define H_CUR (CUR.h)
 #define ROW0 (static_cast<int64_t>(CUR.r) * T)  // first token row of the item
     auto* out = static_cast<__nv_bfloat16*>(p.out);
 
-    if (!live) {
+    if (!LIVE) {
       // Dead item: T rows of zeros, nothing else.
       if (tid < kD) {
 #pragma unroll
@@ -768,7 +802,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
     }
     // Warps 4-7 own gate feature tid-128 after B2; its dt_bias is read now, before item n+1's
     // parameters may overwrite sm.dtb.
-    const float dtb_f = (live && tid >= kD) ? sm.dtb[tid - kD] : 0.f;
+    const float dtb_f = (LIVE && tid >= kD) ? sm.dtb[tid - kD] : 0.f;
     cp_async_wait<0>();  // item n's state page (S) and item n+1's slot row (L)
     __syncthreads();     // B2: conv outputs, partial sums, raw gate visible; slots of n+1 visible
 
@@ -787,13 +821,24 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       cp_async_commit();
     }
 
-    float4 S[4][4];  // [m][c]: row tid/8 + 32m, columns 4*(tid%8 + 8c)..+3
-    // ---- state page: staging -> registers (each thread reads only the chunks it copied) ----
-    if (live) {
+    float4 S[4][4];  // [m][c]: row tid/8 + 32m, columns key_col<BF>(tid%8, c)..+3
+    // ---- state page: staging -> registers (each thread reads only the chunks it copied; bf16
+    // widened to fp32 exactly) ----
+    if (LIVE) {
 #pragma unroll
-      for (int m = 0; m < 4; ++m)
+      for (int m = 0; m < 4; ++m) {
+        if (BF) {
 #pragma unroll
-        for (int c = 0; c < 4; ++c) S[m][c] = sm.state[(m * 4 + c) * kThreads + tid];
+          for (int h = 0; h < 2; ++h) {
+            const uint4 w = reinterpret_cast<const uint4*>(sm.state)[(m * 2 + h) * kThreads + tid];
+            S[m][2 * h] = make_float4(bf2f(w.x & 0xffffu), bf2f(w.x >> 16), bf2f(w.y & 0xffffu), bf2f(w.y >> 16));
+            S[m][2 * h + 1] = make_float4(bf2f(w.z & 0xffffu), bf2f(w.z >> 16), bf2f(w.w & 0xffffu), bf2f(w.w >> 16));
+          }
+        } else {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) S[m][c] = sm.state[(m * 4 + c) * kThreads + tid];
+        }
+      }
     }
     // ---- prefetch item n+1, part S: the state page, each thread into the chunks it has just
     // read itself (so no barrier before), and before the norms and the decay below, so that
@@ -802,7 +847,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
       issue_state<T>(p, sm, nxt, tid);
       cp_async_commit();
     }
-    if (live) {
+    if (LIVE) {
       if (tid < kD) {
         // ---- warps 0-3: L2 norm of q (with scale) and k, in place ----
 #pragma unroll
@@ -840,7 +885,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
     __syncthreads();  // B3: normalised q, k, alpha visible
     if (tid == 0 && next_live) sm.params_head = nxt.h;  // all threads read it before B3
 
-    if (live) {
+    if (LIVE) {
       // ---- recurrence ----
       const int row0 = tid >> 3, lane8 = tid & 7;
       const bool rec = p.record != 0;
@@ -853,7 +898,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
         for (int m = 0; m < 4; ++m) a[m][0] = a[m][1] = 0.f;
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          const int col = 4 * (lane8 + 8 * c);
+          const int col = key_col<BF>(lane8, c);
           const float4 al = *reinterpret_cast<const float4*>(&sm.alpha[t][col]);
           const float4 kk = *reinterpret_cast<const float4*>(&sm.k[t][col]);
 #pragma unroll
@@ -879,7 +924,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
         }
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          const int col = 4 * (lane8 + 8 * c);
+          const int col = key_col<BF>(lane8, c);
           const float4 kk = *reinterpret_cast<const float4*>(&sm.k[t][col]);
           const float4 qq = *reinterpret_cast<const float4*>(&sm.q[t][col]);
 #pragma unroll
@@ -923,12 +968,22 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
         // covers 4 rows x 128 contiguous bytes.
         const long long wo = sm.woff[t];
         if (!rec && wo >= 0) {
-          float* base = p.state + wo + row0 * kD + 4 * lane8;
+          if (BF) {  // rounded once to nearest even, 8 bf16 per 16-byte store
+            auto* base = static_cast<__nv_bfloat16*>(p.state) + wo + row0 * kD + 8 * lane8;
 #pragma unroll
-          for (int m = 0; m < 4; ++m)
+            for (int m = 0; m < 4; ++m)
 #pragma unroll
-            for (int c = 0; c < 4; ++c)
-              *reinterpret_cast<float4*>(base + m * 32 * kD + 32 * c) = S[m][c];
+              for (int c = 0; c < 4; ++c)
+                *reinterpret_cast<uint2*>(base + m * 32 * kD + 64 * (c >> 1) + 4 * (c & 1)) =
+                    make_uint2(pack_bf16(S[m][c].x, S[m][c].y), pack_bf16(S[m][c].z, S[m][c].w));
+          } else {
+            float* base = static_cast<float*>(p.state) + wo + row0 * kD + 4 * lane8;
+#pragma unroll
+            for (int m = 0; m < 4; ++m)
+#pragma unroll
+              for (int c = 0; c < 4; ++c)
+                *reinterpret_cast<float4*>(base + m * 32 * kD + 32 * c) = S[m][c];
+          }
         }
       }
       __syncthreads();  // B4: o and the 8 warps' sums of squares complete
@@ -947,6 +1002,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
         }
       }
     }
+#undef LIVE
 #undef CUR
 #undef H_CUR
 #undef ROW0
@@ -968,10 +1024,10 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
   trigger_dependents();
 }
 
-template <int T, bool FB, bool V16>
+template <int T, bool FB, bool V16, bool BF>
 cudaError_t launch_t(const KdaParams& p, cudaStream_t stream) {
-  constexpr size_t smem = sizeof(Smem<T, FB>);
-  static_assert(sizeof(Smem<T, FB>) <= 113 * 1024, "two CTAs per SM must fit");
+  constexpr size_t smem = sizeof(Smem<T, FB, BF>);
+  static_assert(smem <= 113 * 1024, "two CTAs per SM must fit");
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
@@ -983,14 +1039,14 @@ cudaError_t launch_t(const KdaParams& p, cudaStream_t stream) {
   static cudaError_t init_err[kMaxDev];
   if (dev >= kMaxDev) return cudaErrorInvalidDevice;
   std::call_once(once[dev], [&] {
-    init_err[dev] = cudaFuncSetAttribute(kda_decode_kernel<T, FB, V16>,
+    init_err[dev] = cudaFuncSetAttribute(kda_decode_kernel<T, FB, V16, BF>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));
     int sms = 0, per_sm = 0;
     if (init_err[dev] == cudaSuccess)
       init_err[dev] = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     if (init_err[dev] == cudaSuccess)
-      init_err[dev] = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kda_decode_kernel<T, FB, V16>,
+      init_err[dev] = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kda_decode_kernel<T, FB, V16, BF>,
                                                                     kThreads, smem);
     ctas[dev] = sms * (per_sm > 0 ? per_sm : 1);
   });
@@ -1012,13 +1068,28 @@ cudaError_t launch_t(const KdaParams& p, cudaStream_t stream) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kda_decode_kernel<T, FB, V16>, q);
+  return cudaLaunchKernelEx(&cfg, kda_decode_kernel<T, FB, V16, BF>, q);
 }
 
-// The build for the rows: 16-byte aligned rows take the 16-byte staging, others the narrow one.
-template <int T, bool FB = false>
-cudaError_t launch_rows(const KdaParams& p, cudaStream_t stream) {
-  return p.row_bytes == 16 ? launch_t<T, FB, true>(p, stream) : launch_t<T, FB, false>(p, stream);
+// The build of a T for the rows and the state dtype: 16-byte aligned rows take the 16-byte
+// staging, others the narrow one; f_b rows in shared memory at T=1 and with bf16 pages (whose
+// staging is 32 KiB smaller), else from L2.
+template <int T>
+cudaError_t launch_build(const KdaParams& p, cudaStream_t stream) {
+  constexpr bool FB32 = T == 1;
+  if (p.state_bf16)
+    return p.row_bytes == 16 ? launch_t<T, true, true, true>(p, stream) : launch_t<T, true, false, true>(p, stream);
+  return p.row_bytes == 16 ? launch_t<T, FB32, true, false>(p, stream) : launch_t<T, FB32, false, false>(p, stream);
+}
+
+// (T, fb_smem, state_bf16) of the builds (see launch_build)
+constexpr bool has_build(int T, int fb_smem, int state_bf16) {
+  return fb_smem == ((T == 1 || state_bf16) ? 1 : 0) && T >= 1 && T <= kMaxT;
+}
+
+template <int T>
+size_t smem_bytes(int state_bf16) {
+  return state_bf16 ? sizeof(Smem<T, true, true>) : sizeof(Smem<T, T == 1, false>);
 }
 
 }  // namespace
@@ -1034,34 +1105,34 @@ extern "C" cudaError_t kda_decode_launch(const KdaParams* params, cudaStream_t s
   if (p->T > 1 && p->num_accepted == nullptr) return cudaErrorInvalidValue;
   if (p->sched == nullptr) return cudaErrorInvalidValue;
   if (!(p->static_fraction >= 0.f && p->static_fraction <= 1.f)) return cudaErrorInvalidValue;
-  if (p->fb_smem != (p->T == 1 ? 1 : 0)) return cudaErrorInvalidValue;  // no such build
+  if (!has_build(p->T, p->fb_smem, p->state_bf16 != 0)) return cudaErrorInvalidValue;  // no such build
   if (p->record && (p->v_record == nullptr || p->kg_record == nullptr)) return cudaErrorInvalidValue;
   if (p->row_bytes != 16 && p->row_bytes != 8 && p->row_bytes != 4 && p->row_bytes != 2)
     return cudaErrorInvalidValue;
   switch (p->T) {
-    case 1: return launch_rows<1, true>(*p, stream);
-    case 2: return launch_rows<2>(*p, stream);
-    case 3: return launch_rows<3>(*p, stream);
-    case 4: return launch_rows<4>(*p, stream);
-    case 5: return launch_rows<5>(*p, stream);
-    case 6: return launch_rows<6>(*p, stream);
-    case 7: return launch_rows<7>(*p, stream);
-    case 8: return launch_rows<8>(*p, stream);
+    case 1: return launch_build<1>(*p, stream);
+    case 2: return launch_build<2>(*p, stream);
+    case 3: return launch_build<3>(*p, stream);
+    case 4: return launch_build<4>(*p, stream);
+    case 5: return launch_build<5>(*p, stream);
+    case 6: return launch_build<6>(*p, stream);
+    case 7: return launch_build<7>(*p, stream);
+    case 8: return launch_build<8>(*p, stream);
     default: return cudaErrorInvalidValue;
   }
 }
 
-extern "C" size_t kda_decode_smem_bytes(int T, int fb_smem) {
-  if (fb_smem != (T == 1 ? 1 : 0)) return 0;  // no such build
+extern "C" size_t kda_decode_smem_bytes(int T, int fb_smem, int state_bf16) {
+  if (!has_build(T, fb_smem, state_bf16 != 0)) return 0;
   switch (T) {
-    case 1: return sizeof(Smem<1, true>);
-    case 2: return sizeof(Smem<2>);
-    case 3: return sizeof(Smem<3>);
-    case 4: return sizeof(Smem<4>);
-    case 5: return sizeof(Smem<5>);
-    case 6: return sizeof(Smem<6>);
-    case 7: return sizeof(Smem<7>);
-    case 8: return sizeof(Smem<kMaxT>);
+    case 1: return smem_bytes<1>(state_bf16);
+    case 2: return smem_bytes<2>(state_bf16);
+    case 3: return smem_bytes<3>(state_bf16);
+    case 4: return smem_bytes<4>(state_bf16);
+    case 5: return smem_bytes<5>(state_bf16);
+    case 6: return smem_bytes<6>(state_bf16);
+    case 7: return smem_bytes<7>(state_bf16);
+    case 8: return smem_bytes<8>(state_bf16);
     default: return 0;
   }
 }

@@ -24,7 +24,7 @@ typedef struct KdaParams {
   const void* beta;           // [N, H] bf16 logits, or fp32 with beta_activated; row stride beta_row
   const float* A_log;         // [H]
   const float* dt_bias;       // [dim]
-  float* state;               // [slots, H, 128, 128] fp32, slot stride state_slot
+  void* state;                // [slots, H, 128, 128] fp32, or bf16 (state_bf16); slot stride state_slot
   const int32_t* state_indices;       // [R] (T=1) or [R, T], row stride idx_row
   const int32_t* num_accepted;        // [R] (T>1), else nullptr
   const void* output_gate;    // [N, dim] bf16, row stride og_row
@@ -57,6 +57,8 @@ typedef struct KdaParams {
   int conv_weight_bf16;
   int norm_weight_bf16;
   int beta_activated;  // 1: beta is fp32, already passed through the sigmoid (used as it is)
+  int state_bf16;      // 1: the state pool is bf16 (pages widened to fp32 on load, every state
+                       // written rounded once to nearest even); 0: fp32
   // 16, 8, 4 or 2: the largest power of two up to 16 dividing the data address and, with more
   // than one row, the row pitch in bytes of x, output_gate and f_a. 16 selects the build that
   // stages those rows with 16-byte cp.async; below it a build stages them with row_bytes-wide
@@ -75,8 +77,9 @@ typedef struct KdaParams {
   float static_fraction;
   int static_items;  // S (filled by the launcher)
   // Selects the build: 1 = the head's f_b rows (32 KiB) are staged in shared memory once per
-  // head instead of the MMA fragments being read from L2 for every item. The builds are T=1
-  // with it and T=2..8 without; any other (T, fb_smem) is rejected.
+  // head instead of the MMA fragments being read from L2 for every item. The builds stage them
+  // at T=1 and with a bf16 state (whose page staging is 32 KiB smaller), and read them from L2
+  // at T=2..8 with an fp32 state; any other (T, fb_smem, state_bf16) is rejected.
   int fb_smem;
 } KdaParams;
 
@@ -86,9 +89,9 @@ typedef struct KdaParams {
 // outside the above). Never synchronizes.
 cudaError_t kda_decode_launch(const KdaParams* params, cudaStream_t stream);
 
-// Dynamic shared memory one CTA of the T-token build uses, in bytes; 0 for a (T, fb_smem) pair
-// that has no build (see KdaParams.fb_smem).
-size_t kda_decode_smem_bytes(int T, int fb_smem);
+// Dynamic shared memory one CTA of the T-token build uses, in bytes; 0 for a (T, fb_smem,
+// state_bf16) that has no build (see KdaParams.fb_smem).
+size_t kda_decode_smem_bytes(int T, int fb_smem, int state_bf16);
 
 // Number of threads per CTA.
 int kda_decode_threads(void);

@@ -5,8 +5,8 @@ CTAs, two per SM): each CTA first walks a contiguous head-major range of
 ``floor(static_fraction * items / CTAs)`` items, then takes items one by one from an atomic
 counter. The static ranges keep consecutive items on one head (its parameters, and at T=1 its
 f_b rows, are staged once per head); the counter evens out SMs that run at different speeds.
-``fb_smem`` names the kernel build for the T: whether it stages each head's f_b rows (32 KiB)
-in shared memory or reads the gate MMA's fragments from L2 for every item.
+``fb_smem`` names the kernel build for the T and the state dtype: whether it stages each head's
+f_b rows (32 KiB) in shared memory or reads the gate MMA's fragments from L2 for every item.
 
 Every figure is a step time on an H200 at H=32 heads.
 """
@@ -25,8 +25,8 @@ class Policy:
       static_fraction: fraction f in [0, 1] of each CTA's share of the items that it walks as
         one contiguous range before it takes items from the counter (0: every item after its
         first from the counter).
-      fb_smem: the kernel build stages each head's f_b rows in shared memory (only the T=1
-        build does; the binding rejects any other pairing).
+      fb_smem: the kernel build stages each head's f_b rows in shared memory (the T=1 builds
+        and the bf16-state builds do; the binding rejects any other pairing).
       why: one line per choice, with the measurement behind it.
     """
 
@@ -51,14 +51,24 @@ VERIFY = Policy(static_fraction=0.0, fb_smem=False, why=(
     "buffers (T=2: 87,952 B + 32 KiB > 115,712 B)",
 ))
 
-#: The policy of every T the kernel is built for.
-POLICY: Dict[int, Policy] = {1: DECODE, **{t: VERIFY for t in range(2, 9)}}
+#: T=2..8 with a bf16 state pool.
+VERIFY_BF16 = Policy(static_fraction=VERIFY.static_fraction, fb_smem=True, why=(
+    VERIFY.why[0],
+    "fb_smem: a bf16 page's staging is 32 KiB smaller, which holds the f_b rows (T=8: 114,416 B "
+    "in all); the build that reads the fragments from L2 spills 48-80 B at T=2..8",
+))
+
+#: The policy of every (T, bf16 state) the kernel is built for.
+POLICY: Dict[Tuple[int, bool], Policy] = {
+    **{(t, False): DECODE if t == 1 else VERIFY for t in range(1, 9)},
+    **{(t, True): DECODE if t == 1 else VERIFY_BF16 for t in range(1, 9)},
+}
 
 
-def policy(T: int) -> Policy:
-    """The launch policy for T tokens per request.
+def policy(T: int, bf16_state: bool = False) -> Policy:
+    """The launch policy for T tokens per request, with an fp32 (default) or bf16 state pool.
 
     Raises:
       KeyError: the kernel has no build for T (T outside 1..8).
     """
-    return POLICY[T]
+    return POLICY[T, bool(bf16_state)]

@@ -26,16 +26,19 @@ def _binding_step_params():
 
 
 def test_policy_covers_every_build():
-    """One entry per T the kernel is built for, each choice with a one-line reason carrying its
-    measured figure; no T beyond them."""
-    assert sorted(policy.POLICY) == list(range(1, backend.MAX_T + 1))
-    for T, pol in policy.POLICY.items():
-        assert policy.policy(T) is pol
+    """One entry per T the kernel is built for and state dtype, each choice with a one-line
+    reason carrying its figure; no T beyond them."""
+    assert sorted(policy.POLICY) == [(t, bf) for t in range(1, backend.MAX_T + 1)
+                                     for bf in (False, True)]
+    for (T, bf), pol in policy.POLICY.items():
+        assert policy.policy(T, bf) is pol
         assert 0.0 <= pol.static_fraction <= 1.0, T
         assert isinstance(pol.fb_smem, bool), T
+        assert pol.fb_smem == (T == 1 or bf), (T, bf)   # the builds kda_decode.cu has
         assert len(pol.why) == 2, (T, pol.why)        # static_fraction, fb_smem
         for line in pol.why:
             assert "\n" not in line and re.search(r"\d", line), (T, line)
+    assert policy.policy(3) is policy.policy(3, False)
     with pytest.raises(KeyError):
         policy.policy(backend.MAX_T + 1)
 
@@ -49,7 +52,8 @@ def test_binding_names_the_record_fields_in_order():
 
 
 @pytest.mark.parametrize("cfg", [make_config(4, 1, lb=-5.0, gm=1, record=True),
-                                 make_config(2, 3, "DS", bias=True, beta_act=True)],
+                                 make_config(2, 3, "DS", bias=True, beta_act=True),
+                                 make_config(3, 2, bf16_state=True)],
                          ids=lambda c: c.short())
 def test_launcher_matches_the_binding(cfg, monkeypatch):
     """The built step passes the record's tensors unchanged, then the configuration and the
@@ -66,7 +70,7 @@ def test_launcher_matches_the_binding(cfg, monkeypatch):
     assert kw == {} and len(a) == len(names)
     got = dict(zip(names, a))
     assert all(got[f] is getattr(args, f) for f in KdaArgs._fields)
-    pol = policy.policy(cfg.T)
+    pol = policy.policy(cfg.T, cfg.state_dtype == torch.bfloat16)
     assert (got["num_heads"], got["T"], got["scale"], got["norm_eps"], got["lower_bound"],
             got["gate_mode"], got["record"], got["beta_activated"]) == (
         cfg.num_heads, cfg.T, cfg.scale, cfg.norm_eps, cfg.lower_bound, cfg.gate_mode,

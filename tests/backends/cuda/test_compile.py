@@ -4,7 +4,7 @@ Compiles ``backends/cuda/kda_decode.cu`` with the machine's nvcc and the backend
 (``kda.backends.cuda.build.CUDA_FLAGS``) plus ``-Xptxas -v``, then checks that the kernel
 builds are exactly the (T, fb_smem) pairs of the launch policy (``kda.backends.cuda.policy``),
 each in its two row paths (16-byte aligned rows of x / output_gate / f_a, and the narrower
-path for other rows), and, for each: no spill stores or loads, no stack frame (no local
+path for other rows) and its two state dtypes (fp32, bf16), and, for each: no spill stores or loads, no stack frame (no local
 memory), and that two 256-thread CTAs fit on one SM from the reported registers and the
 dynamic shared memory (read from the object itself through a small host probe, so no number
 is duplicated here). Skipped when nvcc is not on PATH. Takes about 20 s on two cores.
@@ -30,8 +30,9 @@ REGS_PER_SM = 65536
 SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024
 CTAS_PER_SM = 2
-#: (T, fb_smem, 16-byte rows) of every kernel build the launcher may ask for
-KERNELS = [(t, int(POLICY[t].fb_smem), v16) for t in range(1, MAX_T + 1) for v16 in (0, 1)]
+#: (T, fb_smem, 16-byte rows, bf16 state) of every kernel build the launcher may ask for
+KERNELS = [(t, int(POLICY[t, bool(bf)].fb_smem), v16, bf) for t in range(1, MAX_T + 1)
+           for v16 in (0, 1) for bf in (0, 1)]
 
 # (sizes up to T = MAX_T + 1, which has no build: 0)
 PROBE = r"""
@@ -39,7 +40,9 @@ PROBE = r"""
 #include "kda_decode.h"
 int main() {
   for (int t = 0; t <= LAST_T; ++t)
-    for (int fb = 0; fb <= 1; ++fb) std::printf("smem %d %d %zu\n", t, fb, kda_decode_smem_bytes(t, fb));
+    for (int fb = 0; fb <= 1; ++fb)
+      for (int bf = 0; bf <= 1; ++bf)
+        std::printf("smem %d %d %d %zu\n", t, fb, bf, kda_decode_smem_bytes(t, fb, bf));
   std::printf("threads %d\n", kda_decode_threads());
   const long long cases[][2] = {{4096, 264}, {16384, 264}, {1280, 264}, {256, 256}, {32, 32}, {5, 0}};
   const float fractions[] = {0.0f, 0.5f, 0.8f, 1.0f};
@@ -55,7 +58,7 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """(ptxas report per (T, fb_smem, 16-byte rows), smem bytes per (T, fb_smem) of the builds,
+    """(ptxas report per (T, fb_smem, 16-byte rows, bf16 state), smem bytes per (T, fb_smem) of the builds,
     threads per CTA, static range per (items, CTAs, fraction))."""
     d = tmp_path_factory.mktemp("kda_cuda")
     obj = d / "kda_decode.o"
@@ -70,8 +73,8 @@ def compiled(tmp_path_factory):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, f"probe link failed:\n{res.stderr}"
     out = subprocess.run([str(probe)], capture_output=True, text=True, timeout=60, check=True).stdout
-    smem = {(int(t), int(fb)): int(b) for t, fb, b in re.findall(r"smem (\d+) (\d+) (\d+)", out)
-            if int(b) > 0}
+    smem = {(int(t), int(fb), int(bf)): int(b)
+            for t, fb, bf, b in re.findall(r"smem (\d+) (\d+) (\d+) (\d+)", out) if int(b) > 0}
     threads = int(re.search(r"threads (\d+)", out).group(1))
     static = {(int(i), int(c), float(f)): int(s)
               for i, c, f, s in re.findall(r"static (\d+) (\d+) ([\d.]+) (-?\d+)", out)}
@@ -79,14 +82,14 @@ def compiled(tmp_path_factory):
 
 
 def _parse_ptxas(text: str):
-    """{(T, fb_smem, 16-byte rows): {"regs", "stack", "spill_st", "spill_ld", "smem"}} from nvcc
+    """{(T, fb_smem, 16-byte rows, bf16 state): {"regs", "stack", "spill_st", "spill_ld", "smem"}} from nvcc
     -Xptxas -v output."""
     report = {}
     cur = None
     for line in text.splitlines():
         m = re.search(r"Compiling entry function '(\S+)'", line)
         if m:
-            t = re.search(r"kda_decode_kernelILi(\d+)ELb([01])ELb([01])E", m.group(1))
+            t = re.search(r"kda_decode_kernelILi(\d+)ELb([01])ELb([01])ELb([01])E", m.group(1))
             cur = tuple(int(g) for g in t.groups()) if t else None
             if cur is not None:
                 report[cur] = {"smem": 0}
@@ -106,31 +109,31 @@ def _parse_ptxas(text: str):
 
 
 def test_builds_are_the_policys(compiled):
-    """One build per T and row path, with f_b staged in shared memory exactly where the policy
-    says; the host-side size query knows no other (T, fb_smem) pair either."""
+    """One build per T, row path and state dtype, with f_b staged in shared memory exactly where
+    the policy says; the host-side size query knows no other (T, fb_smem, state dtype) either."""
     report, smem, threads, _ = compiled
-    assert sorted(POLICY) == list(range(1, MAX_T + 1))
+    assert sorted(POLICY) == [(t, bf) for t in range(1, MAX_T + 1) for bf in (False, True)]
     assert sorted(report) == sorted(KERNELS), report.keys()
     assert threads == 256
-    assert sorted(smem) == sorted({(t, fb) for t, fb, _ in KERNELS})
+    assert sorted(smem) == sorted({(t, fb, bf) for t, fb, _, bf in KERNELS})
 
 
-@pytest.mark.parametrize("T,fb,v16", KERNELS)
-def test_no_local_memory(compiled, T, fb, v16):
-    r = compiled[0][T, fb, v16]
-    what = f"T={T} fb_smem={fb} rows16={v16}"
+@pytest.mark.parametrize("T,fb,v16,bf", KERNELS)
+def test_no_local_memory(compiled, T, fb, v16, bf):
+    r = compiled[0][T, fb, v16, bf]
+    what = f"T={T} fb_smem={fb} rows16={v16} bf16_state={bf}"
     assert r["spill_st"] == 0 and r["spill_ld"] == 0, f"{what}: register spills {r}"
     assert r["stack"] == 0, f"{what}: {r['stack']} bytes of stack frame (local memory)"
 
 
-@pytest.mark.parametrize("T,fb,v16", KERNELS)
-def test_two_ctas_per_sm(compiled, T, fb, v16):
+@pytest.mark.parametrize("T,fb,v16,bf", KERNELS)
+def test_two_ctas_per_sm(compiled, T, fb, v16, bf):
     report, smem, threads, _ = compiled
-    r = report[T, fb, v16]
-    what = f"T={T} fb_smem={fb} rows16={v16}"
+    r = report[T, fb, v16, bf]
+    what = f"T={T} fb_smem={fb} rows16={v16} bf16_state={bf}"
     regs_per_cta = r["regs"] * threads
     assert CTAS_PER_SM * regs_per_cta <= REGS_PER_SM, f"{what}: {r['regs']} registers per thread"
-    per_cta = smem[T, fb] + r["smem"] + SMEM_RESERVED_PER_CTA
+    per_cta = smem[T, fb, bf] + r["smem"] + SMEM_RESERVED_PER_CTA
     assert CTAS_PER_SM * per_cta <= SMEM_PER_SM, (
         f"{what}: {per_cta} bytes of shared memory per CTA")
 
