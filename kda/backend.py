@@ -70,12 +70,11 @@ class Backend(abc.ABC):
         """
 
 
-def kernel_config_reasons(cfg: KdaConfig, max_T: int, bf16_state: bool = False) -> List[str]:
+def kernel_config_reasons(cfg: KdaConfig, max_T: int) -> List[str]:
     """Reasons a compiled kernel instantiated for T in 1..``max_T`` cannot serve ``cfg``: T out
     of range, a window shorter than T + 2, no heads, gate_mode not 0/1, an unknown conv layout,
-    a conv-state / conv-weight / norm-weight dtype other than bf16 or fp32, a bf16 state pool
-    when the kernel has no ``bf16_state`` build. Shared by the CUDA and CuTe DSL backends
-    (their gate MMA has 8 token columns)."""
+    a conv-state / conv-weight / norm-weight dtype other than bf16 or fp32. Shared by the CUDA
+    and CuTe DSL backends (their gate MMA has 8 token columns)."""
     reasons = []
     if not 1 <= cfg.T <= max_T:
         reasons.append(f"T={cfg.T}: the kernel supports T in 1..{max_T} (the gate MMA has 8 "
@@ -92,9 +91,6 @@ def kernel_config_reasons(cfg: KdaConfig, max_T: int, bf16_state: bool = False) 
                      ("norm_weight", cfg.norm_weight_dtype)):
         if dt not in (torch.bfloat16, torch.float32):
             reasons.append(f"{what} dtype {dt} is not bf16 / fp32")
-    if cfg.state_dtype != torch.float32 and not bf16_state:
-        reasons.append(f"state dtype {cfg.state_dtype}: the kernel reads and writes fp32 "
-                       "state pages only")
     return reasons
 
 

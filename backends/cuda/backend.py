@@ -55,7 +55,7 @@ class CudaBackend(Backend):
             cap = torch.cuda.get_device_capability(device)
             if cap != (9, 0):
                 reasons.append(f"kernel is built for sm_90a, device is sm_{cap[0]}{cap[1]}")
-        reasons += kernel_config_reasons(cfg, MAX_T, bf16_state=True)
+        reasons += kernel_config_reasons(cfg, MAX_T)
         return reasons
 
     def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:

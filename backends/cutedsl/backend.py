@@ -230,8 +230,7 @@ class _CuteDslBackend(Backend):
                 or import_cutedsl())
 
     def unsupported(self, cfg: KdaConfig, device: torch.device) -> List[str]:
-        """Reasons ``cfg`` cannot run: T outside 1..8, window < T+2, unknown layout / dtypes, a
-        bf16 state pool (the kernels keep fp32 pages only)."""
+        """Reasons ``cfg`` cannot run: T outside 1..8, window < T+2, unknown layout / dtypes."""
         reasons = super().unsupported(cfg, device)
         if device.type == "cuda" and torch.cuda.is_available():
             cap = torch.cuda.get_device_capability(device)

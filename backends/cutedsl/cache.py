@@ -39,7 +39,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 POINTER_ARGS = (
     ("x", "bf16", "rows"), ("cw", "cw", 4), ("cb", "f32", 4), ("cs", "cs", 16),
     ("fa", "bf16", "rows"), ("fb", "bf16", 4), ("beta", "beta", "beta"), ("alog", "f32", 4),
-    ("dtb", "f32", 4), ("state", "f32", 16), ("si", "i32", 4), ("og", "bf16", "rows"),
+    ("dtb", "f32", 4), ("state", "st", 16), ("si", "i32", 4), ("og", "bf16", "rows"),
     ("nw", "nw", 4), ("na", "i32", 4), ("vrec", "f32", 4), ("kgrec", "bf16", 2),
     ("out", "bf16", "rows"),
 )
@@ -110,6 +110,8 @@ def _dtype(key: str, ks: KernelStatic):
         key = "bf16" if ks.nw_bf16 else "f32"
     elif key == "beta":
         key = "f32" if ks.beta_activated else "bf16"
+    elif key == "st":
+        key = "bf16" if ks.state_bf16 else "f32"
     return {"bf16": BFloat16, "f32": Float32, "i32": Int32}[key]
 
 

@@ -5,7 +5,9 @@ an item in these phases (the contract: ``docs/contract.md``):
 
 * staging (:meth:`ItemMath.issue_state`, :meth:`ItemMath.issue_operands`,
   :meth:`ItemMath.load_window`, :meth:`ItemMath.load_beta`): the 64 KiB state page is copied
-  with 16-byte ``cp.async`` into a [16 chunk, 256 thread, 4] fp32 shared buffer (every thread
+  with 16-byte ``cp.async`` into a [16 chunk, 256 thread, 4] fp32 shared buffer (a bf16 page:
+  8-byte copies of the same chunks, widened to fp32 on the way to registers, and stored back
+  rounded once to nearest even, so the arithmetic is the fp32 page's; every thread
   stages exactly the chunks it later owns, so no barrier is needed to consume them); the
   token rows of x (q|k|v of head h) and of the output gate are staged the same way, and so
   is the conv-window history in the SD layout (DS: per-channel register loads); the beta
@@ -144,11 +146,16 @@ class ItemMath:
             P.cp_async_commit()
 
     def issue_state(self, p, desc):
-        """cp.async this thread's 16 chunks of the state page ``state[src, h]`` (if live)."""
+        """cp.async this thread's 16 chunks of the state page ``state[src, h]`` (if live):
+        16 bytes each (fp32), or 8 (bf16, into [16 chunk][256 thread][8 bytes])."""
         h, src, live = desc[1], desc[2], desc[5]
         base = p.state + (Int64(src) * p.state_ss + Int64(h * (D * D) + p.row0 * D + 4 * p.l8))
-        offs = [(j * 4096, _chunk_offset(j)) for j in range(16)]
-        P.cp_async16_multi(p.sb + self.plan.ST + p.tid * 16, base, offs, live)
+        if self.ks.state_bf16:
+            offs = [(j * 2048, _chunk_offset(j) // 2) for j in range(16)]
+            P.cp_async8_multi(p.sb + self.plan.ST + p.tid * 8, base, offs, live)
+        else:
+            offs = [(j * 4096, _chunk_offset(j)) for j in range(16)]
+            P.cp_async16_multi(p.sb + self.plan.ST + p.tid * 16, base, offs, live)
 
     def issue_operands(self, p, desc):
         """cp.async the token rows of x (q|k|v of head h) and output gate (if live): 16-byte
@@ -456,9 +463,13 @@ class ItemMath:
             ogr[i] = P.sigmoid(P.bf16_bits_to_f32(raw))
 
     def load_state_regs(self, p, S):
-        """The staged state page: shared -> registers (own chunks only: no barrier needed)."""
+        """The staged state page: shared -> registers (own chunks only: no barrier needed; bf16
+        widened to fp32)."""
         for j in range(16):
-            s0, s1, s2, s3 = P.sld_v4(p.sb + (self.plan.ST + j * 4096) + p.tid * 16)
+            if self.ks.state_bf16:
+                s0, s1, s2, s3 = P.sld_bf16x4(p.sb + (self.plan.ST + j * 2048) + p.tid * 8)
+            else:
+                s0, s1, s2, s3 = P.sld_v4(p.sb + (self.plan.ST + j * 4096) + p.tid * 16)
             S[4 * j + 0] = s0
             S[4 * j + 1] = s1
             S[4 * j + 2] = s2
@@ -531,11 +542,16 @@ class ItemMath:
 
     # --------------------------------------------------------------------------- phase B
     def _store_state(self, p, slot, h, S, ok):
-        """16-byte stores of this thread's 64 state values to state[slot, h] where ``ok``."""
+        """Stores of this thread's 64 state values to state[slot, h] where ``ok``: 16 bytes per
+        chunk (fp32), or 8 rounded to bf16 once (nearest even)."""
         base = p.state + (Int64(slot) * p.state_ss + Int64(h * (D * D) + p.row0 * D + 4 * p.l8))
         for j in range(16):
-            P.gst_v4_f32_off(base, _chunk_offset(j), S[4 * j], S[4 * j + 1], S[4 * j + 2],
-                             S[4 * j + 3], ok)
+            if self.ks.state_bf16:
+                P.gst_bf16x4_off(base, _chunk_offset(j) // 2, S[4 * j], S[4 * j + 1],
+                                 S[4 * j + 2], S[4 * j + 3], ok)
+            else:
+                P.gst_v4_f32_off(base, _chunk_offset(j), S[4 * j], S[4 * j + 1], S[4 * j + 2],
+                                 S[4 * j + 3], ok)
 
     def phase_b(self, p, desc, q, S, ogr):
         """The recurrence over the T tokens, state stores / records, and the epilogue.

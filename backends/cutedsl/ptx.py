@@ -108,6 +108,13 @@ def sld_v4(addr):
     return asm("ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];", [Float32] * 4, [addr], memory=True)
 
 
+def sld_bf16x4(addr):
+    """Four bf16 from one 8-byte shared load, widened to fp32 (exactly)."""
+    return asm("{ .reg .b32 w0, w1; ld.shared.v2.b32 {w0, w1}, [$4]; shl.b32 $0, w0, 16; "
+               "and.b32 $1, w0, 0xffff0000; shl.b32 $2, w1, 16; and.b32 $3, w1, 0xffff0000; }",
+               [Float32] * 4, [addr], memory=True)
+
+
 def sld_b32(addr):
     """One 32-bit word from shared memory (Int32)."""
     return asm("ld.shared.b32 $0, [$1];", [Int32], [addr], memory=True)
@@ -153,6 +160,14 @@ def sst_v2_b32(addr, a, b, pred):
 def cp_async16_multi(sbase, gbase, offsets, pred):
     """Several 16-byte cp.async.cg from ``gbase + goff`` to ``sbase + soff`` (immediates)."""
     body = " ".join("@p cp.async.cg.shared.global [$0+%d], [$1+%d], 16;" % (so, go)
+                    for so, go in offsets)
+    asm(_pred(body, 2), [], [sbase, gbase, pred], memory=True)
+
+
+def cp_async8_multi(sbase, gbase, offsets, pred):
+    """Several 8-byte cp.async.ca (.cg takes 16 bytes only) from ``gbase + goff`` to
+    ``sbase + soff`` (immediates)."""
+    body = " ".join("@p cp.async.ca.shared.global [$0+%d], [$1+%d], 8;" % (so, go)
                     for so, go in offsets)
     asm(_pred(body, 2), [], [sbase, gbase, pred], memory=True)
 
@@ -252,6 +267,14 @@ def gst_v4_f32(gptr, a, b, c, d, pred):
 def gst_v4_f32_off(gptr, off, a, b, c, d, pred):
     """16-byte global store of four fp32 at ``gptr + off`` bytes (immediate offset)."""
     asm(_pred("@p st.global.v4.f32 [$0+%d], {$1, $2, $3, $4};" % off, 5), [],
+        [gptr, a, b, c, d, pred], memory=True)
+
+
+def gst_bf16x4_off(gptr, off, a, b, c, d, pred):
+    """8-byte global store at ``gptr + off`` bytes (immediate offset) of four fp32, each rounded
+    to bf16 (nearest even), ``a`` at the lowest address."""
+    asm(_pred("{ .reg .b32 w0, w1; cvt.rn.bf16x2.f32 w0, $2, $1; cvt.rn.bf16x2.f32 w1, $4, $3; "
+              "@p st.global.v2.b32 [$0+%d], {w0, w1}; }" % off, 5), [],
         [gptr, a, b, c, d, pred], memory=True)
 
 

@@ -116,8 +116,10 @@ class KdaSplit:
         v["beta"] = cute.make_tensor(beta, cute.make_layout((N_, H), stride=(beta_rs, 1)))
         v["alog"] = cute.make_tensor(alog, cute.make_layout((H,)))
         v["dtb"] = cute.make_tensor(dtb, cute.make_layout((dim,)))
+        # (the slot stride is a multiple of 16 bytes)
         v["state"] = cute.make_tensor(state, cute.make_layout(
-            (slots, H, D, D), stride=(cute.assume(state_ss, divby=4), D * D, D, 1)))
+            (slots, H, D, D), stride=(cute.assume(state_ss, divby=8 if ks.state_bf16 else 4),
+                                      D * D, D, 1)))
         v["si"] = cute.make_tensor(si, cute.make_layout((R, T), stride=(T, 1)))
         v["og"] = cute.make_tensor(og, cute.make_layout((N_, dim), stride=(og_rs, 1)))
         v["nw"] = cute.make_tensor(nw, cute.make_layout((D,)))
@@ -147,7 +149,9 @@ class KdaSplit:
                         cs_ss)
 
         smem = cutlass.memory.SmemAllocator()
-        s_state = smem.allocate_tensor(Float32, cute.make_layout((self.rows, D), stride=(D, 1)),
+        st_t = g.state.element_type           # fp32, or bf16 (widened on load)
+        st_bytes = st_t.width // 8
+        s_state = smem.allocate_tensor(st_t, cute.make_layout((self.rows, D), stride=(D, 1)),
                                        byte_alignment=128)
         s_q = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)), byte_alignment=16)
         s_k = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)), byte_alignment=16)
@@ -179,7 +183,7 @@ class KdaSplit:
             for t in cutlass.range_constexpr(T):
                 cute.arch.mbarrier_init(bars + 2 + t, 1)
             cute.arch.mbarrier_init_fence()
-            cute.arch.mbarrier_arrive_and_expect_tx(bar_state, self.rows * D * 4)
+            cute.arch.mbarrier_arrive_and_expect_tx(bar_state, self.rows * D * st_bytes)
             cute.arch.mbarrier_arrive_and_expect_tx(bar_alpha, T * D * 4)
             cute.arch.mbarrier_arrive_and_expect_tx(bar_fb, self.F * D * 2)
             for t in cutlass.range_constexpr(T):
@@ -257,8 +261,8 @@ class KdaSplit:
         if live:
             if tid == 0:
                 rows_g = cute.local_tile(g.state[src, h, None, None], (self.rows, D), (rank, 0))
-                atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32,
-                                           num_bits_per_copy=self.rows * D * 32)
+                atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), st_t,
+                                           num_bits_per_copy=self.rows * D * st_t.width)
                 cute.copy(atom, cute.group_modes(rows_g, 0, 2), cute.group_modes(s_state, 0, 2),
                           mbar_ptr=bar_state)
             if is_main:
@@ -393,7 +397,13 @@ class KdaSplit:
             for w in cutlass.range_constexpr(W):
                 row = (w0 + w) * GROUPS + grp
                 for c in cutlass.range_constexpr(4):
-                    cute.autovec_copy(self._chunk(s_state[row, None], l8, c), S[c, None, w])
+                    if cutlass.const_expr(ks.state_bf16):   # widened to fp32 (exactly)
+                        raw = cute.make_rmem_tensor(cute.make_layout((4,)), BFloat16)
+                        cute.autovec_copy(self._chunk(s_state[row, None], l8, c), raw)
+                        for e in cutlass.range_constexpr(4):
+                            S[c, e, w] = Float32(raw[e])
+                    else:
+                        cute.autovec_copy(self._chunk(s_state[row, None], l8, c), S[c, None, w])
             for t in cutlass.range_constexpr(T):
                 b_t = s_b[t]
                 acc = [[Float32(0.0), Float32(0.0)] for _ in range(W)]
@@ -452,11 +462,19 @@ class KdaSplit:
         return v
 
     def _store_rows(self, g, slot, h, rank, w0, grp, l8, S):
-        """16-byte stores of the wave's rows to state[slot, h]."""
+        """Stores of the wave's rows to state[slot, h]: 16 bytes per chunk (fp32), or 8 rounded
+        to bf16 once (nearest even)."""
         for w in range(self.wave):
             row = rank * self.rows + (w0 + w) * GROUPS + grp
             for c in range(4):
-                cute.autovec_copy(S[c, None, w], self._chunk(g.state[slot, h, row, None], l8, c))
+                dst = self._chunk(g.state[slot, h, row, None], l8, c)
+                if self.ks.state_bf16:
+                    raw = cute.make_rmem_tensor(cute.make_layout((4,)), BFloat16)
+                    for e in range(4):
+                        raw[e] = BFloat16(S[c, e, w])
+                    cute.autovec_copy(raw, dst)
+                else:
+                    cute.autovec_copy(S[c, None, w], dst)
 
     # --------------------------------------------------------------------------- gate warp
     @cute.jit

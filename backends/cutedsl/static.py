@@ -36,6 +36,9 @@ class KernelStatic:
         lands; False = page and operands one group, waited for together before phase A. The
         backend passes its choice, ``kda.backends.cutedsl.policy.page_last``; the split
         kernel ignores it.
+      state_bf16: the state pool is bf16: each page is widened to fp32 on load and every state
+        written is rounded once to nearest even (the kernels move it with 8-byte accesses in
+        the fp32 build's column layout, so all arithmetic is the fp32 build's); else fp32.
       row_bytes: 16, 8, 4 or 2: the widest access every row of x, f_a, output_gate and out
         allows (:func:`kda.backend.row_bytes`, computed by the launcher for each call), the
         alignment the kernel's pointers to them assume. The wide kernel stages those rows with
@@ -64,6 +67,7 @@ class KernelStatic:
     page_last: bool = True
     beta_activated: bool = False
     row_bytes: int = 16
+    state_bf16: bool = False
 
     @classmethod
     def from_config(cls, cfg: KdaConfig, page_last: bool = True,
@@ -76,7 +80,8 @@ class KernelStatic:
                    cs_bf16=cfg.conv_state_dtype == torch.bfloat16,
                    cw_bf16=cfg.conv_weight_dtype == torch.bfloat16,
                    nw_bf16=cfg.norm_weight_dtype == torch.bfloat16, page_last=page_last,
-                   beta_activated=cfg.beta_activated, row_bytes=row_bytes)
+                   beta_activated=cfg.beta_activated, row_bytes=row_bytes,
+                   state_bf16=cfg.state_dtype == torch.bfloat16)
 
     def tag(self) -> str:
         """A file-name friendly identifier, e.g. ``H32_T1_L3_SD_sp_g0``."""
@@ -95,6 +100,8 @@ class KernelStatic:
             parts.append("ba32")
         if self.row_bytes != 16:
             parts.append(f"rows{self.row_bytes}")
+        if self.state_bf16:
+            parts.append("st16")
         return "_".join(parts)
 
 
@@ -102,7 +109,8 @@ class SmemPlan:
     """Byte offsets of the shared-memory regions of one CTA for T tokens (all 16-B aligned).
 
     Staging:
-      ST  state page [16 chunk][256 thread][4] fp32 (64 KiB)
+      ST  state page [16 chunk][256 thread][4] fp32 (64 KiB; a bf16 page uses its first half as
+          [16 chunk][256 thread][4] bf16)
       SX  x rows [T][3 (q,k,v)][128] bf16
       SOG output-gate rows [T][128] bf16
       SW  conv-window history [3 pos][3 part][128] (cache dtype; SD layout only)

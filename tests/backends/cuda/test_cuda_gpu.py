@@ -50,6 +50,11 @@ OTHER_T = [
     CaseSpec(make_config(2, 4, "DS", bf16_weights=True), R=4),
     CaseSpec(make_config(2, 6, "SD", lb=-5.0, extra_window=1), R=3),
     CaseSpec(make_config(2, 7, "DS", gm=1, bias=True), R=3),
+    # the bf16-state builds of the same T
+    CaseSpec(make_config(3, 3, "DS", lb=-5.0, bf16_state=True), R=5),
+    CaseSpec(make_config(2, 4, "SD", gm=1, bias=True, bf16_state=True), R=4, null_frac=0.3),
+    CaseSpec(make_config(2, 6, "DS", record=True, bf16_state=True), R=3),
+    CaseSpec(make_config(2, 7, "SD", bf16_weights=True, bf16_state=True), R=3, padded=True),
 ]
 
 
@@ -77,6 +82,8 @@ ROW_CASES = [
     CaseSpec(make_config(2, 6, bf16_weights=True), R=20, offset_rows=True),
     CaseSpec(make_config(2, 7, "DS", bias=True), R=20, packed=True),
     CaseSpec(make_config(3, 8, "DS", record=True), R=12, packed=True, offset_rows=True),
+    CaseSpec(make_config(4, 1, bf16_state=True), R=300, packed=True, null_frac=0.2),
+    CaseSpec(make_config(3, 5, "DS", beta_act=True, bf16_state=True), R=30, offset_rows=True),
 ]
 
 
@@ -112,6 +119,8 @@ SCHEDULE_CASES = [
     CaseSpec(make_config(32, 5, "SD", gm=1), R=64, null_frac=0.1),
     CaseSpec(make_config(16, 8, "DS", record=True), R=20),
     CaseSpec(make_config(2, 3, "DS"), R=5, null_frac=0.0),
+    CaseSpec(make_config(32, 1, bf16_state=True), R=128, null_frac=0.1),
+    CaseSpec(make_config(32, 5, "SD", gm=1, bf16_state=True), R=64, null_frac=0.1),
 ]
 
 

@@ -479,6 +479,13 @@ def _sld_v4(addr):
     return tuple(V(d[:, i], "f32") for i in range(4))
 
 
+@_reg("sld_bf16x4")
+def _sld_bf16x4(addr):
+    d = _bytes_to(_cta().sload(_saddr(addr), 8, np.ones(NT, bool), "ld.shared.v2.b32"), np.uint16)
+    return tuple(V((d[:, i].astype(np.uint32) << np.uint32(16)).view(np.float32), "f32")
+                 for i in range(4))
+
+
 @_reg("sld_b32")
 def _sld_b32(addr):
     return V(_bytes_to(_cta().sload(_saddr(addr), 4, np.ones(NT, bool), "ld.shared.b32"), np.int32)[:, 0], "i32")
@@ -522,6 +529,12 @@ def _sst_v2_b32(addr, a, b, pred):
 def _cp_async16_multi(sbase, gbase, offsets, pred):
     for so, go in offsets:
         _cta().cp_async(_saddr(sbase) + so, Ptr(gbase.addr + go, 1), 16, _pm(pred))
+
+
+@_reg("cp_async8_multi")
+def _cp_async8_multi(sbase, gbase, offsets, pred):
+    for so, go in offsets:
+        _cta().cp_async(_saddr(sbase) + so, Ptr(gbase.addr + go, 1), 8, _pm(pred))
 
 
 @_reg("cp_async_commit")
@@ -636,6 +649,12 @@ def _gst_v4_f32(gptr, a, b, c, d, pred):
 @_reg("gst_v4_f32_off")
 def _gst_v4_f32_off(gptr, off, a, b, c, d, pred):
     _gst_v4_f32(Ptr(gptr.addr + off, 1), a, b, c, d, pred)
+
+
+@_reg("gst_bf16x4_off")
+def _gst_bf16x4_off(gptr, off, a, b, c, d, pred):
+    vals = np.stack([_bf16(Float32(x).a).view(torch.int16).numpy() for x in (a, b, c, d)], 1)
+    _gstore(Ptr(gptr.addr + off, 1), _from(vals, np.int16), pred, "st.global.v2.b32")
 
 
 @_reg("gst_v4_zero")

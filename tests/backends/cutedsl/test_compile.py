@@ -182,7 +182,16 @@ def _check_wide_ptx(ptx, cfg):
     assert len(re.findall(MMA, ptx)) == 8
     # 16-byte staging copies through L2 for the state page and the token rows
     assert "cp.async.cg.shared.global" in ptx and ", 16;" in ptx
-    if cfg.record:
+    if cfg.state_dtype == bf16:
+        # (aligned rows) the bf16 page: 16 copies of 8 bytes; each state written: 16 stores
+        # of 8 bytes, four values rounded to nearest even by two cvt.rn.bf16x2
+        ca8 = r"cp\.async\.ca\.shared\.global \[[^\]]*\], \[[^\]]*\], 8;"
+        assert len(re.findall(ca8, ptx)) == 16
+        pages = 0 if cfg.record else cfg.T
+        assert ptx.count("st.global.v2.b32") == 16 * pages
+        assert ptx.count("cvt.rn.bf16x2.f32") == 32 * pages
+        assert "st.global.v4.f32" not in ptx, "no fp32 state stores into a bf16 pool"
+    elif cfg.record:
         assert "st.global.v4.f32" not in ptx, "record mode must not write the state"
     else:
         assert "st.global.v4.f32" in ptx, "state stores must be 16-byte vectors"
@@ -201,9 +210,10 @@ def _check_split_ptx(ptx, cfg, C):
     # and pages may be the predecessor's output); the f_b rows (256 B each, weights: may be
     # issued before the wait), one copy per 32 rows (one per lane)
     copies = _bulk_copies(ptx)
-    state = [at for at, n in copies if n == rows * D * 4]
+    block = rows * D * (2 if cfg.state_dtype == bf16 else 4)
+    state = [at for at, n in copies if n == block]
     assert len(state) == 1, f"state-row bulk copies: {copies}"
-    assert sorted(n for _, n in copies if n != rows * D * 4) == [2 * D] * (-(-rows // 32)), copies
+    assert sorted(n for _, n in copies if n != block) == [2 * D] * (-(-rows // 32)), copies
     # decays and o exchanged through (distributed) shared memory, completion on mbarriers
     assert "st.async.shared::cluster.mbarrier::complete_tx::bytes" in ptx
     assert ptx.count("griddepcontrol.wait") == 1
@@ -211,12 +221,16 @@ def _check_split_ptx(ptx, cfg, C):
     i_wait = ptx.index("griddepcontrol.wait")
     assert i_wait < ptx.index("griddepcontrol.launch_dependents")
     assert i_wait < state[0], "the state rows are requested before griddepcontrol.wait"
-    if cfg.record:
-        assert "st.global.v4" not in ptx, "record mode must not write the state"
+    # state stores: one per 4-column chunk (4 per row), pass of 16 rows and token (T = 1: once,
+    # after the token): 16-byte vectors, or (bf16) 8-byte ones of values rounded by
+    # cvt.rn.bf16x2 (nearest even)
+    stores = 0 if cfg.record else 4 * (rows // 16) * cfg.T
+    if cfg.state_dtype == bf16:
+        assert "st.global.v4" not in ptx
+        assert ptx.count("st.global.v2.b32") == stores
+        assert ptx.count("cvt.rn.bf16x2.f32") == 2 * stores
     else:
-        # 16-byte state stores only: one per 4-column chunk (4 per row), pass of 16 rows and
-        # token (T = 1: once, after the token)
-        assert ptx.count("st.global.v4") == 4 * (rows // 16) * cfg.T
+        assert ptx.count("st.global.v4") == stores
 
 
 @pytest.mark.parametrize("kind,i", _case_params())
@@ -315,6 +329,47 @@ def test_engine_forms_compile(kind, cfg, rows):
         cache.compile_kernel(kind, kernel_static(kind, dataclasses.replace(
             cfg, beta_activated=False), rows))[0].__ptx__, r"ld\.global(\.nc)?\.(b32|f32) ")
     assert beta_loads == (1 if cfg.beta_activated else 0)
+
+
+#: The bf16-state builds: (kind, config). Every kernel kind, T = 1 and T > 1, record mode.
+BF16_STATE_CASES = [
+    ("wide", KdaConfig(num_heads=32, T=1, window=3, state_dtype=bf16)),
+    ("wide", KdaConfig(num_heads=4, T=5, window=7, conv_layout="DS", lower_bound=-5.0,
+                       state_dtype=bf16)),
+    ("wide", KdaConfig(num_heads=12, T=2, window=4, record=True, state_dtype=bf16)),
+    ("split8", KdaConfig(num_heads=12, T=1, window=3, state_dtype=bf16)),
+    ("split8", KdaConfig(num_heads=12, T=4, window=6, gate_mode=1, state_dtype=bf16)),
+    ("split4", KdaConfig(num_heads=32, T=1, window=3, has_conv_bias=True, state_dtype=bf16)),
+    ("split4", KdaConfig(num_heads=4, T=5, window=7, record=True, state_dtype=bf16)),
+    ("split2", KdaConfig(num_heads=2, T=2, window=4, state_dtype=bf16)),
+]
+
+
+@pytest.mark.parametrize("kind,cfg", BF16_STATE_CASES,
+                         ids=[f"{k}-{c.short()}" for k, c in BF16_STATE_CASES])
+def test_bf16_state_builds_compile(kind, cfg):
+    """The bf16-state builds compile and fit, move the page with the accesses the design
+    names (wide: 8-byte cp.async of each 4-column chunk; split: one bulk copy of the CTA's
+    rows at half the bytes) and round every state written to nearest even, with 8-byte
+    stores; fp32 pools' builds are untouched (their checks above)."""
+    ks = kernel_static(kind, cfg)
+    assert ks.state_bf16 and "st16" in ks.tag()
+    compiled, secs = cache.compile_kernel(kind, ks)
+    ptx = compiled.__ptx__
+    print(f"{kind} {ks.tag()}: compiled in {secs:.2f} s")
+    if not isinstance(ptx, str) or ".entry" not in ptx:
+        pytest.skip("PTX not kept (CuTe DSL was imported before CUTE_DSL_KEEP was set)")
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    if kind == "wide":
+        _check_wide_ptx(ptx, cfg)
+    else:
+        _check_split_ptx(ptx, cfg, policy.cluster_of(kind))
+    usage = _resource_usage(compiled.__cubin__)
+    if usage is not None:
+        if kind == "wide":
+            assert usage["REG"] <= 128 and usage["STACK"] <= 512, usage
+        elif kind != "split2":
+            assert usage["STACK"] == 0 and usage["LOCAL"] == 0, usage
 
 
 def test_launcher_runs_the_build_of_its_rows(monkeypatch):

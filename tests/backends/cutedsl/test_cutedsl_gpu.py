@@ -47,6 +47,11 @@ SPECS = [
     CaseSpec(make_config(2, 2, "DS", lb=-5.0, gm=1), R=4, packed=True, seed=10),
     CaseSpec(make_config(3, 5, bias=True, record=True, beta_act=True), R=3, packed=True,
              offset_rows=True, seed=12),
+    # bf16 state pools
+    CaseSpec(make_config(4, 1, bf16_state=True), R=5, null_frac=0.3, seed=13),
+    CaseSpec(make_config(12, 4, "DS", lb=-5.0, gm=1, bf16_state=True), R=3, padded=True,
+             seed=14),
+    CaseSpec(make_config(8, 2, record=True, bf16_state=True), R=4, seed=15),
 ]
 
 _launchers = {}

@@ -44,6 +44,13 @@ SPECS = [
              packed=True, offset_rows=True, seed=13),
     CaseSpec(KdaConfig(num_heads=2, T=3, window=5, conv_state_dtype=f32), R=4, offset_rows=True,
              null_frac=0.5, seed=14),
+    # bf16 state pools: 8-byte page copies and stores, rounded once to nearest even
+    CaseSpec(KdaConfig(num_heads=2, T=1, window=3, state_dtype=bf16), R=4, null_frac=0.3,
+             seed=15),
+    CaseSpec(KdaConfig(num_heads=3, T=4, window=6, conv_layout="DS", lower_bound=-5.0,
+                       state_dtype=bf16), R=3, padded=True, seed=16),
+    CaseSpec(KdaConfig(num_heads=2, T=2, window=4, record=True, state_dtype=bf16), R=3,
+             seed=17),
 ]
 
 
@@ -103,7 +110,7 @@ def test_row_builds_follow_the_rows():
     would on a GPU: the narrower builds are needed."""
     from kda.backend import row_bytes
 
-    forms = SPECS[-4:]
+    forms = SPECS[9:13]
     assert [row_bytes(make_case(s, "cpu")) for s in forms] == [8, 4, 2, 2]
     spec = forms[0]
     with pytest.raises(emulator.EmulationError, match="misaligned"):
