@@ -22,7 +22,9 @@
 #   serve    serve runs checked step for step against the reference
 #   bigmem   the GPU-scale cases (2**31 offsets, >65,535 items)
 #   sanitize compute-sanitizer memcheck, racecheck and synccheck on one checked step of the
-#            CuTe DSL kernels (tools/gpu/step_check.py; cutedsl at a split-kernel batch, cutedsl_wide at T=1)
+#            CuTe DSL kernels (tools/gpu/step_check.py; cutedsl at a split-kernel batch,
+#            cutedsl_wide at T=1) and of cuda's bf16-state builds, each kernel with fp32 and
+#            bf16 state pools
 #   full     the full conformance matrix, per backend in $KDA_FULL_SHARDS shards (default 2),
 #            or the jobs listed in $KDA_FULL_JOBS ("backend:i/n ...", e.g. "cuda:2/3")
 #
@@ -132,6 +134,8 @@ if want serve; then
      --check_against=reference --num_requests=16 --max_batch=8 --spec_tokens=2
   has cutedsl_wide && bg serve-wide python3 -m tools.serve.serve --kda_backend=cutedsl_wide \
      --check_against=reference --num_requests=16 --max_batch=8
+  has cuda && bg serve-cuda-bf16 python3 -m tools.serve.serve --kda_backend=cuda \
+     --check_against=reference --num_requests=16 --max_batch=8 --state_dtype=bf16
   # auto switches backend with the batch size (buckets 1..64 cross R=16)
   has cuda && has cutedsl_wide && bg serve-auto python3 -m tools.serve.serve --kda_backend=auto \
      --check_against=reference --num_requests=96 --max_batch=64 --arrival_rate=6
@@ -141,13 +145,18 @@ if want bigmem; then
 fi
 if want sanitize; then
   for tool in memcheck racecheck synccheck; do
-    bg "sanitize-$tool" compute-sanitizer --tool "$tool" --print-limit 20 --error-exitcode 9 \
-       --report-api-errors no \
-       python3 -m tools.gpu.step_check cutedsl 4 3 2
-    # the one-CTA-per-item kernel at an odd T (its epilogue's upper half has no last token)
-    bg "sanitize-$tool-wide" compute-sanitizer --tool "$tool" --print-limit 20 --error-exitcode 9 \
-       --report-api-errors no \
-       python3 -m tools.gpu.step_check cutedsl_wide 4 3 1
+    for sd in fp32 bf16; do
+      bg "sanitize-$tool-$sd" compute-sanitizer --tool "$tool" --print-limit 20 --error-exitcode 9 \
+         --report-api-errors no \
+         python3 -m tools.gpu.step_check cutedsl 4 3 2 $sd
+      # the one-CTA-per-item kernel at an odd T (its epilogue's upper half has no last token)
+      bg "sanitize-$tool-wide-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
+         --error-exitcode 9 --report-api-errors no \
+         python3 -m tools.gpu.step_check cutedsl_wide 4 3 1 $sd
+    done
+    bg "sanitize-$tool-cuda-bf16" compute-sanitizer --tool "$tool" --print-limit 20 \
+       --error-exitcode 9 --report-api-errors no \
+       python3 -m tools.gpu.step_check cuda 4 3 2 bf16
   done
 fi
 if want full; then

@@ -1,7 +1,8 @@
 """One decode step of a backend on fresh random inputs, checked against the reference: the
 program the GPU session runs under compute-sanitizer (memcheck, racecheck, synccheck).
 
-    python3 -m tools.gpu.step_check cutedsl 4 3 2     # backend, heads, requests, tokens
+    python3 -m tools.gpu.step_check cutedsl 4 3 2        # backend, heads, requests, tokens
+    python3 -m tools.gpu.step_check cuda 4 3 2 bf16      # ... with a bf16 state pool
 
 Exit status 0 when every buffer matches the reference (kda.testing.compare_step), else 1.
 """
@@ -15,9 +16,10 @@ from kda.testing import CaseSpec, call_public, compare_step, expected_after, mak
 
 def main(argv) -> int:
     backend, H, R, T = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+    bf16_state = argv[4:] == ["bf16"]
     failures = 0
-    for cfg in (make_config(H, T, "SD", lb=-5.0, bias=True),
-                make_config(H, T, "DS", gm=1, record=T > 1)):
+    for cfg in (make_config(H, T, "SD", lb=-5.0, bias=True, bf16_state=bf16_state),
+                make_config(H, T, "DS", gm=1, record=T > 1, bf16_state=bf16_state)):
         args = make_case(CaseSpec(cfg, R=R, seed=H * 100 + R), "cuda")
         before, expected = expected_after(cfg, args)
         call_public(args, cfg, backend)

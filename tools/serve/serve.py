@@ -60,6 +60,15 @@ flags.DEFINE_string("check_against", "", "also run every step with this backend 
                     "caches and require agreement step for step (e.g. reference)")
 flags.DEFINE_float("max_rel_err", 0.05, "fail when a token's layer output is further than this "
                    "(relative L2) from fla-core over the whole sequence")
+flags.DEFINE_enum("shadow_state_dtype", "", ["", "fp32", "bf16"], "also decode every step on a "
+                  "shadow state pool of this dtype (with its own conv cache) and report, by decode "
+                  "position, how far the outputs are from the shadow's and the shadow's from fla-core")
+flags.DEFINE_string("error_json", "", "write the per-position error table (relative L2 error of "
+                    "each generated token's layer output, by decode position) to this JSON file")
+
+#: Decode positions (1-based, since the prompt) of the per-position error table.
+POSITION_BINS = ((1, 16), (17, 64), (65, 256), (257, 1024), (1025, 4096), (4097, 16384),
+                 (16385, 1 << 30))
 
 
 def _range_ok(spec: str) -> bool:
@@ -98,6 +107,7 @@ class Request:
     slots: List[int] = dataclasses.field(default_factory=list)
     hidden: List[torch.Tensor] = dataclasses.field(default_factory=list)   # accepted tokens
     outputs: List[torch.Tensor] = dataclasses.field(default_factory=list)  # decode outputs
+    shadow: List[torch.Tensor] = dataclasses.field(default_factory=list)   # the shadow pool's
     accepted: int = 1
     generated: int = 0
 
@@ -112,6 +122,40 @@ def _bucket(n: int, cap: int) -> int:
     while b < n:
         b *= 2
     return min(max(b, 1), max(cap, n))
+
+
+def _token_rel_err(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per token (row): ||got - ref|| / ||ref|| (fp32)."""
+    return (got.float() - ref.float()).norm(dim=1) / ref.float().norm(dim=1).clamp_min(1e-30)
+
+
+class PositionErrors:
+    """Per-token relative errors collected by decode position (:data:`POSITION_BINS`), per
+    comparison (e.g. "fla-core", "shadow", "shadow vs fla-core")."""
+
+    def __init__(self):
+        self.errs: Dict[str, List[List[float]]] = {}
+
+    def add(self, what: str, err: torch.Tensor) -> None:
+        """``err[i]``: the error of the token at decode position i + 1."""
+        bins = self.errs.setdefault(what, [[] for _ in POSITION_BINS])
+        for b, (lo, hi) in enumerate(POSITION_BINS):
+            bins[b].extend(err[lo - 1:hi].tolist())
+
+    def table(self) -> List[dict]:
+        """One row per non-empty bin: {lo, hi, tokens, <what>: {median, p99, max}}."""
+        rows = []
+        for b, (lo, hi) in enumerate(POSITION_BINS):
+            row = {"lo": lo, "hi": hi}
+            for what, bins in self.errs.items():
+                v = sorted(bins[b])
+                if v:
+                    row["tokens"] = len(v)
+                    row[what] = {"median": statistics.median(v), "p99": v[int(0.99 * (len(v) - 1))],
+                                 "max": v[-1]}
+            if "tokens" in row:
+                rows.append(row)
+        return rows
 
 
 class SlotPool:
@@ -192,6 +236,9 @@ def main(argv):
         layer = KdaLayer(params, cfg, head0=FLAGS.tp_rank * H, device=device)
         check_op = kda.KdaDecode(cfg, device=device, backend=FLAGS.check_against) \
             if FLAGS.check_against else None
+        shadow_op = kda.KdaDecode(dataclasses.replace(
+            cfg, state_dtype=STATE_DTYPES[FLAGS.shadow_state_dtype]), device=device) \
+            if FLAGS.shadow_state_dtype else None
     except (kda.KdaBackendError, KdaArgumentError) as e:
         _usage(str(e))
     requested, source = registry.requested_name()
@@ -201,6 +248,9 @@ def main(argv):
     console.print(f"[bold]backend[/] {registry.describe(layer.op.backend)} (requested {requested} via {source}) "
                   f"on {device}" + (f"; every step also checked against {check_op.backend_name}"
                                     if check_op else ""))
+    if shadow_op is not None:
+        console.print(f"[bold]shadow[/] every step also decoded on a {FLAGS.shadow_state_dtype} state "
+                      f"pool with {shadow_op.backend_name}")
 
     # ---- caches -------------------------------------------------------------------------
     dim = cfg.dim
@@ -211,6 +261,9 @@ def main(argv):
     else:
         conv_state = torch.zeros(slots, 3 * dim, cfg.window, dtype=torch.bfloat16, device=device)
     pool = SlotPool(slots)
+    if shadow_op is not None:
+        shadow_state = torch.zeros_like(state, dtype=shadow_op.cfg.state_dtype)
+        shadow_conv = conv_state.clone()
 
     # ---- the request stream ---------------------------------------------------------------
     g = torch.Generator().manual_seed(FLAGS.seed)
@@ -237,6 +290,7 @@ def main(argv):
     accepted_tokens = 0
     max_err = {"abs": 0.0, "rel": 0.0}
     step_check_fail = []
+    by_position = PositionErrors()
     padded_rows = 0
     step = 0
     t_start = time.perf_counter()
@@ -253,6 +307,9 @@ def main(argv):
                 s0 = req.slots[0]
                 state[s0] = res.state.to(state.dtype)
                 conv_state[s0, :, 0:3] = res.window.to(conv_state.dtype)
+                if shadow_op is not None:
+                    shadow_state[s0] = res.state.to(shadow_state.dtype)
+                    shadow_conv[s0, :, 0:3] = res.window.to(shadow_conv.dtype)
                 req.hidden.append(prompt)
                 active[req.rid] = req
             if not active:
@@ -286,6 +343,9 @@ def main(argv):
                 frac = ((o.float() - o2.float()).abs() > tol.atol + tol.rtol * o2.float().abs()).float().mean()
                 if bad.any() or frac > tol.frac or not torch.equal(cs2, conv_state):
                     step_check_fail.append(step)
+            if shadow_op is not None:
+                y_shadow, _ = layer.decode(h, shadow_conv, shadow_state, state_indices, nacc,
+                                           op=shadow_op)
             if Rp > R and bool((o[R * T:] != 0).any()):
                 raise AssertionError(f"step {step}: padded (null-slot) rows are not zero")
             # accept a random prefix of each request's T tokens
@@ -295,6 +355,8 @@ def main(argv):
                 a = min(a, req.gen_len - req.generated)
                 req.hidden.append(new_h[i][:a])
                 req.outputs.append(y[i * T:i * T + a])
+                if shadow_op is not None:
+                    req.shadow.append(y_shadow[i * T:i * T + a])
                 req.accepted = a
                 req.generated += a
                 accepted_tokens += a
@@ -309,6 +371,11 @@ def main(argv):
                 rel = ((got - ref).norm() / ref.norm()).item()
                 max_err["abs"] = max(max_err["abs"], err)
                 max_err["rel"] = max(max_err["rel"], rel)
+                by_position.add("fla-core", _token_rel_err(got, ref))
+                if shadow_op is not None:
+                    sh = torch.cat(req.shadow)
+                    by_position.add("shadow", _token_rel_err(got, sh))
+                    by_position.add("shadow vs fla-core", _token_rel_err(sh, ref))
                 pool.give(req.slots)
                 del active[req.rid]
             bar.update(task, info=f"batch {R}/{Rp}  step {step_ms[-1]:.2f} ms")
@@ -333,6 +400,31 @@ def main(argv):
     if check_op is not None:
         tab.add_row(f"steps disagreeing with {check_op.backend_name}", str(len(step_check_fail)))
     console.print(tab)
+    rows = by_position.table()
+    pos = Table(title="relative L2 error of a token's layer output by decode position "
+                      "(median / p99 / max over tokens)")
+    pos.add_column("positions")
+    pos.add_column("tokens", justify="right")
+    whats = list(by_position.errs)
+    names = {"fla-core": f"{FLAGS.state_dtype[0]} state vs fla-core",
+             "shadow": f"{FLAGS.state_dtype[0]} state vs {FLAGS.shadow_state_dtype} shadow",
+             "shadow vs fla-core": f"{FLAGS.shadow_state_dtype} shadow vs fla-core"}
+    for what in whats:
+        pos.add_column(names[what], justify="right")
+    for row in rows:
+        pos.add_row(f"{row['lo']}-{row['hi']}", str(row["tokens"]),
+                    *(" / ".join(f"{row[w][k]:.3g}" for k in ("median", "p99", "max")) for w in whats))
+    console.print(pos)
+    if FLAGS.error_json:
+        import json
+        with open(user_path(FLAGS.error_json), "w") as f:
+            json.dump({"config": cfg.short(), "state_dtype": FLAGS.state_dtype[0],
+                       "shadow_state_dtype": FLAGS.shadow_state_dtype or None,
+                       "backend": layer.op.backend_name,
+                       "shadow_backend": shadow_op.backend_name if shadow_op else None,
+                       "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+                       else "cpu", "requests": FLAGS.num_requests, "decode_steps": len(step_ms),
+                       "comparisons": {w: names[w] for w in whats}, "by_position": rows}, f, indent=1)
     ok = max_err["rel"] <= FLAGS.max_rel_err and not step_check_fail
     console.print("[bold green]CHECK PASSED[/]" if ok else "[bold red]CHECK FAILED[/]",
                   f"(every generated token vs fla-core over the whole sequence; limit rel {FLAGS.max_rel_err})")

@@ -43,3 +43,41 @@ def test_serve_bf16_state(capsys):
     assert "CHECK PASSED" in out, out
     assert "st16" in out
     assert rc == 0
+
+
+def test_serve_shadow_pool_error_table(tmp_path, capsys):
+    """--shadow_state_dtype / --error_json: every step also decoded on an fp32 shadow pool;
+    the per-position table compares each generated token with fla-core, with the shadow's
+    token, and the shadow's with fla-core, over every generated token exactly once."""
+    import json
+
+    path = tmp_path / "err.json"
+    with flagsaver.flagsaver(num_heads=2, num_requests=3, max_batch=2, spec_tokens=2,
+                             prompt_len="3:5", gen_len="20:20", state_dtype=["bf16"],
+                             shadow_state_dtype="fp32", error_json=str(path)):
+        rc = serve.main(["serve"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "CHECK PASSED" in out, out
+    assert "every step also decoded on a fp32 state pool" in out
+    got = json.loads(path.read_text())
+    assert (got["state_dtype"], got["shadow_state_dtype"]) == ("bf16", "fp32")
+    rows = got["by_position"]
+    assert [(r["lo"], r["hi"]) for r in rows] == [(1, 16), (17, 64)]
+    assert [r["tokens"] for r in rows] == [3 * 16, 3 * 4]          # 3 requests x 20 tokens
+    for r in rows:
+        for what in ("fla-core", "shadow", "shadow vs fla-core"):
+            e = r[what]
+            assert 0 < e["median"] <= e["p99"] <= e["max"] < 0.05, (r, what)
+
+
+def test_serve_without_shadow_writes_fla_core_only(tmp_path, capsys):
+    import json
+
+    path = tmp_path / "err.json"
+    with flagsaver.flagsaver(num_heads=2, num_requests=2, max_batch=2, prompt_len="3:5",
+                             gen_len="4:6", error_json=str(path)):
+        assert serve.main(["serve"]) == 0
+    got = json.loads(path.read_text())
+    assert got["shadow_state_dtype"] is None
+    assert set(got["comparisons"]) == {"fla-core"}
+    assert 8 <= got["by_position"][0]["tokens"] <= 12      # 2 requests x 4..6 tokens
