@@ -68,8 +68,14 @@ def _nearest(values, x: float, log: bool) -> int:
     return min(values, key=key)
 
 
+def state_key(cfg: KdaConfig) -> str:
+    """The table of ``cfg``'s state pool dtype: "fp32" or "bf16"."""
+    return "bf16" if cfg.state_dtype == torch.bfloat16 else "fp32"
+
+
 def _row(cfg: KdaConfig) -> Dict[int, Tuple[str, ...]]:
-    return MEASURED[_nearest(MEASURED, cfg.T, log=False)]
+    table = MEASURED[state_key(cfg)]
+    return table[_nearest(table, cfg.T, log=False)]
 
 
 def table_batch(cfg: KdaConfig, batch: int) -> int:

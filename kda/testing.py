@@ -333,6 +333,17 @@ TOLERANCES: Dict[str, Tolerance] = {
 BF16_STATE_DIFFER_FRAC = 0.05
 
 
+def dead_rows(before: KdaArgs) -> torch.Tensor:
+    """Bool [R*T] (CPU): the out rows of dead requests (:func:`kda.reference.liveness`), whose
+    every element the contract sets to zero."""
+    from kda.reference import liveness
+    idx = before.state_indices.cpu().long()
+    T = 1 if idx.dim() == 1 else idx.shape[1]
+    nacc = before.num_accepted_tokens.cpu() if before.num_accepted_tokens is not None else None
+    live = liveness(idx, nacc, before.state.shape[0])[3]
+    return (~live).repeat_interleave(T)
+
+
 def written_masks(before: KdaArgs, device=None) -> Dict[str, torch.Tensor]:
     """Per written buffer, the elements the contract lets this step write (bool masks on
     ``device``, default the CPU; the state / record masks are expanded views).
@@ -383,17 +394,22 @@ def compare_step(actual: KdaArgs, expected: KdaArgs, before: KdaArgs,
     items, unreferenced slots, window positions >= T+2, poison) is bit-identical to
     ``before``; (2) the conv window matches the reference exactly; (3) every written element
     of out, state and records is within its :class:`Tolerance`; (4) no NaN where the
-    reference has none; (5) out elements the reference set to exact zero (the rows of dead
-    items) are exact zeros. Runs on the buffers' device, a slice of slots at a time.
+    reference has none; (5) the out rows of dead items (:func:`dead_rows`, from the slot ids,
+    not from values: a live element may be exactly zero) are exact zeros. Runs on the
+    buffers' device, a slice of slots at a time.
     """
     tol = dict(TOLERANCES)
     tol.update(tolerances or {})
     errors = []
-    a_out, e_out = actual.out, expected.out
-    zero = e_out == 0
-    if (a_out[zero] != 0).any() or torch.isnan(a_out[zero]).any():
-        errors.append(f"out: {int(((a_out != 0) & zero).sum())} elements are not exact zeros where the "
-                      "reference writes zeros (dead items)")
+    dead = dead_rows(before).to(actual.out.device)
+    a_dead, e_dead = actual.out[dead], expected.out[dead]
+    if (e_dead != 0).any():
+        errors.append("out: the reference wrote a nonzero into a dead item's row (harness bug)")
+    bad = (a_dead != 0) | torch.isnan(a_dead)
+    if bad.any():
+        r, c = bad.nonzero()[0].tolist()
+        errors.append(f"out: {int(bad.sum())} elements of dead items' rows are not exact zeros "
+                      f"(first: row {int(dead.nonzero()[r])}, column {c}: {float(a_dead[r, c])})")
     masks = written_masks(before, actual.out.device)
     for name in WRITTEN:
         a, e, b = getattr(actual, name), getattr(expected, name), getattr(before, name)

@@ -122,6 +122,22 @@ def test_nonzero_dead_row_is_caught():
     assert any("exact zeros" in e for e in _run(CFG, m))
 
 
+def test_live_zero_is_held_to_the_tolerance():
+    """An element of a live row that the reference sets to exactly zero is an ordinary value
+    (within out's tolerance), not a dead row: dead rows come from the slot ids."""
+    args = make_case(CaseSpec(CFG, R=6, seed=3))
+    before = clone_args(args)
+    expected = clone_args(args)
+    reference_step(CFG, expected)
+    reference_step(CFG, args)
+    row = int(torch.nonzero((expected.out != 0).any(1))[0])
+    expected.out[row, 5] = 0.0
+    args.out[row, 5] = 1e-4
+    assert compare_step(args, expected, before) == []
+    args.out[row, 5] = 0.5
+    assert any(e.startswith("out:") for e in compare_step(args, expected, before))
+
+
 def test_skipped_token_write_is_caught():
     def m(args, before):
         # undo the write of token 0 for every request (restore the poison)
