@@ -2,9 +2,10 @@
 measurements.
 
 On a CUDA device the order comes from :data:`MEASURED`, the ranking by median step time of
-the GPU backends in the reference run :data:`SOURCE` (NVIDIA H200, its H=32 cells, softplus
-gate, SD conv layout, all requests live, CUDA graphs of rotating slot sets in a pool much
-larger than L2) for each measured T and batch size R. A call uses the row of the nearest measured T and,
+the GPU backends in the runs :data:`SOURCE` (NVIDIA H200, their H=32 cells, softplus gate, SD
+conv layout, all requests live, CUDA graphs of rotating slot sets in a pool much larger than
+L2) for each state pool dtype, measured T and batch size R. A call uses its state dtype's
+table, the row of the nearest measured T and,
 within it, of the measured R nearest (on a log scale; ties: the smaller R) to its own work in
 the table's units, ``R * H / 32`` (the kernels scale with the R*H items, and the table was
 measured at H=32). Backends a row does not rank follow in the fixed order
@@ -34,26 +35,40 @@ from kda.backend import Backend, StepFn
 from kda.config import KdaArgs, KdaConfig
 from kda.errors import KdaBackendError
 
-#: The measurement the table comes from: the reference run's JSON files.
-SOURCE = ("docs/results/2026-12-01-h200/bench-h200.json",
-          "docs/results/2026-12-01-h200/bench-h200-t5.json")
-#: T -> R -> our backends, fastest first (median step time at H=32).
-MEASURED: Dict[int, Dict[int, Tuple[str, ...]]] = {
-    1: {1: ("cutedsl", "cutedsl_wide", "triton", "cuda"),
-        8: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
-        32: ("cuda", "cutedsl", "cutedsl_wide", "triton"),
-        128: ("cuda", "cutedsl_wide", "cutedsl", "triton"),
-        512: ("cuda", "cutedsl_wide", "cutedsl", "triton")},
-    4: {1: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
-        8: ("cutedsl_wide", "cutedsl", "cuda", "triton"),
-        32: ("cutedsl", "cuda", "cutedsl_wide", "triton"),
-        128: ("cutedsl_wide", "cutedsl", "cuda", "triton"),
-        512: ("cutedsl", "cutedsl_wide", "cuda", "triton")},
-    5: {1: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
-        8: ("cutedsl_wide", "cutedsl", "cuda", "triton"),
-        32: ("cuda", "cutedsl", "cutedsl_wide", "triton"),
-        128: ("cuda", "cutedsl_wide", "cutedsl", "triton"),
-        512: ("cuda", "cutedsl", "cutedsl_wide", "triton")},
+#: The measurements the tables come from, per state pool dtype: the reference run's JSON files
+#: (fp32 pools) and the bf16-state run's (its bf16 cells).
+SOURCE = {
+    "fp32": ("docs/results/2026-12-01-h200/bench-h200.json",
+             "docs/results/2026-12-01-h200/bench-h200-t5.json"),
+    "bf16": ("docs/results/2026-12-01-h200-bf16/bench-h200.json",),
+}
+#: state dtype -> T -> R -> our backends, fastest first (median step time at H=32).
+MEASURED: Dict[str, Dict[int, Dict[int, Tuple[str, ...]]]] = {
+    "fp32": {
+        1: {1: ("cutedsl", "cutedsl_wide", "triton", "cuda"),
+            8: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
+            32: ("cuda", "cutedsl", "cutedsl_wide", "triton"),
+            128: ("cuda", "cutedsl_wide", "cutedsl", "triton"),
+            512: ("cuda", "cutedsl_wide", "cutedsl", "triton")},
+        4: {1: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
+            8: ("cutedsl_wide", "cutedsl", "cuda", "triton"),
+            32: ("cutedsl", "cuda", "cutedsl_wide", "triton"),
+            128: ("cutedsl_wide", "cutedsl", "cuda", "triton"),
+            512: ("cutedsl", "cutedsl_wide", "cuda", "triton")},
+        5: {1: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
+            8: ("cutedsl_wide", "cutedsl", "cuda", "triton"),
+            32: ("cuda", "cutedsl", "cutedsl_wide", "triton"),
+            128: ("cuda", "cutedsl_wide", "cutedsl", "triton"),
+            512: ("cuda", "cutedsl", "cutedsl_wide", "triton")},
+    },
+    "bf16": {
+        1: {8: ("cutedsl", "triton", "cuda"),
+            128: ("triton", "cuda", "cutedsl"),
+            512: ("triton", "cuda", "cutedsl")},
+        5: {8: ("cutedsl", "cuda", "triton"),
+            128: ("cutedsl", "cuda", "triton"),
+            512: ("cuda", "cutedsl", "triton")},
+    },
 }
 #: Heads of the measurement: a call's batch counts as ``R * H / TABLE_HEADS`` requests.
 TABLE_HEADS = 32

@@ -74,9 +74,7 @@ def kda_decode(
       state: [slots, H, 128(v), 128(k)] fp32 or bf16, V-major; updated in place (not in
         record mode). A bf16 pool is widened to fp32 on load, all math is fp32, and each state
         written is rounded once to bf16 (nearest even); the dtype sets ``state_dtype`` of the
-        configuration (float16 is an error naming ``state``). Served by ``reference`` and
-        ``triton``; the other backends keep fp32 pages (KdaBackendError, and ``auto`` skips
-        them).
+        configuration (float16 is an error naming ``state``). Every backend serves both.
       state_indices: [R] int32 (T=1) or [R, T] int32 (verify): slot per request / draft position.
         Ids <= 0 or >= slots are null. The item is dead (zeros out, nothing else written) when
         its source slot (T=1: the id; T>1: position a-1, a = accepted count) or its conv slot

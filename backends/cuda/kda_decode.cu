@@ -76,7 +76,8 @@
 // conflicts), operand staging T*1296 B (f_a rows padded to 136 bf16), conv window 4.5 KiB,
 // head parameters 8 KiB (T=1: 32 KiB more for the f_b rows, 1.5 KiB less without the conv
 // bias), q/k/v/alpha/o/sigmoid(og) as fp32 [T][128] (3 KiB per token), small bookkeeping.
-// T=1: 115,264 B; T=2: 87,952 B; T=8: 114,416 B; two CTAs per SM need <= 115,712 B each
+// T=1: 115,264 B; T=2: 87,952 B; T=8: 114,416 B. The BF builds stage 32 KiB of page and the
+// f_b rows at every T: T=1: 82,496 B; T=8: 113,376 B. Two CTAs per SM need <= 115,712 B each
 // (static_assert below; tests/backends/cuda/test_compile.py checks the built object).
 //
 // Registers: __launch_bounds__(256, 2) caps at 128 per thread. During the recurrence the live

@@ -23,8 +23,8 @@ before ``**kwargs``). Its caller, ``KDAAttnBackend.forward_decode`` (same file),
   (or ``lower_bound * sigmoid(exp(A_log) * x)`` when ``lower_bound`` is set).
 * ``b``: ``[1, N, H]`` bf16 raw beta logits (the kernel applies the sigmoid).
 * ``A_log`` ``[1, 1, H, 1]`` fp32, ``dt_bias`` ``[H*128]`` fp32, ``ssm_states`` the layer's
-  ``temporal`` pool ``[slots, H, 128(v), 128(k)]`` (fp32 unless ``SGLANG_MAMBA_SSM_DTYPE``
-  says otherwise), ``cache_indices`` ``[N]`` int32 (slot 0 is SGLang's reserved padding slot),
+  ``temporal`` pool ``[slots, H, 128(v), 128(k)]`` (fp32, or bf16 with
+  ``--mamba-ssm-dtype bfloat16`` / ``SGLANG_MAMBA_SSM_DTYPE``), ``cache_indices`` ``[N]`` int32 (slot 0 is SGLang's reserved padding slot),
   ``query_start_loc`` ``[N + 1]`` int32 (``arange``: one token per request).
 
 and gets back ``[1, N, H, 128]`` bf16 *before* the output norm: ``KimiDeltaAttention.forward``
@@ -103,8 +103,8 @@ What it does not cover (SGLang's own path stays, by not calling it, or by the
 * Ling-V3 / BailingMoeV3 layers built with ``no_kda_lora`` (a full-rank forget gate: no
   ``f_a``) and quantized layers (``quant_config`` set: unfused, possibly quantized
   ``f_b_proj``);
-* a non-fp32 recurrent state (``SGLANG_MAMBA_SSM_DTYPE=bfloat16``), head dims other than
-  128, conv kernels other than 4, GQA (``num_q_heads != num_v_heads``);
+* a recurrent state other than fp32 or bf16, head dims other than 128, conv kernels other
+  than 4, GQA (``num_q_heads != num_v_heads``);
 * ReplaySSM (``--enable-linear-replayssm``: SGLang's decode then writes rings, not states);
 * Kimi-K3 (``kimi_k3.py``), which already has SGLang's own fused decode
   (``kda_fused_decode``, reached through the ``layer._k3_*`` hand-off);
@@ -184,8 +184,9 @@ def decode_step(mixed_qkv: torch.Tensor, f_a: torch.Tensor, b: torch.Tensor, *,
       dt_bias: ``[dim]`` fp32.
       conv_states: the layer's conv cache as SGLang stores it, ``[slots, 3, 3*dim]`` bf16
         (``mamba2_layer_cache(layer_id).conv[0]``); its window is rewritten in place.
-      ssm_states: the layer's state pool ``[slots, H, 128(v), 128(k)]`` fp32
-        (``.temporal``); updated in place.
+      ssm_states: the layer's state pool ``[slots, H, 128(v), 128(k)]`` fp32 or bf16
+        (``.temporal``); updated in place (bf16: each page widened to fp32, each state written
+        rounded once to nearest even).
       cache_indices: ``[N]`` int32 slot per request (``forward_metadata.mamba_cache_indices``);
         ids <= 0 (SGLang's padding slot 0, pad id -1) and >= slots are dead items: zero
         output rows, nothing written.
@@ -271,7 +272,7 @@ def forward_decode(attn_backend, layer, forward_batch, mixed_qkv: torch.Tensor,
 
     Raises:
       kda.KdaArgumentError: the layer or batch is not one the op serves (named: ``layer``
-        for head dims / conv taps / GQA, ``ssm_states`` for a non-fp32 pool,
+        for head dims / conv taps / GQA, ``ssm_states`` for a pool neither fp32 nor bf16,
         ``forward_batch`` for a non-decode batch), or the op refuses an argument. Raised
         before anything is written, so SGLang's own path can still run the batch.
       kda.KdaBackendError: the named backend cannot serve it (at the first step).
@@ -295,9 +296,9 @@ def forward_decode(attn_backend, layer, forward_batch, mixed_qkv: torch.Tensor,
             f"{layer.head_q_dim}/{layer.head_k_dim}/{layer.head_v_dim}")
     cache = attn_backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
     conv_states, ssm_states = cache.conv[0], cache.temporal
-    if ssm_states.dtype != torch.float32:
-        raise KdaArgumentError("ssm_states", f"the op keeps fp32 states; SGLang's pool is "
-                               f"{ssm_states.dtype} (SGLANG_MAMBA_SSM_DTYPE)")
+    if ssm_states.dtype not in (torch.float32, torch.bfloat16):
+        raise KdaArgumentError("ssm_states", f"the op keeps fp32 or bf16 states; SGLang's pool "
+                               f"is {ssm_states.dtype} (--mamba-ssm-dtype)")
     cache_indices = attn_backend.forward_metadata.mamba_cache_indices
 
     state = _layer_state(layer)
@@ -305,7 +306,8 @@ def forward_decode(attn_backend, layer, forward_batch, mixed_qkv: torch.Tensor,
         num_heads=H, T=1, window=conv_states.shape[-2], conv_layout="SD",
         lower_bound=layer.lower_bound, has_conv_bias=layer.bias is not None,
         norm_eps=float(norm_eps), conv_state_dtype=conv_states.dtype,
-        conv_weight_dtype=torch.float32, norm_weight_dtype=norm_weight.dtype)
+        conv_weight_dtype=torch.float32, norm_weight_dtype=norm_weight.dtype,
+        state_dtype=ssm_states.dtype)
     key = (cfg, mixed_qkv.device, kda_backend)
     step = state["steps"].get(key)
     if step is None:

@@ -29,12 +29,9 @@ What the subclass changes
   a layer configured for speculative decoding, whose window vLLM shifts differently from the
   op; see below) computes ``f_b_proj(f_a)`` and calls vLLM's own ``_forward`` body unchanged,
   as does every call of a layer whose setup the op does not serve: a recurrent state other
-  than fp32 / bf16, a bf16 state when the chosen backend keeps fp32 pages (``cuda``,
-  ``cutedsl``, ``cutedsl_wide`` named explicitly; ``auto`` picks one that serves it), a
-  quantized ``f_b_proj``, ReplaySSM / RecoverSSM
+  than fp32 / bf16, a quantized ``f_b_proj``, ReplaySSM / RecoverSSM
   (``cache_config.use_replayssm``), a non-bf16 model, arguments the op's validation refuses
-  (logged as a warning), ROCm
-  unless a backend is named (the op's GPU backends target NVIDIA GPUs), and ``auto`` on a GPU
+  (logged as a warning), ROCm unless a backend is named (the op's GPU backends target NVIDIA GPUs), and ``auto`` on a GPU
   where it finds only the PyTorch ``reference`` backend. The first reason per layer is logged
   once (logger ``"kda"``).
 * Nothing is copied except where vLLM hands a non-contiguous slot table (see
@@ -374,18 +371,8 @@ def _build_layer_class():
             step = self.kda_steps.get(cfg)
             if step is None:
                 # Built once per (layer, configuration); a backend that cannot serve it
-                # (an explicitly named one on the wrong GPU) raises here, at warm-up; for a
-                # bf16 state (which not every backend serves) vLLM's path serves it instead.
-                try:
-                    step = kda.KdaDecode(cfg, device=x.device, backend=self.kda_backend)
-                except kda.KdaBackendError as e:
-                    if cfg.state_dtype == torch.float32:
-                        raise
-                    why = f"bf16 recurrent state: {e}"
-                    self._kda_refused[cfg] = why
-                    _log.warning("vLLM plugin: %s stays on vLLM's path for %s: %s",
-                                 self.prefix, cfg.short(), why)
-                    return why
+                # (an explicitly named one on the wrong GPU) raises here, at warm-up.
+                step = kda.KdaDecode(cfg, device=x.device, backend=self.kda_backend)
                 if (x.device.type == "cuda" and self.kda_backend == "auto"
                         and step.backend_name == "reference"):
                     why = ("auto found no GPU backend for this GPU (only the PyTorch "

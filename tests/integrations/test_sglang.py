@@ -44,7 +44,7 @@ SLOTS = 12           # SGLang allocates size + 1 slots; slot 0 is its padding sl
 # ---- SGLang's layouts, built by hand -------------------------------------------------------
 
 def sglang_layer(H: int, N: int, *, seed: int = 0, lower_bound=None, bias: bool = False,
-                 norm_dtype=torch.bfloat16, pad_rows: int = 1):
+                 norm_dtype=torch.bfloat16, pad_rows: int = 1, ssm_dtype=torch.float32):
     """The tensors SGLang 0.5.23 hands a Kimi-Linear KDA layer's decode, in its layouts.
 
     * Packed projection: ``KimiDeltaAttention.forward_qkvbfg_fused``
@@ -79,7 +79,7 @@ def sglang_layer(H: int, N: int, *, seed: int = 0, lower_bound=None, bias: bool 
     fg_b_weight = randn(2, dim, D, scale=D ** -0.5)
     conv_param = (torch.randn(3 * dim, 1, 4, generator=g) * 0.5).float()
     pools_conv = randn(LAYERS, SLOTS, 3, 3 * dim)
-    pools_temporal = (torch.randn(LAYERS, SLOTS, H, D, D, generator=g) * 0.05).float()
+    pools_temporal = (torch.randn(LAYERS, SLOTS, H, D, D, generator=g) * 0.05).to(ssm_dtype)
     live = torch.randperm(SLOTS - 1, generator=g)[: N - pad_rows].to(torch.int32) + 1
     cache_indices = torch.cat([live, torch.zeros(pad_rows, dtype=torch.int32)])
     t = types.SimpleNamespace(
@@ -204,6 +204,7 @@ CASES = [
     dict(H=8, N=4, lower_bound=-5.0),                  # bounded ("safe") gate
     dict(H=16, N=3, bias=True, norm_dtype=torch.float32),
     dict(H=4, N=3),                                    # TP 8: row pitch 1796, 8-byte rows
+    dict(H=8, N=5, ssm_dtype=torch.bfloat16),          # --mamba-ssm-dtype bfloat16
 ]
 
 
@@ -221,8 +222,9 @@ def test_matches_sglang_transcription(case):
         slots = t.cache_indices[rows].long()
         assert not (msg := within(out[rows].float(), ref[rows].float(), TOLERANCES["out"])), \
             f"step {step}: out {msg}"
-        assert not (msg := within(t.ssm_states[slots], s.ssm_states[slots],
-                                  TOLERANCES["state"])), f"step {step}: state {msg}"
+        tol = TOLERANCES["state_bf16" if t.ssm_states.dtype == torch.bfloat16 else "state"]
+        assert not (msg := within(t.ssm_states[slots].float(), s.ssm_states[slots].float(), tol)), \
+            f"step {step}: state {msg}"
         assert torch.equal(t.conv_states[slots], s.conv_states[slots]), f"step {step}: window"
         assert (out[t.cache_indices <= 0] == 0).all(), "padding rows are dead items (zeros)"
 
@@ -290,7 +292,7 @@ def test_errors_name_the_argument(what, arg):
     elif what == "b":
         t.beta = t.beta.expand(2, -1, -1)
     elif what == "ssm_dtype":
-        t.ssm_states = t.ssm_states.half()         # (a bf16 pool is served)
+        t.ssm_states = t.ssm_states.half()         # (fp32 and bf16 pools are served)
     elif what == "indices":
         t.cache_indices = t.cache_indices.long()      # SGLang: int32
     before = (t.conv_states.clone(), t.ssm_states.clone())
@@ -340,9 +342,10 @@ def call_forward_decode(t, backend, layer, batch):
         kda_backend="reference")
 
 
-def test_forward_decode_reads_sglang_caches_and_tracks():
-    t = sglang_layer(H=8, N=4)
-    s = sglang_layer(H=8, N=4)
+@pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_forward_decode_reads_sglang_caches_and_tracks(ssm_dtype):
+    t = sglang_layer(H=8, N=4, ssm_dtype=ssm_dtype)
+    s = sglang_layer(H=8, N=4, ssm_dtype=ssm_dtype)
     backend, layer, batch, tracked = sglang_objects(t)
     out = call_forward_decode(t, backend, layer, batch)
     ref = run_adapter(s)
@@ -377,12 +380,12 @@ def test_forward_decode_caches_per_layer_and_sees_new_conv_weights():
     assert torch.equal(state["conv_weight"], w0)
 
 
-@pytest.mark.parametrize("what,arg", [("extend", "forward_batch"), ("bf16 pool", "ssm_states"),
+@pytest.mark.parametrize("what,arg", [("extend", "forward_batch"), ("fp16 pool", "ssm_states"),
                                       ("gqa", "layer"), ("head dim", "layer")])
 def test_forward_decode_refuses_what_it_does_not_serve(what, arg):
     t = sglang_layer(H=8, N=3)
-    if what == "bf16 pool":
-        t.pools_temporal = t.pools_temporal.to(torch.bfloat16)
+    if what == "fp16 pool":
+        t.pools_temporal = t.pools_temporal.to(torch.float16)
     backend, layer, batch, tracked = sglang_objects(t, decode=what != "extend")
     if what == "gqa":
         layer.num_q_heads = layer.num_k_heads = 4

@@ -601,18 +601,6 @@ def test_bf16_state_runs_the_op(env):
     assert torch.equal(state[untouched].view(torch.int16), state0[untouched].view(torch.int16))
 
 
-def test_bf16_state_with_a_backend_that_keeps_fp32_pages_falls_back(env, caplog):
-    """A named backend that does not serve a bf16 state: vLLM's path, logged once."""
-    layer, raw = make_layer(env, 8, state_dtype=torch.bfloat16, seed=11)
-    layer.kda_backend = "cutedsl_wide"
-    md = decode_md(torch.tensor([[5], [2]], dtype=torch.int32))
-    hs = hidden(2, seed=12)
-    caplog.set_level(logging.WARNING, logger="kda")
-    assert_falls_back(env, layer, raw, md, hs,
-                      "vllm: bf16 recurrent state: KDA backend 'cutedsl_wide'")
-    assert any("cutedsl_wide" in r.getMessage() for r in caplog.records)
-
-
 def test_one_kdadecode_per_layer_and_configuration(env):
     layer, raw = make_layer(env, 8, seed=13)
     md = decode_md(torch.tensor([[5], [2]], dtype=torch.int32))

@@ -18,32 +18,45 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_table_matches_its_measurement():
-    cells = []
-    for path in auto.SOURCE:
-        with open(os.path.join(ROOT, path)) as f:
-            cells += json.load(f)["cells"]
-    times = collections.defaultdict(dict)
-    for c in cells:
-        if (c["backend"] in registry.BACKEND_NAMES and not c.get("note")
-                and c["H"] == auto.TABLE_HEADS):
-            times[(c["T"], c["R"])][c["backend"]] = c["time_us"]
-    measured = {(T, R) for T, rows in auto.MEASURED.items() for R in rows}
-    assert measured == set(times), sorted(set(times) ^ measured)
-    for (T, R), by_backend in times.items():
-        assert auto.MEASURED[T][R] == tuple(sorted(by_backend, key=by_backend.get)), (T, R)
+    """Each state dtype's table is the ranking of its own cells in its own runs."""
+    assert set(auto.SOURCE) == set(auto.MEASURED) == {"fp32", "bf16"}
+    for sd, paths in auto.SOURCE.items():
+        cells = []
+        for path in paths:
+            with open(os.path.join(ROOT, path)) as f:
+                cells += json.load(f)["cells"]
+        times = collections.defaultdict(dict)
+        for c in cells:
+            if (c["backend"] in registry.BACKEND_NAMES and not c.get("note")
+                    and c["H"] == auto.TABLE_HEADS and c.get("state_dtype", "fp32") == sd):
+                times[(c["T"], c["R"])][c["backend"]] = c["time_us"]
+        measured = {(T, R) for T, rows in auto.MEASURED[sd].items() for R in rows}
+        assert measured == set(times), (sd, sorted(set(times) ^ measured))
+        for (T, R), by_backend in times.items():
+            assert auto.MEASURED[sd][T][R] == tuple(sorted(by_backend, key=by_backend.get)), (sd, T, R)
+
+
+def test_the_state_dtype_picks_the_table(monkeypatch):
+    """A bf16 pool's order comes from the bf16 table, an fp32 pool's from the fp32 table."""
+    monkeypatch.setattr(auto, "MEASURED", {"fp32": {1: {8: ("cuda",)}}, "bf16": {1: {8: ("triton",)}}})
+    gpu = torch.device("cuda")
+    assert auto.auto_order(KdaConfig(num_heads=32), gpu, 8)[0] == "cuda"
+    assert auto.auto_order(KdaConfig(num_heads=32, state_dtype=torch.bfloat16), gpu, 8)[0] == "triton"
 
 
 #: A fixed table for the tests of the mechanism (the real one follows its measurement):
 #: cutedsl_wide first up to R=8, cuda from R=32, at every T.
 _WIDE = ("cutedsl_wide", "cutedsl", "cuda", "triton")
 _CUDA = ("cuda", "cutedsl_wide", "cutedsl", "triton")
-SYNTHETIC = {T: {1: _WIDE, 8: _WIDE, 32: _CUDA, 128: _CUDA, 512: _CUDA} for T in (1, 2, 5)}
+SYNTHETIC = {sd: {T: {1: _WIDE, 8: _WIDE, 32: _CUDA, 128: _CUDA, 512: _CUDA} for T in (1, 2, 5)}
+             for sd in ("fp32", "bf16")}
 
 
 @pytest.fixture(autouse=True)
 def synthetic_table(request, monkeypatch):
     """Every test but the table's own runs on :data:`SYNTHETIC`, so none pins a measurement."""
-    if request.node.name != "test_table_matches_its_measurement":
+    if request.node.name not in ("test_table_matches_its_measurement",
+                                 "test_the_state_dtype_picks_the_table"):
         monkeypatch.setattr(auto, "MEASURED", SYNTHETIC)
 
 
@@ -132,7 +145,7 @@ def test_a_candidate_that_fails_to_build_falls_back(fake_gpu, caplog):
     step = registry.resolve(cfg, torch.device("cuda")).build(cfg, torch.device("cuda"))
     assert builds.count("cuda") == 1                          # tried once, not per batch size
     step(_args(64))
-    row = auto.MEASURED[1][auto.table_batch(cfg, 64)]            # R=64: the R=32 / 128 row
+    row = auto.MEASURED["fp32"][1][auto.table_batch(cfg, 64)]            # R=64: the R=32 / 128 row
     nxt = row[row.index("cuda") + 1]                              # its runner-up after cuda
     assert runs == [(nxt, 64)] and step.backend_for(64) == nxt
     assert step.backend_for(4) == "cutedsl_wide"

@@ -1,6 +1,5 @@
 """Backend choice: argument > --kda_backend flag > $KDA_BACKEND > auto; logging once; errors."""
 
-import dataclasses
 import logging as pylogging
 import os
 import subprocess
@@ -12,7 +11,7 @@ from absl import flags
 
 import kda
 import kda.flags  # noqa: F401  (a server's import: defines --kda_backend)
-from kda import registry
+from kda import auto, registry
 from kda.config import KdaConfig
 from kda.errors import KdaBackendError
 from kda.testing import CaseSpec, make_case
@@ -185,46 +184,28 @@ def test_stream_buffers_per_stream_and_in_capture():
 
 
 CFG_BF16 = KdaConfig(num_heads=2, state_dtype=torch.bfloat16)
-FP32_STATE_ONLY = ("cuda", "cutedsl", "cutedsl_wide")
 
 
-@pytest.mark.parametrize("name", FP32_STATE_ONLY)
-def test_backends_without_bf16_state_say_so(name):
+@pytest.mark.parametrize("name", registry.BACKEND_NAMES)
+def test_every_backend_serves_a_bf16_state(name):
+    """No backend declines a bf16 state pool: the reasons for it are those for fp32."""
     b = registry.get_backend(name)
     for dev in ("cpu", "cuda"):
-        why = b.unsupported(CFG_BF16, torch.device(dev))
-        assert any("state dtype torch.bfloat16" in r and "fp32 state pages only" in r
-                   for r in why), why
-        assert not any("state dtype" in r for r in b.unsupported(CFG, torch.device(dev)))
+        assert b.unsupported(CFG_BF16, torch.device(dev)) == b.unsupported(CFG, torch.device(dev))
 
 
-@pytest.mark.parametrize("name", ("cuda", "cutedsl_wide"))
-def test_explicit_backend_without_bf16_state_raises_with_the_reason(name, monkeypatch):
-    monkeypatch.setattr(registry.get_backend(name), "availability", lambda: None)  # as on a GPU
-    a = make_case(CaseSpec(CFG_BF16, R=2))
-    with pytest.raises(KdaBackendError) as ei:
-        kda.kda_decode(**a._asdict(), backend=name)
-    assert f"KDA backend {name!r}" in str(ei.value)
-    assert "state dtype torch.bfloat16: the kernel reads and writes fp32 state pages only" \
-        in str(ei.value)
-    with pytest.raises(KdaBackendError):
-        kda.KdaDecode(CFG_BF16, device="cpu", backend=name)
-
-
-def test_auto_skips_backends_without_bf16_state(monkeypatch):
-    """On a (pretend) GPU where every backend runs, auto's candidates for a bf16 state are
-    those that serve it; an fp32 state keeps the table's choices."""
+def test_auto_ranks_every_gpu_backend_for_a_bf16_state(monkeypatch):
+    """On a (pretend) GPU where every backend runs, auto's plan for a bf16 state follows the
+    bf16 table (kda.auto.MEASURED["bf16"]) and keeps every GPU backend as a candidate."""
     monkeypatch.delenv("KDA_BACKEND", raising=False)
-    monkeypatch.setattr(registry, "unsupported_reasons", lambda n, cfg, dev: [
-        r for r in registry.get_backend(n).unsupported(cfg, dev) if "state dtype" in r])
+    monkeypatch.setattr(registry, "unsupported_reasons", lambda n, cfg, dev: [])
     cfg = KdaConfig(num_heads=32, state_dtype=torch.bfloat16)
     got = registry.resolve(cfg, torch.device("cuda"))
-    names = {b.name for c in getattr(got, "candidates", {None: [got]}).values() for b in c}
-    assert names and not names & set(FP32_STATE_ONLY), names
-    got32 = registry.resolve(dataclasses.replace(cfg, state_dtype=torch.float32),
-                             torch.device("cuda"))
-    names32 = {b.name for c in getattr(got32, "candidates", {None: [got32]}).values() for b in c}
-    assert names32 & {"cuda", "cutedsl", "cutedsl_wide"}, names32
+    cands = getattr(got, "candidates", {None: [got]})
+    names = {b.name for c in cands.values() for b in c}
+    assert names >= {"cuda", "cutedsl", "cutedsl_wide", "triton"}, names
+    for r, c in cands.items():
+        assert c[0].name == auto.MEASURED["bf16"][1][r][0], (r, [b.name for b in c])
 
 
 def test_auto_on_cpu_serves_a_bf16_state_with_the_reference(monkeypatch):
