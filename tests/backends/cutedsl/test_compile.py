@@ -266,6 +266,18 @@ def test_resource_usage(kind, i):
         assert usage["STACK"] <= 64 and usage["LOCAL"] == 0, f"spills / stack: {usage}"
 
 
+def _compile_build(kind, ks):
+    """(compiled kernel, PTX) of ``kind`` for ``ks``, which must keep no local arrays; skips
+    when the PTX was not kept."""
+    compiled, secs = cache.compile_kernel(kind, ks)
+    ptx = compiled.__ptx__
+    print(f"{kind} {ks.tag()}: compiled in {secs:.2f} s")
+    if not isinstance(ptx, str) or ".entry" not in ptx:
+        pytest.skip("PTX not kept (CuTe DSL was imported before CUTE_DSL_KEEP was set)")
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    return compiled, ptx
+
+
 #: The engine-facing builds: (kind, config, row alignment in bytes).
 FORM_CASES = [
     ("wide", KdaConfig(num_heads=4, T=1, window=3, beta_activated=True), 8),
@@ -290,13 +302,7 @@ def test_engine_forms_compile(kind, cfg, rows):
     page's and the window's), loads f_a in 16-bit halves on 2-byte rows, writes a dead item's
     zeros element by element; an fp32 beta is one 32-bit load. The split kernel reads every
     row element by element whatever the alignment: its code is the aligned build's."""
-    ks = kernel_static(kind, cfg, rows)
-    compiled, secs = cache.compile_kernel(kind, ks)
-    ptx = compiled.__ptx__
-    print(f"{kind} {ks.tag()}: compiled in {secs:.2f} s")
-    if not isinstance(ptx, str) or ".entry" not in ptx:
-        pytest.skip("PTX not kept (CuTe DSL was imported before CUTE_DSL_KEEP was set)")
-    assert "ld.local" not in ptx and "st.local" not in ptx
+    compiled, ptx = _compile_build(kind, kernel_static(kind, cfg, rows))
     usage = _resource_usage(compiled.__cubin__)
     if kind == "wide":
         _check_wide_ptx(ptx, cfg)
@@ -354,12 +360,7 @@ def test_bf16_state_builds_compile(kind, cfg):
     stores; fp32 pools' builds are untouched (their checks above)."""
     ks = kernel_static(kind, cfg)
     assert ks.state_bf16 and "st16" in ks.tag()
-    compiled, secs = cache.compile_kernel(kind, ks)
-    ptx = compiled.__ptx__
-    print(f"{kind} {ks.tag()}: compiled in {secs:.2f} s")
-    if not isinstance(ptx, str) or ".entry" not in ptx:
-        pytest.skip("PTX not kept (CuTe DSL was imported before CUTE_DSL_KEEP was set)")
-    assert "ld.local" not in ptx and "st.local" not in ptx
+    compiled, ptx = _compile_build(kind, ks)
     if kind == "wide":
         _check_wide_ptx(ptx, cfg)
     else:
