@@ -4,7 +4,8 @@
 // ===========
 // Work item = (request r, head h), numbered head-major: item = h*R + r (the CuTe DSL design
 // uses r*H + h), so that consecutive items of a CTA share the head and the head's conv taps /
-// conv bias / dt_bias (and at T=1 its f_b rows) are staged only when the head changes. The grid
+// conv bias / dt_bias (and at T=1 or with a bf16 pool its f_b rows) are staged only when the
+// head changes. The grid
 // is persistent: as many CTAs as are resident (two per SM, from the occupancy query), never
 // more than there are items.
 //
@@ -14,17 +15,19 @@
 // bf16 state pools (KdaParams.state_bf16, the BF builds): the 32 KiB page is staged with the
 // same 16-byte copies, widened to fp32 exactly when it moves into registers, and every page
 // written is rounded once to nearest even (docs/contract.md); all arithmetic is the fp32 build's.
-// A thread then holds 8 consecutive bf16 key columns per 16-byte access (key_col), so the row
-// sums run over the columns in another order than in the fp32 build. The page staging is 32 KiB
-// smaller, so the BF builds stage the head's f_b rows in shared memory at every T.
+// A thread then holds 8 consecutive bf16 key columns per 16-byte load (key_col), so the row
+// sums run over the columns in another order than in the fp32 build; it stores them as two
+// 8-byte halves. The page staging is 32 KiB smaller, so the BF builds stage the head's f_b rows
+// in shared memory at every T.
+//
 // cp.async groups per item: L (its slot row, one item ahead), E (x / output-gate / f_a rows,
-// conv window, head parameters, beta words) and S (the 64 KiB page), committed E then S. The
+// conv window, head parameters, beta words) and S (the page), committed E then S. The
 // rows go by 16-byte copies in the V16 builds (rows 16-byte aligned, KdaParams.row_bytes == 16);
 // the other builds stage them with 8- / 4-byte copies or element loads (issue_operands_narrow).
 //
 //   top of item n:   wait for E(n) (S(n) may still be landing); take item n+1 and issue
-//                    L(n+1); f_b fragments (T=1: from shared memory after B1, see below;
-//                    else L2/L1) into registers; B1.
+//                    L(n+1); f_b fragments (T=1 and BF: from shared memory after B1, see
+//                    below; else L2/L1) into registers; B1.
 //   gate MMA (mma.sync m16n8k16 bf16 -> fp32, raw gate rounded to bf16 into smem), conv +
 //   SiLU + window write-back, sigmoid(output gate), per-token write offsets.
 //   wait for S(n), L(n+1); B2.
@@ -32,7 +35,7 @@
 //   address arithmetic costs no registers). All: state page smem -> registers, then issue
 //   S(n+1) into the chunks just read (each thread its own: no barrier needed). Warps 0-3:
 //   L2-normalise q, k. Warps 4-7: decay alpha from the raw gate (accurate expf/log1pf). B3.
-//   Recurrence for T tokens on the register-resident page, 16-byte state stores per token,
+//   Recurrence for T tokens on the register-resident page, state stores per token,
 //   per-warp sums of bf16(o)^2 for the RMSNorm; B4; gated RMSNorm epilogue (bf16 out).
 //   S(n+1) is requested before the norms and the decay rather than after B3: on the H200
 //   1.5% / 1.0% faster at T=1 (R = 128 / 512; 2.2% slower at R=32) and 1.4-3.3% at T=5.
@@ -53,14 +56,14 @@
 // (the straightforward fragment order needs 32 scattered 4-byte loads, twice the L2 sectors).
 // gate_mode 1's four chains are exactly those 32-column slices, summed ((c0+c1)+c2)+c3.
 //
-// f_b in shared memory (the T=1 build, KdaParams.fb_smem): the head's 128 f_b rows (32 KiB)
+// f_b in shared memory (the T=1 and BF builds, KdaParams.fb_smem): the head's 128 f_b rows (32 KiB)
 // are staged with the head's other parameters (group E, only when the head changes) and the
 // MMA's A fragments are read from there after B1 (16-byte loads, chunks XOR-swizzled by row
 // so that a quarter warp hits 32 distinct banks); the conv bias then comes from global
 // memory (its shared-memory copy would not fit). Within its static range a CTA stages the
-// rows once or twice per launch instead of reading 32 KiB from L2 for every item. The T >= 2
-// builds read the fragments from L2: 32 KiB more does not fit two CTAs per SM next to T
-// tokens' buffers. Measurements: backends/cuda/policy.py.
+// rows once or twice per launch instead of reading 32 KiB from L2 for every item. The fp32
+// T >= 2 builds read the fragments from L2: 32 KiB more does not fit two CTAs per SM next to T
+// tokens' buffers and a 64 KiB page. Measurements: backends/cuda/policy.py.
 //
 // Schedule: CTA b first walks the contiguous range [b*S, (b+1)*S) of S = KdaParams.static_items
 // items (S = 0 counts as 1: the range is item b alone), then takes each next item from an
@@ -293,7 +296,7 @@ __device__ __forceinline__ int key_col(int lane8, int c) {
 }
 
 // cp.async of the item's state page (64 KiB fp32 or 32 KiB bf16) into the thread's own staging
-// chunks, 16 bytes each: [chunk][thread] (BF: the first half of sm.state as [8][256] uint4).
+// chunks, 16 bytes each: [chunk][thread] (BF: sm.state is [8][256] uint4).
 template <int T, bool FB, bool BF>
 __device__ __forceinline__ void issue_state(const KdaParams& p, Smem<T, FB, BF>& sm, const Item& it,
                                             int tid_) {
@@ -567,8 +570,9 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
 
   // ---- prologue: first item ----
   // Items are walked head-major (item = h * R + r): consecutive items of a CTA share the head,
-  // so its conv taps / biases are staged once per head, and at T=1 (FB) its f_b rows too. (At
-  // T >= 2 the f_b fragments are re-read from L2 every item; the L1 hit rate measured ~3%.)
+  // so its conv taps / biases are staged once per head, and in the FB builds (T=1, BF) its f_b
+  // rows too. (Otherwise the f_b fragments are re-read from L2 every item; the L1 hit rate
+  // measured ~3%.)
   const int R = p.num_requests;
   // Everything below may read what the predecessor kernel wrote (slot ids, windows, pages,
   // operands): wait for it first.
@@ -965,11 +969,12 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(const __grid_co
         osq += __shfl_xor_sync(0xffffffffu, osq, 16);
         if (lane == 0) (&sm.red[t][0][0])[warp] = osq;
         // State after token t (T=1: to the source slot; T>1: to state_indices[r, t], skipped
-        // where that id is not in (0, slots)); record mode writes no state. Each warp store
-        // covers 4 rows x 128 contiguous bytes.
+        // where that id is not in (0, slots)); record mode writes no state. Each fp32 warp
+        // store covers 4 rows x 128 contiguous bytes.
         const long long wo = sm.woff[t];
         if (!rec && wo >= 0) {
-          if (BF) {  // rounded once to nearest even, 8 bf16 per 16-byte store
+          if (BF) {  // rounded once to nearest even, 4 bf16 per 8-byte store (a warp store
+                     // covers half of each of 4 rows' 128-byte segments)
             auto* base = static_cast<__nv_bfloat16*>(p.state) + wo + row0 * kD + 8 * lane8;
 #pragma unroll
             for (int m = 0; m < 4; ++m)

@@ -16,6 +16,9 @@ from kda.testing import CaseSpec, call_public, compare_step, expected_after, mak
 
 def main(argv) -> int:
     backend, H, R, T = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+    if argv[4:] not in ([], ["fp32"], ["bf16"]):
+        print(f"step_check: the state dtype must be fp32 or bf16, got {argv[4:]}", file=sys.stderr)
+        return 2
     bf16_state = argv[4:] == ["bf16"]
     failures = 0
     for cfg in (make_config(H, T, "SD", lb=-5.0, bias=True, bf16_state=bf16_state),

@@ -226,7 +226,9 @@ def main(argv):
                f"[{FLAGS.tp_rank * H}, {(FLAGS.tp_rank + 1) * H}) are outside the "
                f"checkpoint's {total} heads")
     slots = FLAGS.max_batch * T + 1          # the state pool: every active request's T slots
-    pool_bytes = slots * H * 128 * 128 * (2 if cfg.state_dtype == torch.bfloat16 else 4)
+    page_bytes = {torch.bfloat16: 2, torch.float32: 4}
+    pool_bytes = slots * H * 128 * 128 * (page_bytes[cfg.state_dtype] + (
+        page_bytes[STATE_DTYPES[FLAGS.shadow_state_dtype]] if FLAGS.shadow_state_dtype else 0))
     free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
             else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
     if pool_bytes > 0.8 * free:

@@ -2,7 +2,7 @@
 
 Compiles ``backends/cuda/kda_decode.cu`` with the machine's nvcc and the backend's own flags
 (``kda.backends.cuda.build.CUDA_FLAGS``) plus ``-Xptxas -v``, then checks that the kernel
-builds are exactly the (T, fb_smem) pairs of the launch policy (``kda.backends.cuda.policy``),
+builds are exactly the (T, fb_smem, state dtype) of the launch policy (``kda.backends.cuda.policy``),
 each in its two row paths (16-byte aligned rows of x / output_gate / f_a, and the narrower
 path for other rows) and its two state dtypes (fp32, bf16), and, for each: no spill stores or loads, no stack frame (no local
 memory), and that two 256-thread CTAs fit on one SM from the reported registers and the
@@ -58,7 +58,7 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """(ptxas report per (T, fb_smem, 16-byte rows, bf16 state), smem bytes per (T, fb_smem) of the builds,
+    """(ptxas report per (T, fb_smem, 16-byte rows, bf16 state), smem bytes per (T, fb_smem, bf16 state) of the builds,
     threads per CTA, static range per (items, CTAs, fraction))."""
     d = tmp_path_factory.mktemp("kda_cuda")
     obj = d / "kda_decode.o"

@@ -2,7 +2,6 @@
 clock), the README's table is the one the committed results generate, and the host-overhead
 tool measures every entry point."""
 
-import glob
 import json
 import os
 
@@ -17,17 +16,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 
 
 def test_readme_table_is_generated_from_committed_results(monkeypatch):
-    """README's generated block is what the newest GPU run (every bench JSON of its folder, in
-    the order they were measured) generates."""
-    runs = [(report.load_run(p)[0]["date"], p)
-            for p in glob.glob(os.path.join(ROOT, "docs", "results", "*", "bench-*.json"))
-            if report.load_run(p)[0]["gpu"] and not report.load_run(p)[0].get("hot_state")]
-    assert runs
-    folder = os.path.dirname(max(runs)[1])     # the README shows the newest GPU run
-    paths = [p for _, p in sorted(runs) if os.path.dirname(p) == folder]
+    """README's generated block is what the runs behind ``auto``'s tables generate
+    (kda.auto.SOURCE: the fp32 reference run, then the bf16-state run), all of them GPU runs
+    of committed results."""
+    from kda import auto
+
+    rel = [p for paths in auto.SOURCE.values() for p in paths]
+    for p in rel:
+        meta = report.load_run(os.path.join(ROOT, p))[0]
+        assert meta["gpu"] and not meta.get("hot_state"), p
     monkeypatch.chdir(ROOT)
     monkeypatch.delenv("BUILD_WORKSPACE_DIRECTORY", raising=False)
-    rel = [os.path.relpath(p, ROOT) for p in paths]
     assert report.main(["--check", *rel]) == 0, \
         "README.md's table is stale: run python3 -m tools.bench.report " + " ".join(rel)
 
