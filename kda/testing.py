@@ -333,14 +333,21 @@ TOLERANCES: Dict[str, Tolerance] = {
 BF16_STATE_DIFFER_FRAC = 0.05
 
 
-def dead_rows(before: KdaArgs) -> torch.Tensor:
-    """Bool [R*T] (CPU): the out rows of dead requests (:func:`kda.reference.liveness`), whose
-    every element the contract sets to zero."""
+def _slot_liveness(before: KdaArgs):
+    """(slot ids int64 [R] or [R, T], T, source slot [R], conv slot [R], live [R]) on the CPU,
+    by :func:`kda.reference.liveness`."""
     from kda.reference import liveness
     idx = before.state_indices.cpu().long()
     T = 1 if idx.dim() == 1 else idx.shape[1]
     nacc = before.num_accepted_tokens.cpu() if before.num_accepted_tokens is not None else None
-    live = liveness(idx, nacc, before.state.shape[0])[3]
+    src, cslot, _, live = liveness(idx, nacc, before.state.shape[0])
+    return idx, T, src, cslot, live
+
+
+def dead_rows(before: KdaArgs) -> torch.Tensor:
+    """Bool [R*T] (CPU): the out rows of dead requests (:func:`kda.reference.liveness`), whose
+    every element the contract sets to zero."""
+    _, T, _, _, live = _slot_liveness(before)
     return (~live).repeat_interleave(T)
 
 
@@ -352,13 +359,9 @@ def written_masks(before: KdaArgs, device=None) -> Dict[str, torch.Tensor]:
     the pages of live items' write slots (none in record mode); conv_state: positions 0..T+1
     of live conv slots; records: the rows of live conv slots.
     """
-    from kda.reference import liveness
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    idx = before.state_indices.cpu().long()
-    T = 1 if idx.dim() == 1 else idx.shape[1]
-    nacc = before.num_accepted_tokens.cpu() if before.num_accepted_tokens is not None else None
+    idx, T, src, cslot, live = _slot_liveness(before)
     slots = before.state.shape[0]
-    src, cslot, _, live = liveness(idx, nacc, slots)
     record = before.v_record is not None
     masks = {"out": torch.ones(before.out.shape, dtype=torch.bool, device=dev)}
     st = torch.zeros(slots, dtype=torch.bool)

@@ -226,9 +226,9 @@ def main(argv):
                f"[{FLAGS.tp_rank * H}, {(FLAGS.tp_rank + 1) * H}) are outside the "
                f"checkpoint's {total} heads")
     slots = FLAGS.max_batch * T + 1          # the state pool: every active request's T slots
-    page_bytes = {torch.bfloat16: 2, torch.float32: 4}
-    pool_bytes = slots * H * 128 * 128 * (page_bytes[cfg.state_dtype] + (
-        page_bytes[STATE_DTYPES[FLAGS.shadow_state_dtype]] if FLAGS.shadow_state_dtype else 0))
+    shadow_dtype = STATE_DTYPES.get(FLAGS.shadow_state_dtype)       # None without a shadow
+    pool_bytes = slots * H * 128 * 128 * sum(
+        torch.empty((), dtype=d).element_size() for d in (cfg.state_dtype, shadow_dtype) if d)
     free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
             else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
     if pool_bytes > 0.8 * free:
@@ -238,9 +238,8 @@ def main(argv):
         layer = KdaLayer(params, cfg, head0=FLAGS.tp_rank * H, device=device)
         check_op = kda.KdaDecode(cfg, device=device, backend=FLAGS.check_against) \
             if FLAGS.check_against else None
-        shadow_op = kda.KdaDecode(dataclasses.replace(
-            cfg, state_dtype=STATE_DTYPES[FLAGS.shadow_state_dtype]), device=device) \
-            if FLAGS.shadow_state_dtype else None
+        shadow_op = kda.KdaDecode(dataclasses.replace(cfg, state_dtype=shadow_dtype),
+                                  device=device) if shadow_dtype else None
     except (kda.KdaBackendError, KdaArgumentError) as e:
         _usage(str(e))
     requested, source = registry.requested_name()
