@@ -29,8 +29,12 @@ from kda.config import KdaArgs
 
 log = logging.getLogger("kda")
 
-_SOURCES = ("ptx.py", "common.py", "static.py", "wide.py", "split.py", "cache.py")
 _HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _sources() -> List[str]:
+    """Every Python source of this package, in name order (a new file is part of the key)."""
+    return sorted(n for n in os.listdir(_HERE) if n.endswith(".py"))
 
 #: Pointer arguments, in kernel order, which is :class:`kda.config.KdaArgs`' field order (the
 #: launcher passes the record's tensors as they come): (name, dtype key, assumed alignment in
@@ -77,11 +81,13 @@ _src_hash: Optional[str] = None
 
 
 def source_hash() -> str:
-    """Hash of this package's kernel sources and the CuTe DSL version (part of every key)."""
+    """Hash of this package's sources (every ``*.py`` file, names and contents) and the CuTe
+    DSL version (part of every key)."""
     global _src_hash
     if _src_hash is None:
         h = hashlib.sha256()
-        for name in _SOURCES:
+        for name in _sources():
+            h.update(name.encode() + b"\0")
             with open(os.path.join(_HERE, name), "rb") as f:
                 h.update(f.read())
         try:

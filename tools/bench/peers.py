@@ -11,9 +11,13 @@
 * ``touch`` / ``touch_rows32`` (:mod:`tools.bench.touch`): only the step's state traffic (read
   the source page, write it to every write slot), no math: the ceiling a fused step can reach
   on the same pages.
+* ``touch_ring`` (:mod:`tools.bench.touch_ring`): the same traffic through the streamed CuTe
+  DSL kernels' pipeline (persistent CTAs, a bulk-copy ring of value-row units), no math: the
+  ceiling of that pipeline.
 
-The fla peers need a CUDA device and fla-core, the touch peers a CUDA device and Triton (or
-Triton's interpreter on the CPU); :func:`available` says why not otherwise.
+The fla peers need a CUDA device and fla-core, the Triton touch peers a CUDA device and Triton
+(or Triton's interpreter on the CPU), ``touch_ring`` an sm_90 device and CuTe DSL;
+:func:`available` says why not otherwise.
 """
 
 from __future__ import annotations
@@ -25,11 +29,16 @@ import torch
 from kda.config import HEAD_DIM as D
 from kda.config import KdaArgs, KdaConfig
 
-PEERS = ("fla_recurrent", "fla_unfused", "touch", "touch_rows32")
+PEERS = ("fla_recurrent", "fla_unfused", "touch", "touch_rows32", "touch_ring")
 
 
 def available(name: str, device: torch.device) -> Optional[str]:
     """None when peer ``name`` can run on ``device``, else why not."""
+    if name == "touch_ring":
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+            return "touch_ring runs on an sm_90+ GPU (bulk copies, mbarriers)"
+        from kda.backends.cutedsl.backend import import_cutedsl
+        return import_cutedsl()
     if name.startswith("touch"):
         from kda.backends.triton.common import interpreter_enabled
         if device.type != "cuda" and not interpreter_enabled():
@@ -53,6 +62,9 @@ def make_peer(name: str, cfg: KdaConfig, args: KdaArgs) -> Callable[[torch.Tenso
     Raises:
       ValueError: ``name`` is not one of :data:`PEERS`.
     """
+    if name == "touch_ring":
+        from tools.bench.touch_ring import make_touch_ring
+        return make_touch_ring(cfg, args)
     if name.startswith("touch"):
         from tools.bench.touch import make_touch
         return make_touch(name, cfg, args)

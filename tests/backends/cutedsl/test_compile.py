@@ -497,6 +497,28 @@ def test_disk_cache_round_trip(kind):
     assert list(loaded.execution_args.signature.parameters) == cache.arg_names(kind)
 
 
+def test_source_hash_covers_every_package_file(monkeypatch, tmp_path):
+    """The disk cache key changes with any source of the package, a new file included (a
+    kernel module added later must not be served from an older cache)."""
+    for name in os.listdir(cache._HERE):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(cache._HERE, name), tmp_path / name)
+    monkeypatch.setattr(cache, "_HERE", str(tmp_path))
+
+    def fresh_hash():
+        monkeypatch.setattr(cache, "_src_hash", None)
+        return cache.source_hash()
+
+    base = fresh_hash()
+    (tmp_path / "newkernel.py").write_text("X = 1\n")
+    added = fresh_hash()
+    (tmp_path / "newkernel.py").write_text("X = 2\n")
+    edited = fresh_hash()
+    assert len({base, added, edited}) == 3
+    (tmp_path / "newkernel.py").unlink()
+    assert fresh_hash() == base
+
+
 def test_package_imports_without_dsl_or_gpu():
     """The backend package and its availability checks never raise."""
     import kda.backends.cutedsl as pkg
