@@ -9,6 +9,8 @@ nothing and reports why through :meth:`Backend.availability`.
 from __future__ import annotations
 
 import abc
+import os
+import pathlib
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -92,6 +94,17 @@ def kernel_config_reasons(cfg: KdaConfig, max_T: int) -> List[str]:
         if dt not in (torch.bfloat16, torch.float32):
             reasons.append(f"{what} dtype {dt} is not bf16 / fp32")
     return reasons
+
+
+def cache_dir(name: str) -> pathlib.Path:
+    """The folder ``name`` of the project's on-disk cache: ``$KDA_CACHE_DIR/<name>``, else
+    ``~/.cache/kda/<name>``. The one place that reads ``KDA_CACHE_DIR``; its folders are
+    ``cuda_ext`` (the CUDA extension, one subfolder per source fingerprint), ``cutedsl`` (the
+    CuTe DSL kernels) and ``checkpoints`` (the serve tool's synthetic checkpoint). Nothing is
+    created here."""
+    root = os.environ.get("KDA_CACHE_DIR")
+    base = pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "kda"
+    return base / name
 
 
 #: The tensors whose rows the GPU kernels stage or store in vectors (bf16 rows of a token):

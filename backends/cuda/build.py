@@ -3,8 +3,8 @@
 The extension is compiled with ``torch.utils.cpp_extension.load`` into a persistent cache
 directory keyed on a hash of the sources, the flags and the torch / CUDA versions:
 
-    $KDA_CACHE_DIR/<hash>/        if KDA_CACHE_DIR is set
-    ~/.cache/kda/cuda_ext/<hash>/ otherwise
+    $KDA_CACHE_DIR/cuda_ext/<hash>/   (KDA_CACHE_DIR defaults to ~/.cache/kda:
+                                      kda.backend.cache_dir)
 
 A later process finds the built module there and imports it directly, without ninja or nvcc.
 
@@ -21,12 +21,13 @@ import fcntl
 import hashlib
 import importlib.machinery
 import importlib.util
-import os
 import pathlib
 import sys
 import threading
 from types import ModuleType
 from typing import List, Optional
+
+from kda.backend import cache_dir as kda_cache_dir
 
 HERE = pathlib.Path(__file__).resolve().parent
 SOURCES = ("binding.cpp", "kda_decode.cu")
@@ -62,9 +63,7 @@ def _fingerprint() -> str:
 
 def cache_dir() -> pathlib.Path:
     """The directory this version of the sources builds into."""
-    root = os.environ.get("KDA_CACHE_DIR")
-    base = pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "kda" / "cuda_ext"
-    return base / _fingerprint()
+    return kda_cache_dir("cuda_ext") / _fingerprint()
 
 
 def module_name() -> str:

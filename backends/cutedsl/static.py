@@ -9,10 +9,10 @@ passed to the kernel as runtime fp32 scalars, so changing them never recompiles.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
+from kda.backend import cache_dir
 from kda.config import KdaConfig
 
 D = 128
@@ -164,8 +164,5 @@ def carveout_percent(smem_per_cta: int, ctas_per_sm: int = 2) -> int:
 
 
 def default_cache_dir() -> str:
-    """``$KDA_CACHE_DIR`` (its ``cutedsl`` subfolder) or ``~/.cache/kda/cutedsl``."""
-    root = os.environ.get("KDA_CACHE_DIR")
-    if root:
-        return os.path.join(root, "cutedsl")
-    return os.path.join(os.path.expanduser("~"), ".cache", "kda", "cutedsl")
+    """``$KDA_CACHE_DIR/cutedsl``, else ``~/.cache/kda/cutedsl`` (:func:`kda.backend.cache_dir`)."""
+    return str(cache_dir("cutedsl"))

@@ -23,7 +23,9 @@ from kda.config import KdaConfig
 MAX_T = 8
 
 
-def _interpreter() -> bool:
+def interpreter_enabled() -> bool:
+    """True when Triton runs its CPU interpreter (``TRITON_INTERPRET=1``; "true", "yes" and "on"
+    count too). The one place that reads ``TRITON_INTERPRET``; it imports no Triton."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -40,7 +42,7 @@ class TritonBackend(Backend):
 
     @property
     def device_types(self) -> tuple:  # type: ignore[override]
-        return ("cpu",) if _interpreter() else ("cuda",)
+        return ("cpu",) if interpreter_enabled() else ("cuda",)
 
     def probe(self) -> Optional[str]:
         try:
@@ -48,7 +50,7 @@ class TritonBackend(Backend):
             import triton.language  # noqa: F401
         except Exception as e:  # noqa: BLE001 - any failure means unavailable
             return f"triton not importable: {type(e).__name__}: {e}"
-        if _interpreter():
+        if interpreter_enabled():
             return None
         try:
             if not torch.cuda.is_available():
@@ -61,7 +63,7 @@ class TritonBackend(Backend):
         reasons = super().unsupported(cfg, device)
         if cfg.T > MAX_T:
             reasons.append(f"triton serves T <= {MAX_T}, got T={cfg.T}")
-        if device.type == "cuda" and not _interpreter():
+        if device.type == "cuda" and not interpreter_enabled():
             try:
                 major, minor = torch.cuda.get_device_capability(device)
                 if major < 8:

@@ -20,13 +20,13 @@ carry into the exponent).
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from kda.backend import row_bytes
+from kda.backends.triton.backend import interpreter_enabled  # noqa: F401  (the kernels' import)
 from kda.config import HEAD_DIM, L2_NORM_EPS, KdaArgs, KdaConfig
 
 #: Head dimension (keys and values per head; a state page is D x D, fp32 or bf16).
@@ -35,11 +35,6 @@ assert L2_NORM_EPS == 1e-6  # written as a literal in the kernels (a JIT functio
 #: SM count assumed under the interpreter: the tests' batches of 1 to a few dozen items then
 #: reach every build the launch policy picks (:mod:`kda.backends.triton.policy`).
 INTERPRETER_SMS = 4
-
-
-def interpreter_enabled() -> bool:
-    """True when Triton runs its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def interpreter_quiet(interp: bool):

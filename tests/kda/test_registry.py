@@ -211,3 +211,24 @@ def test_auto_ranks_every_gpu_backend_for_a_bf16_state(monkeypatch):
 def test_auto_on_cpu_serves_a_bf16_state_with_the_reference(monkeypatch):
     monkeypatch.delenv("KDA_BACKEND", raising=False)
     assert registry.resolve(CFG_BF16, torch.device("cpu")).name == "reference"
+
+
+def test_one_cache_folder_scheme(monkeypatch, tmp_path):
+    """Every on-disk cache is a folder of $KDA_CACHE_DIR, else of ~/.cache/kda: the CUDA
+    extension's build (per source fingerprint) in cuda_ext/, the CuTe DSL kernels in
+    cutedsl/ (the serve tool's checkpoint: tests/tools/serve)."""
+    from kda.backend import cache_dir
+    from kda.backends.cuda import build
+    from kda.backends.cutedsl.static import default_cache_dir
+
+    for env, root in ((str(tmp_path / "c"), tmp_path / "c"),
+                      (None, tmp_path / "home" / ".cache" / "kda")):
+        if env is None:
+            monkeypatch.delenv("KDA_CACHE_DIR")
+            monkeypatch.setenv("HOME", str(tmp_path / "home"))
+        else:
+            monkeypatch.setenv("KDA_CACHE_DIR", env)
+        assert cache_dir("x") == root / "x"
+        assert build.cache_dir().parent == root / "cuda_ext"
+        assert default_cache_dir() == str(root / "cutedsl")
+    assert not (tmp_path / "c").exists()          # naming a folder creates nothing

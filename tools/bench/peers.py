@@ -40,7 +40,7 @@ def available(name: str, device: torch.device) -> Optional[str]:
         from kda.backends.cutedsl.backend import import_cutedsl
         return import_cutedsl()
     if name.startswith("touch"):
-        from kda.backends.triton.common import interpreter_enabled
+        from kda.backends.triton.backend import interpreter_enabled
         if device.type != "cuda" and not interpreter_enabled():
             return "the touch peers run on CUDA (or on the CPU with TRITON_INTERPRET=1)"
         return None

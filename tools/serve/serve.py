@@ -13,7 +13,7 @@ against fla-core run over the request's whole sequence; the maximum error is rep
 
 Parameters come from a safetensors file with the Hugging Face Kimi-Linear names
 (``--checkpoint``); by default a seeded SYNTHETIC checkpoint of the real shapes is written once
-to ``$KDA_CACHE_DIR`` (default ``~/.cache/kda``) and used.
+to ``$KDA_CACHE_DIR/checkpoints/`` (default ``~/.cache/kda/checkpoints/``) and used.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from absl import app, flags, logging
 
 import kda.flags  # noqa: F401  (defines --kda_backend)
 from kda import registry
+from kda.backend import cache_dir
 from kda.config import KdaConfig
 from kda.errors import KdaArgumentError
 from kda.testing import TOLERANCES
@@ -174,8 +175,9 @@ class SlotPool:
 
 
 def default_checkpoint() -> str:
-    root = os.environ.get("KDA_CACHE_DIR", os.path.expanduser("~/.cache/kda"))
-    path = os.path.join(root, "checkpoints", "kimi_linear_kda_layer_SYNTHETIC_seed0.safetensors")
+    """The seeded synthetic checkpoint, written once to ``$KDA_CACHE_DIR/checkpoints/`` (else
+    ``~/.cache/kda/checkpoints/``)."""
+    path = str(cache_dir("checkpoints") / "kimi_linear_kda_layer_SYNTHETIC_seed0.safetensors")
     if not os.path.exists(path):
         logging.info("writing the synthetic checkpoint %s", path)
         ckpt.write_synthetic(path, seed=0)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kda.backends.triton.common import interpreter_enabled
+from kda.backends.triton.backend import interpreter_enabled
 from kda.reference import reference_step
 from kda.testing import CaseSpec, bits_equal, clone_args, compare_step, make_case
 

@@ -75,6 +75,26 @@ def test_importing_the_package_and_policy_needs_no_triton():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+def test_interpreter_switch_is_read_in_one_place(monkeypatch):
+    """TRITON_INTERPRET is parsed once, by backend.interpreter_enabled (the kernels' modules
+    import it from there); its values as Triton reads them."""
+    import ast
+    import pathlib
+
+    from kda.backends.triton import backend, common
+    here = pathlib.Path(backend.__file__).parent
+    reads = [(p.name, n.lineno) for p in sorted(here.glob("*.py"))
+             for n in ast.walk(ast.parse(p.read_text()))
+             if isinstance(n, ast.Attribute) and n.attr in ("environ", "getenv")]
+    assert [name for name, _ in reads] == ["backend.py"], reads
+    assert common.interpreter_enabled is backend.interpreter_enabled
+    for value, on in (("1", True), ("true", True), (" On ", True), ("0", False), ("", False)):
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+        assert backend.interpreter_enabled() is on, value
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert backend.interpreter_enabled() is False
+
+
 def test_registry_entry():
     from kda.registry import get_backend
     dev = device()

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kda.backends.triton.common import interpreter_enabled  # noqa: E402
+from kda.backends.triton.backend import interpreter_enabled  # noqa: E402
 from kda.config import KdaConfig  # noqa: E402
 from kda.testing import CaseSpec, make_case  # noqa: E402
 from tools.bench import peers  # noqa: E402
