@@ -15,7 +15,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from kda.config import CONV_LAYOUTS, KdaArgs, KdaConfig
+from kda.config import CONV_LAYOUTS, KdaArgs, KdaConfig, dtype_name
 
 #: A built step: reads the validated args and writes out / state / conv_state / records.
 StepFn = Callable[[KdaArgs], None]
@@ -92,7 +92,7 @@ def kernel_config_reasons(cfg: KdaConfig, max_T: int) -> List[str]:
     for what, dt in (("conv_state", cfg.conv_state_dtype), ("conv_weight", cfg.conv_weight_dtype),
                      ("norm_weight", cfg.norm_weight_dtype)):
         if dt not in (torch.bfloat16, torch.float32):
-            reasons.append(f"{what} dtype {dt} is not bf16 / fp32")
+            reasons.append(f"{what} dtype {dtype_name(dt)} is not bfloat16 / float32")
     return reasons
 
 

@@ -141,14 +141,13 @@ class KdaConfig:
         for name in ("conv_state_dtype", "conv_weight_dtype", "norm_weight_dtype"):
             dt = getattr(self, name)
             if dt not in (torch.bfloat16, torch.float32):
-                raise KdaArgumentError(name, f"expected torch.bfloat16 or torch.float32, got {dt}")
-        if self.state_dtype == torch.float16:
-            raise KdaArgumentError("state_dtype", "float16 states are not supported: expected "
-                                                  "a torch.float32 or torch.bfloat16 state "
-                                                  "pool, got torch.float16")
+                raise KdaArgumentError(name, f"expected dtype bfloat16 or float32, got "
+                                             f"{dtype_name(dt)}")
         if self.state_dtype not in (torch.float32, torch.bfloat16):
-            raise KdaArgumentError("state_dtype", f"expected torch.float32 or torch.bfloat16, "
-                                                  f"got {self.state_dtype}")
+            why = " (float16 state pools are not supported)" \
+                if self.state_dtype == torch.float16 else ""
+            raise KdaArgumentError("state_dtype", f"expected dtype float32 or bfloat16{why}, got "
+                                                  f"{dtype_name(self.state_dtype)}")
         normal = dict(num_heads=int(self.num_heads), T=int(self.T), window=window,
                       lower_bound=None if lb is None else float(lb),
                       gate_mode=int(self.gate_mode), has_conv_bias=bool(self.has_conv_bias),
@@ -189,6 +188,12 @@ class KdaConfig:
 #: The smallest normal fp32 number: scale and norm_eps below it would be flushed to zero by
 #: kernels that do so (norm_eps = 0 turns an all-zero o into NaN).
 FP32_MIN_NORMAL = 2.0 ** -126
+
+
+def dtype_name(dt) -> str:
+    """How every message of the package spells a dtype: torch's name without ``torch.``
+    ("float32", "bfloat16"); anything that is not a dtype as its repr."""
+    return str(dt).replace("torch.", "") if isinstance(dt, torch.dtype) else repr(dt)
 
 
 def as_fp32(v: float) -> float:

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from kda import registry, torch_op
-from kda.config import HEAD_DIM, KdaArgs, KdaConfig
+from kda.config import HEAD_DIM, KdaArgs, KdaConfig, dtype_name
 from kda.dispatch import alloc_out, metadata_key, validated_step
 from kda.errors import KdaArgumentError, KdaBackendError
 from kda.validate import FIELD_ARG, check_is_tensor, config_from_args, validate_args
@@ -245,7 +245,7 @@ class KdaDecode:
         key = metadata_key(args)
         if self._always or key not in self._validated:
             self._check_device(x)
-            validate_args(self.cfg, args)
+            validate_args(self.cfg, args, heads_from="this KdaDecode's KdaConfig.num_heads")
             if len(self._validated) >= VALIDATED_KEYS:
                 self._validated.clear()
             self._validated.add(key)
@@ -273,8 +273,10 @@ class KdaDecode:
                 arg = FIELD_ARG[field]
                 if field == "record" and args.v_record is None and args.kg_record is not None:
                     arg = "kg_record"
-                raise KdaArgumentError(arg, f"expected {field} = {getattr(c, field)} (this "
-                                            f"KdaDecode's configuration), got {getattr(got, field)}")
+                want, have = (dtype_name(v) if isinstance(v, torch.dtype) else v
+                              for v in (getattr(c, field), getattr(got, field)))
+                raise KdaArgumentError(arg, f"expected {field} = {want} (this KdaDecode's "
+                                            f"configuration), got {have}")
         return torch_op.call(args, scale=c.scale, norm_eps=c.norm_eps, lower_bound=c.lower_bound,
                              gate_mode=c.gate_mode, beta_activated=c.beta_activated,
                              backend=self.backend.name)

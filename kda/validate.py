@@ -13,14 +13,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from kda.config import GATE_RANK, HEAD_DIM, KdaArgs, KdaConfig
+from kda.config import GATE_RANK, HEAD_DIM, KdaArgs, KdaConfig, dtype_name
 from kda.errors import KdaArgumentError
 
 D = HEAD_DIM
-
-
-def _fmt_dtype(dt) -> str:
-    return str(dt).replace("torch.", "")
 
 
 def check_is_tensor(name: str, t) -> None:
@@ -33,8 +29,8 @@ def _check_tensor(name: str, t, dtypes: Sequence[torch.dtype], shape: Sequence[i
                   device: torch.device) -> torch.Tensor:
     check_is_tensor(name, t)
     if t.dtype not in dtypes:
-        raise KdaArgumentError(name, f"expected dtype {' or '.join(_fmt_dtype(d) for d in dtypes)}, "
-                                     f"got {_fmt_dtype(t.dtype)}")
+        raise KdaArgumentError(name, f"expected dtype {' or '.join(dtype_name(d) for d in dtypes)}, "
+                                     f"got {dtype_name(t.dtype)}")
     if tuple(t.shape) != tuple(shape):
         raise KdaArgumentError(name, f"expected shape {list(shape)}, got {list(t.shape)}")
     check_device(name, t, device)
@@ -132,6 +128,11 @@ def config_from_args(args: KdaArgs, *, scale=None, norm_eps=1e-5, lower_bound=No
                                + (f"shape {list(A_log.shape)}" if isinstance(A_log, torch.Tensor)
                                   else type(A_log).__name__))
     H = A_log.shape[0]
+    heads = _head_counts(args)
+    if len(heads) == 2 and len(set(heads.values())) == 1 and H not in heads.values():
+        n = heads["x"]
+        raise KdaArgumentError("A_log", f"expected shape [{n}] (one value per head: x and state "
+                                        f"hold {n} heads), got shape [{H}]")
     if not isinstance(state_indices, torch.Tensor) or state_indices.dim() not in (1, 2):
         raise KdaArgumentError("state_indices", "expected an int32 tensor [R] (T=1) or [R, T], got "
                                + (f"shape {list(state_indices.shape)}"
@@ -166,9 +167,23 @@ def config_from_args(args: KdaArgs, *, scale=None, norm_eps=1e-5, lower_bound=No
         arg = FIELD_ARG.get(e.arg, e.arg)
         if arg == e.arg:
             raise
+        if e.arg.endswith("_dtype"):          # the tensor's dtype: the message says it all
+            raise KdaArgumentError(arg, e.message) from None
         raise KdaArgumentError(arg, f"{e.arg} {e.message}" if e.arg != "window" else
                                f"{e.message} (L = conv_state.shape[2]; T = "
                                "state_indices.shape[1], 1 for a 1-D state_indices)") from None
+
+
+def _head_counts(args: KdaArgs) -> dict:
+    """The head counts that x ([N, 3*H*128]) and state ([slots, H, 128, 128]) imply, for those
+    of the two whose shape has that form."""
+    heads = {}
+    x, st = args.x, args.state
+    if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[1] and x.shape[1] % (3 * D) == 0:
+        heads["x"] = x.shape[1] // (3 * D)
+    if isinstance(st, torch.Tensor) and st.dim() == 4 and tuple(st.shape[2:]) == (D, D):
+        heads["state"] = st.shape[1]
+    return heads
 
 
 #: The call argument each KdaConfig field is derived from: errors about a field name it.
@@ -195,13 +210,15 @@ def check_x_is_2d(x: torch.Tensor) -> None:
         raise KdaArgumentError("x", f"expected a 2-D tensor [N, 3*dim], got shape {list(x.shape)}")
 
 
-def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
+def validate_args(cfg: KdaConfig, args: KdaArgs, heads_from: str = "A_log") -> None:
     """Check every tensor of a call against ``cfg``; raise :class:`KdaArgumentError` on the first
     problem. Reads only metadata (never device values), writes nothing.
 
     Args:
       cfg: the configuration (already checked by its construction).
       args: the call's tensors.
+      heads_from: where ``cfg``'s head count came from, for the messages ("A_log" in the
+        functional form, the object's configuration in :class:`kda.KdaDecode`).
     """
     H, T, L, dim = cfg.num_heads, cfg.T, cfg.window, cfg.dim
     x = args.x
@@ -212,9 +229,9 @@ def validate_args(cfg: KdaConfig, args: KdaArgs) -> None:
     check_x_is_2d(x)
     if x.shape[1] != 3 * dim:
         if x.shape[1] % (3 * D) == 0:
-            raise KdaArgumentError("x", f"expected {3 * dim} channels (3 x H={H} heads x D={D}; H is "
-                                        f"the configuration's, which kda_decode takes from A_log), "
-                                        f"got {x.shape[1]} (= {x.shape[1] // (3 * D)} heads)")
+            raise KdaArgumentError("x", f"expected {3 * dim} channels (3 x H={H} heads x D={D}; H "
+                                        f"from {heads_from}), got {x.shape[1]} "
+                                        f"(= {x.shape[1] // (3 * D)} heads)")
         raise KdaArgumentError("x", f"expected 3*H*D = {3 * dim} channels with head dim D = {D}, "
                                     f"got {x.shape[1]}")
     si = args.state_indices
@@ -338,8 +355,8 @@ def _check_beta(cfg: KdaConfig, beta, N: int, dev: torch.device) -> None:
         form = ("beta_activated=True: the engine's sigmoid(beta), used as it is" if cfg.beta_activated
                 else "raw logits, the op applies the sigmoid; pass beta_activated=True for an "
                      "already activated float32 beta")
-        raise KdaArgumentError("beta", f"expected dtype {_fmt_dtype(want)} ({form}), got "
-                                       f"{_fmt_dtype(beta.dtype)}")
+        raise KdaArgumentError("beta", f"expected dtype {dtype_name(want)} ({form}), got "
+                                       f"{dtype_name(beta.dtype)}")
     _check_tensor("beta", beta, (want,), (N, cfg.num_heads), dev)
     _check_rows("beta", beta)
 

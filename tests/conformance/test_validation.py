@@ -46,7 +46,8 @@ BAD = [
     ("x-stride", CFG1, _transposed_x, "x", "stride"),
     ("x-rows", CFG1, lambda a: {"x": a.x[:1]}, "x", "rows"),
     ("conv_weight-shape", CFG1, lambda a: {"conv_weight": a.conv_weight[:, :3]}, "conv_weight", "shape"),
-    ("conv_weight-dtype", CFG1, lambda a: {"conv_weight": a.conv_weight.double()}, "conv_weight", "dtype"),
+    ("conv_weight-dtype", CFG1, lambda a: {"conv_weight": a.conv_weight.double()}, "conv_weight",
+     "expected dtype bfloat16 or float32, got float64"),
     ("conv_bias-shape", dataclasses.replace(CFG1, has_conv_bias=True),
      lambda a: {"conv_bias": a.conv_bias[:-1]}, "conv_bias", "shape"),
     ("conv_state-window", CFG2, lambda a: {"conv_state": a.conv_state[:, :, :3]}, "conv_state",
@@ -74,12 +75,15 @@ BAD = [
     ("beta-columns-strided", CFG1, lambda a: {"beta": a.beta.t().contiguous().t()}, "beta",
      "stride 1"),
     ("A_log-dtype", CFG1, lambda a: {"A_log": a.A_log.double()}, "A_log", "dtype"),
-    ("A_log-heads", CFG1, lambda a: {"A_log": torch.cat([a.A_log, a.A_log])}, "x", "heads"),
+    # H comes from A_log: one of the wrong length, beside x and state that agree, is A_log's error
+    ("A_log-heads", CFG1, lambda a: {"A_log": torch.cat([a.A_log, a.A_log])}, "A_log",
+     "expected shape [2] (one value per head: x and state hold 2 heads), got shape [4]"),
+    ("A_log-short", CFG1, lambda a: {"A_log": a.A_log[:1]}, "A_log", "got shape [1]"),
     ("dt_bias-shape", CFG1, lambda a: {"dt_bias": a.dt_bias[:128]}, "dt_bias", "shape"),
     ("state-dtype", CFG1, lambda a: {"state": a.state.double()}, "state",
-     "expected torch.float32 or torch.bfloat16, got torch.float64"),
+     "expected dtype float32 or bfloat16, got float64"),
     ("state-fp16", CFG1, lambda a: {"state": a.state.half()}, "state",
-     "float16 states are not supported"),
+     "expected dtype float32 or bfloat16 (float16 state pools are not supported), got float16"),
     ("state-bf16-slot-stride", CFG1,
      lambda a: {"state": torch.zeros(a.state.shape[0], 2 * 128 * 128 + 4,
                                      dtype=torch.bfloat16)[:, :2 * 128 * 128].view(-1, 2, 128, 128)},
@@ -140,6 +144,7 @@ def test_bad_tensor(case, backend_name):
     assert ei.value.arg == arg, str(ei.value)
     assert text in str(ei.value), str(ei.value)
     assert str(ei.value).startswith(f"{arg}: ")
+    assert "torch." not in str(ei.value), "dtypes are spelled as 'float32', not 'torch.float32'"
     _assert_untouched(args, before)
 
 
@@ -473,4 +478,17 @@ def test_object_form_names_the_state_dtype():
         step(**_kwargs(args, state=args.state.to(torch.bfloat16)))
     assert ei.value.arg == "state"
     assert "expected dtype float32" in str(ei.value) and "got bfloat16" in str(ei.value)
+    _assert_untouched(args, before)
+
+
+def test_object_form_names_where_its_head_count_comes_from():
+    """A KdaDecode built for H=2 given tensors of H=4: the error names x with both head counts
+    and says that H is the object's configuration (not A_log, as in the functional form)."""
+    args = make_case(CaseSpec(dataclasses.replace(CFG1, num_heads=4), R=2))
+    before = clone_args(args)
+    step = kda.KdaDecode(CFG1, device="cpu", backend="reference")
+    with pytest.raises(KdaArgumentError) as ei:
+        step(**_kwargs(args))
+    assert str(ei.value) == ("x: expected 768 channels (3 x H=2 heads x D=128; H from this "
+                             "KdaDecode's KdaConfig.num_heads), got 1536 (= 4 heads)")
     _assert_untouched(args, before)

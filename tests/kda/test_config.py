@@ -21,10 +21,13 @@ BAD = [
     ("norm_eps", None, "finite float"), ("norm_eps", float("nan"), "finite"),
     ("has_conv_bias", "yes", "bool"), ("record", 1, "bool"), ("beta_activated", "yes", "bool"),
     ("beta_activated", None, "bool"),
-    ("conv_state_dtype", torch.float16, "bfloat16"), ("conv_weight_dtype", torch.int32, "float32"),
+    ("conv_state_dtype", torch.float16, "expected dtype bfloat16 or float32, got float16"),
+    ("conv_weight_dtype", torch.int32, "float32"),
     ("norm_weight_dtype", torch.float64, "float32"),
-    ("state_dtype", torch.float16, "float16 states are not supported"),
-    ("state_dtype", torch.float64, "torch.bfloat16"),
+    ("state_dtype", torch.float16, "expected dtype float32 or bfloat16 (float16 state pools are "
+                                   "not supported), got float16"),
+    ("state_dtype", torch.float64, "expected dtype float32 or bfloat16, got float64"),
+    ("state_dtype", "fp32", "got 'fp32'"),
 ]
 
 

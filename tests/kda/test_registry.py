@@ -94,7 +94,7 @@ def test_kda_decode_object_validates_once(monkeypatch):
     from kda import op
     calls = []
     real = op.validate_args
-    monkeypatch.setattr(op, "validate_args", lambda *a: (calls.append(1), real(*a)))
+    monkeypatch.setattr(op, "validate_args", lambda *a, **kw: (calls.append(1), real(*a, **kw)))
     step = kda.KdaDecode(CFG, device="cpu", backend="reference")
     a = make_case(CaseSpec(CFG, R=3))
     for _ in range(3):
