@@ -6,9 +6,11 @@ and the server's tests). Tools import the shared flags from here instead.
 """
 
 import os
+import sys
+import warnings
 
 import torch
-from absl import flags
+from absl import app, flags
 
 GATE_MODE = flags.DEFINE_integer(
     "gate_mode", 0, "gate projection accumulation order: 0 = one chain over the rank, "
@@ -38,3 +40,56 @@ def user_path(path: str) -> str:
     if not path or os.path.isabs(path) or not base:
         return path
     return os.path.join(base, path)
+
+
+#: The arguments that ask for the usage (absl's --help, --helpshort and -?, and -h).
+HELP_ARGS = ("--help", "--helpshort", "-?", "-h", "--helpfull")
+
+
+def usage_text(full: bool = False) -> str:
+    """The tool's usage: the main module's docstring, then the flags of the main module and
+    of the project's modules (:mod:`kda.flags`, this one), or with ``full`` every flag. absl
+    heads the main module's flags with its file, under ``bazel run`` a long runfiles path:
+    here the tool's own flags come first, headed "flags:" alone."""
+    doc = (sys.modules["__main__"].__doc__ or "").strip()
+    if full:
+        return f"{doc}\n\n{flags.FLAGS.get_help()}\n"
+    main = sys.argv[0]
+    parts = []
+    for module in flags.FLAGS.flags_by_module_dict():
+        if module == main or module.split(".")[0] in ("kda", "tools"):
+            lines = flags.FLAGS.module_help(module).strip("\n").split("\n")
+            parts.append("\n".join(lines[1:]) if module == main else "\n".join(lines))
+    main_first = sorted(parts, key=lambda p: not p.startswith("  "))
+    return f"{doc}\n\nflags:\n" + "\n\n".join(main_first) + \
+        "\n\n(--helpfull: every flag, absl's own among them)\n"
+
+
+def parse_flags(argv):
+    """absl's flag parsing, except that a help argument (:data:`HELP_ARGS`, before any
+    ``--``) prints :func:`usage_text` on stdout and exits with status 0 (absl's own exits 1)."""
+    args = argv[1:argv.index("--")] if "--" in argv else argv[1:]
+    asked = [a for a in args if a in HELP_ARGS]
+    if asked:
+        sys.stdout.write(usage_text(full="--helpfull" in asked))
+        sys.exit(0)
+    return app.parse_flags_with_usage(argv)
+
+
+def run(main) -> None:
+    """``absl.app.run(main)`` with :func:`parse_flags`: what every tool's ``__main__`` calls."""
+    app.run(main, flags_parser=parse_flags)
+
+
+#: The modules whose warnings a tool shows without being asked (the project's own).
+OWN_MODULES = r"(kda|tools|__main__)(\.|$)"
+
+
+def quiet_third_party_warnings(verbosity: int) -> None:
+    """Below absl's ``--verbosity=1`` (``-v 1``), Python warnings raised by other packages'
+    modules (fla-core's "Triton is not supported on current platform, roll back to CPU" on
+    every CPU run, among them) are not shown; the project's own still are."""
+    if verbosity >= 1:
+        return
+    warnings.filterwarnings("ignore")
+    warnings.filterwarnings("default", module=OWN_MODULES)

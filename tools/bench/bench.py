@@ -1,9 +1,12 @@
 """Benchmark the fused KDA decode step: our backends and the fla-core peers in one run.
 
-Every ``//tools/bench`` target is this program with ``--backends`` preset:
+    tools/kda bench <reference|triton|cutedsl|cutedsl_wide|cuda|all> [flags]
 
-    bazel run //tools/bench:cutedsl -- --heads=32 --batches=1,8,32,128,512 --tokens=1,2,5
-    bazel run //tools/bench:all                    # every available backend + the peers
+Every ``//tools/bench`` target is this program with ``--backends`` preset (``tools/kda
+bench <backend>`` runs the target of that name):
+
+    tools/kda bench cutedsl --heads=32 --batches=1,8,32,128,512 --tokens=1,2,5
+    tools/kda bench all                            # every available backend + the peers
     python3 -m tools.bench.bench --backends=all --out_dir=docs/results/h200   # GPU machine
 
 Per cell: median time, the copy-bandwidth floor (bytes the step must move / copy bandwidth
@@ -31,7 +34,7 @@ from absl import app, flags, logging
 from kda import registry
 from kda.config import KdaConfig
 from tools import flags as _shared_flags  # noqa: F401  (defines --gate_mode)
-from tools.flags import STATE_DTYPES, user_path
+from tools.flags import STATE_DTYPES, quiet_third_party_warnings, run, user_path
 from tools.bench import harness, peers, plot
 
 FLAGS = flags.FLAGS
@@ -53,7 +56,9 @@ flags.DEFINE_integer("iters", None, "timed iterations per cell (default 200 GPU,
 flags.DEFINE_integer("warmup", None, "warm-up iterations (default 20 GPU, 1 CPU)")
 flags.DEFINE_enum("mode", "auto", ["auto", "graph", "eager"], "GPU timing: CUDA-graph replay or eager")
 flags.DEFINE_string("out_dir", "", "where to write JSON and PNG (default: print only)")
-flags.DEFINE_string("tag", "", "file name tag (default: gpu name and date)")
+flags.DEFINE_string("tag", "", "file name tag: bench-<tag>.json (default: the device's name and "
+                    "the UTC date and time, e.g. h200-20261201-172943, so a rerun never "
+                    "overwrites an earlier file)")
 flags.DEFINE_float("max_items", 20000, "skip cells with more R*H items than this on the CPU")
 flags.DEFINE_bool("hot_state", False, "every request of a step on one state slot (pages stay in "
                   "L2): times the kernels' compute / latency bound; 'frac' then compares with "
@@ -96,14 +101,23 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def default_tag(device_name: str, now: datetime.datetime) -> str:
+    """``--tag``'s default: the device's name ("h200" for an H200, else the name with
+    underscores for blanks) and the UTC date and time to the second."""
+    name = "h200" if "H200" in device_name else device_name.replace(" ", "_")
+    return f"{name}-{now:%Y%m%d-%H%M%S}"
+
+
 def main(argv):
     del argv
     from rich.console import Console
-    from rich.progress import track
     from rich.markup import escape
     from rich.table import Table
 
+    from tools.progress import ToolProgress
+
     console = Console()
+    quiet_third_party_warnings(FLAGS.verbosity)
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if FLAGS.device == "auto" else FLAGS.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -145,35 +159,39 @@ def main(argv):
                     else FLAGS.state_dtype)
     grid = [(int(H), T, R, sd) for H in FLAGS.heads for T in tokens for R in batches
             for sd in state_dtypes]
-    for H, T, R, sd in track(grid, description="cells", console=console):
-        if not gpu and R * H > FLAGS.max_items:
-            console.print(f"[dim]H={H} T={T} R={R}: skipped on the CPU (R*H = {R * H} > "
-                          f"--max_items={FLAGS.max_items:g})[/]")
-            continue
-        cfg = KdaConfig(num_heads=H, T=T, window=T + 2, conv_layout=FLAGS.layout,
-                        lower_bound=-5.0 if FLAGS.gate == "bounded" else None,
-                        gate_mode=FLAGS.gate_mode, state_dtype=STATE_DTYPES[sd])
-        wl = harness.Workload(cfg, R, device, pool, FLAGS.sets, hot=FLAGS.hot_state)
-        for name, make in runners:
-            why = registry.unsupported_reasons(name, cfg, device) if name in registry.BACKEND_NAMES else []
-            if not why and sd != "fp32" and name in peers.PEERS and not name.startswith("touch"):
-                why = ["the peer keeps an fp32 state"]
-            if why:
-                logging.info("%s cannot run %s: %s", name, cfg.short(), why)
+    with ToolProgress("cells", console) as bar:
+        task = bar.add_task("cells", total=len(grid))
+        for done, (H, T, R, sd) in enumerate(grid):
+            bar.update(task, completed=done, info=f"H={H} T={T} R={R} {sd}")
+            if not gpu and R * H > FLAGS.max_items:
+                console.print(f"[dim]H={H} T={T} R={R}: skipped on the CPU (R*H = {R * H} > "
+                              f"--max_items={FLAGS.max_items:g})[/]")
                 continue
-            if name.startswith("triton") and not gpu and R * H > 8:
-                console.print(f"[dim]{escape(name)} H={H} T={T} R={R}: skipped (Triton's CPU "
-                              "interpreter runs R*H <= 8 only)[/]")
-                continue
-            try:
-                cells.append(harness.measure(name, make, wl, copy_bw, iters, warmup, FLAGS.mode))
-            except Exception as e:  # noqa: BLE001 - one failing cell must not hide the others
-                failed.append(f"{name} H={H} T={T} R={R}")
-                console.print(f"[red]{escape(name)} H={H} T={T} R={R} failed: "
-                              f"{type(e).__name__}: {escape(str(e))}[/]")
-        del wl
-        if gpu:
-            torch.cuda.empty_cache()
+            cfg = KdaConfig(num_heads=H, T=T, window=T + 2, conv_layout=FLAGS.layout,
+                            lower_bound=-5.0 if FLAGS.gate == "bounded" else None,
+                            gate_mode=FLAGS.gate_mode, state_dtype=STATE_DTYPES[sd])
+            wl = harness.Workload(cfg, R, device, pool, FLAGS.sets, hot=FLAGS.hot_state)
+            for name, make in runners:
+                why = registry.unsupported_reasons(name, cfg, device) if name in registry.BACKEND_NAMES else []
+                if not why and sd != "fp32" and name in peers.PEERS and not name.startswith("touch"):
+                    why = ["the peer keeps an fp32 state"]
+                if why:
+                    logging.info("%s cannot run %s: %s", name, cfg.short(), why)
+                    continue
+                if name.startswith("triton") and not gpu and R * H > 8:
+                    console.print(f"[dim]{escape(name)} H={H} T={T} R={R}: skipped (Triton's CPU "
+                                  "interpreter runs R*H <= 8 only)[/]")
+                    continue
+                try:
+                    cells.append(harness.measure(name, make, wl, copy_bw, iters, warmup, FLAGS.mode))
+                except Exception as e:  # noqa: BLE001 - one failing cell must not hide the others
+                    failed.append(f"{name} H={H} T={T} R={R}")
+                    console.print(f"[red]{escape(name)} H={H} T={T} R={R} failed: "
+                                  f"{type(e).__name__}: {escape(str(e))}[/]")
+            del wl
+            if gpu:
+                torch.cuda.empty_cache()
+        bar.update(task, completed=len(grid), info="")
 
     if not cells:
         console.print("[bold red]no cell was measured[/] (no selected backend can run here, or every "
@@ -202,9 +220,10 @@ def main(argv):
     out_dir = user_path(FLAGS.out_dir)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        tag = FLAGS.tag or f"{'h200' if 'H200' in dev_name else dev_name.replace(' ', '_')}"
+        now = datetime.datetime.now(datetime.timezone.utc)
+        tag = FLAGS.tag or default_tag(dev_name, now)
         meta = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": now.isoformat(timespec="seconds"),
             "device": dev_name, "gpu": gpu, "commit": _git_commit(),
             "command": " ".join(["python3 -m tools.bench.bench"] + sys.argv[1:]),
             "env": {k: v for k, v in sorted(os.environ.items())
@@ -230,4 +249,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run(main)

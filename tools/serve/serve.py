@@ -7,9 +7,12 @@ auto) over a paged slot pool, in a batch padded with null slots to a bucket size
 count fed back as ``num_accepted_tokens``. Every generated token's layer output is checked
 against fla-core run over the request's whole sequence; the maximum error is reported.
 
-    bazel run //tools/serve -- --kda_backend=auto
-    bazel run //tools/serve -- --spec_tokens=3 --num_requests=32 --max_batch=16
+    tools/kda serve [flags]            # bazel run //tools/serve -- [flags]
+    tools/kda serve --spec_tokens=3 --num_requests=32 --max_batch=16
     python3 -m tools.serve.serve --kda_backend=cutedsl --num_heads=16   # (GPU machine)
+
+Progress: a live bar on a terminal; a plain line every few seconds when stdout is a file or
+a log. Other packages' Python warnings show with ``-v 1`` only.
 
 Parameters come from a safetensors file with the Hugging Face Kimi-Linear names
 (``--checkpoint``); by default a seeded SYNTHETIC checkpoint of the real shapes is written once
@@ -39,7 +42,7 @@ from kda.testing import TOLERANCES
 from tools.serve import checkpoint as ckpt
 from tools.serve.layer import KdaLayer
 from tools import flags as _shared_flags  # noqa: F401  (defines --gate_mode)
-from tools.flags import STATE_DTYPES, user_path
+from tools.flags import STATE_DTYPES, quiet_third_party_warnings, run, user_path
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", "", "safetensors file with HF Kimi-Linear parameter names "
@@ -198,10 +201,12 @@ def _usage(msg: str):
 def main(argv):
     del argv
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    from tools.progress import ToolProgress
+
     console = Console()
+    quiet_third_party_warnings(FLAGS.verbosity)
     if FLAGS.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     elif FLAGS.device == "cuda" and not torch.cuda.is_available():
@@ -297,9 +302,8 @@ def main(argv):
     padded_rows = 0
     step = 0
     t_start = time.perf_counter()
-    with Progress(TextColumn("[bold]decode"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console) as bar:
-        task = bar.add_task("decode", total=total_tokens, info="")
+    with ToolProgress("decode", console) as bar:
+        task = bar.add_task("decode", total=total_tokens)
         while pending or active:
             # admit arrivals: prefill with fla-core, place state and window in the slot row
             while pending and pending[0].arrival <= step and len(active) < FLAGS.max_batch:
@@ -435,4 +439,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run(main)

@@ -95,3 +95,14 @@ def test_bench_flags_are_checked_when_parsed():
                 FLAGS(["bench", *bad])
         finally:
             FLAGS.unparse_flags()
+
+
+def test_default_tag_names_the_device_and_the_time():
+    """Without --tag the file is named by the device and the UTC date and time, so a rerun
+    never overwrites the last run's file."""
+    import datetime
+    t = datetime.datetime(2026, 12, 1, 17, 29, 43, tzinfo=datetime.timezone.utc)
+    assert bench.default_tag("NVIDIA H200", t) == "h200-20261201-172943"
+    assert bench.default_tag("Intel Xeon", t) == "Intel_Xeon-20261201-172943"
+    assert bench.default_tag("NVIDIA H200", t + datetime.timedelta(seconds=1)) != \
+        bench.default_tag("NVIDIA H200", t)

@@ -1,0 +1,77 @@
+"""tools/kda, the front door, run with stand-ins for bazel, apt-get and Python on PATH: what
+setup says before apt installs, the usage of a bare or wrong ``bench``, and ``test`` with
+flags only still testing every target."""
+
+import os
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+KDA = ROOT / "tools" / "kda"
+
+
+def _stub(dirpath: pathlib.Path, name: str, body: str) -> None:
+    p = dirpath / name
+    p.write_text("#!/bin/bash\n" + body + "\n")
+    p.chmod(0o755)
+
+
+@pytest.fixture
+def bin_dir(tmp_path):
+    """A PATH of the few real tools tools/kda uses, and a stand-in Python that has every
+    package (so setup installs none) and says where it is."""
+    d = tmp_path / "bin"
+    d.mkdir()
+    for tool in ("awk", "wc", "id", "sed", "dirname", "cat"):
+        os.symlink(shutil.which(tool), d / tool)
+    _stub(d, "python3", 'for a; do case "$a" in *sys.executable*) echo "$0";; esac; done; exit 0')
+    _stub(d, "sudo", '"$@"')
+    return d
+
+
+def _run(bin_dir, *args):
+    env = {"PATH": str(bin_dir), "HOME": str(bin_dir.parent), "LOG": str(bin_dir.parent / "log")}
+    return subprocess.run(["/bin/bash", str(KDA), *args], env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_setup_says_what_apt_installs_before_it_does(bin_dir):
+    _stub(bin_dir, "apt-get", 'echo "apt-get $*" >> "$LOG"\n'
+                              'case " $* " in *" -s "*) echo "Inst openjdk (1 Debian)";'
+                              ' echo "Inst bazel-bootstrap (4.2.3 Debian)";; esac')
+    res = _run(bin_dir, "setup")
+    assert res.returncode == 0, res.stderr
+    said = [line for line in res.stderr.splitlines() if line.startswith("[kda]")]
+    assert said[0].startswith("[kda] bazel is missing: installing Debian's bazel-bootstrap "
+                              "with apt-get as root"), said
+    assert "[kda] apt-get will install 2 packages: openjdk bazel-bootstrap" in said, said
+    calls = (bin_dir.parent / "log").read_text().splitlines()
+    assert calls[0] == "apt-get update -qq"
+    assert calls[1].startswith("apt-get install -s") and \
+        calls[2] == "apt-get install -y -qq bazel-bootstrap", calls
+
+
+def test_bench_without_a_backend_prints_its_usage(bin_dir):
+    res = _run(bin_dir, "bench")
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr == ("usage: tools/kda bench <reference|triton|cutedsl|cutedsl_wide|cuda|"
+                          "all> [flags]   (flags: tools/kda bench --help)\n")
+
+
+def test_bench_with_an_unknown_backend_names_it(bin_dir):
+    res = _run(bin_dir, "bench", "tensorrt", "--heads=4")
+    assert res.returncode == 2
+    assert res.stderr.startswith("tools/kda bench: unknown backend 'tensorrt'\nusage: ")
+
+
+def test_test_with_flags_only_still_tests_every_target(bin_dir):
+    _stub(bin_dir, "bazel", 'echo "bazel $*"')
+    res = _run(bin_dir, "test", "--test_output=all")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["bazel", "test", f"--repo_env=KDA_PYTHON={bin_dir}/python3",
+                                  "--test_output=all", "//..."]
+    res = _run(bin_dir, "test", "//tests/kda:config", "--test_output=all")
+    assert res.stdout.split()[-2:] == ["//tests/kda:config", "--test_output=all"]
