@@ -5,7 +5,8 @@
                          (use on the GPU machine, where every backend must run)
 --kda-matrix=ci|full     the conformance matrix: small shapes (CI, CPU) or the full one (GPU)
 --kda-device=cpu|cuda    device for the cases (default: cuda when available, else cpu)
---kda-shard=i/n          only every n-th conformance case, starting at case i (parallel runs)
+--kda-shard=i/n          only every n-th test, starting at test i (parallel runs; a Bazel
+                         target's shard_count sets it, tests/pytest_main.py)
 --kda-state-dtypes=a,b   the state pool dtypes the conformance cases run with (fp32, bf16;
                          default both)
 """
@@ -22,7 +23,8 @@ def pytest_addoption(parser):
     g.addoption("--kda-matrix", default="ci", choices=("ci", "full"),
                 help="conformance matrix size")
     g.addoption("--kda-device", default=None, choices=("cpu", "cuda"), help="device for the cases")
-    g.addoption("--kda-shard", default="0/1", help="i/n: only conformance cases i, i+n, i+2n, ...")
+    g.addoption("--kda-shard", default="0/1", help="i/n: only tests i, i+n, i+2n, ... (each "
+                "backend's tests dealt out evenly)")
     g.addoption("--kda-state-dtypes", default="fp32,bf16",
                 help="comma-separated state pool dtypes of the conformance cases (fp32, bf16)")
 
@@ -46,6 +48,32 @@ def state_dtypes_of(config):
         raise pytest.UsageError("--kda-state-dtypes expects names from fp32, bf16, got "
                                 f"{config.getoption('--kda-state-dtypes')!r}")
     return tuple(names)
+
+
+def pytest_collection_modifyitems(config, items):
+    """``--kda-shard=i/n``: keep every n-th test from test i. The tests are dealt out in order
+    of backend (``backend_name``) and test function, so that each shard gets its share of
+    every backend's and every function's tests (the Triton interpreter's are the slow ones).
+    Tests without a backend that share a parametrization (the CuTe DSL compile tests' kernel
+    configurations, compiled once for several checks) are dealt out together."""
+    i, n = shard_of(config)
+    if n == 1:
+        return
+    groups = {}
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        shared = spec is not None and "backend_name" not in spec.params
+        groups.setdefault(("id", spec.id) if shared else ("test", item.nodeid), []).append(item)
+
+    def order(key):
+        first = groups[key][0]
+        spec = getattr(first, "callspec", None)
+        backend = str(spec.params.get("backend_name", "")) if spec is not None else ""
+        return backend, getattr(first, "originalname", first.name)
+
+    keep = {id(item) for key in sorted(groups, key=order)[i::n] for item in groups[key]}
+    config.hook.pytest_deselected(items=[item for item in items if id(item) not in keep])
+    items[:] = [item for item in items if id(item) in keep]
 
 
 def pytest_configure(config):

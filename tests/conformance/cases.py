@@ -11,8 +11,12 @@ engine-facing forms (:func:`form_cases`).
 every layout x gate combination for every H and T, the other axes rotated through (the
 activated beta and the packed and offset rows among them), plus the forms of ``ci``.
 
-Both matrices run every case with each state pool dtype (:data:`STATE_DTYPES`: fp32 and
-bf16); ``--kda-state-dtypes`` picks a subset (the Bazel targets split the ci matrix by it).
+The ``full`` matrix runs every case with each state pool dtype (:data:`STATE_DTYPES`: fp32 and
+bf16). The ``ci`` matrix runs every case with an fp32 pool and the cases of :data:`CI_BF16`
+with a bf16 one: the state dtype changes only how a page is loaded and stored, which those
+cases reach on every path the CPU run has (each build the Triton policy picks at the
+interpreter's 4 SMs, record mode, per-token writes with null and aliasing ids, padded slot
+strides); the other axes do not meet the state's dtype. ``--kda-state-dtypes`` picks a subset.
 """
 
 import dataclasses
@@ -60,6 +64,18 @@ def ci_cases():
     return c + form_cases()
 
 
+#: The ``ci`` cases (indices into :func:`ci_cases`) that also run with a bf16 state pool, and
+#: what each reaches (Triton builds at the interpreter's 4 SMs, :mod:`kda.backends.triton.policy`):
+CI_BF16 = (
+    0,    # 1 item, no null slots: the item kernel split 4 ways (item_nv4)
+    1,    # T = 1, 20 items: the chunked kernel at T = 1 (chunked_w2_s3)
+    6,    # T = 2, padded slot strides, bias, bounded gate: the chunked kernel at T = 2 (chunked)
+    7,    # T = 5: the chunked kernel at T >= 3 (chunked_bv16), per-token writes, aliasing ids
+    9,    # T = 8, 3 items: the whole-item kernel (item_nv1)
+    12,   # T = 5 record mode: the state read, not written
+)
+
+
 def full_cases():
     heads = (1, 4, 8, 12, 16, 32, 96)
     Ts = (1, 2, 5, 8)
@@ -89,5 +105,10 @@ def with_state_dtypes(specs, state_dtypes=tuple(STATE_DTYPES)):
 
 
 def cases(matrix: str, state_dtypes=tuple(STATE_DTYPES)):
-    """The ``ci`` or ``full`` matrix, every case with each of ``state_dtypes``."""
-    return with_state_dtypes(ci_cases() if matrix == "ci" else full_cases(), state_dtypes)
+    """The ``ci`` or ``full`` matrix with each of ``state_dtypes``: every case, except that
+    ``ci`` runs only :data:`CI_BF16` with a bf16 pool."""
+    if matrix == "full":
+        return with_state_dtypes(full_cases(), state_dtypes)
+    ci = ci_cases()
+    return [c for i, spec in enumerate(ci) for c in with_state_dtypes([spec], state_dtypes)
+            if c.cfg.state_dtype == torch.float32 or i in CI_BF16]

@@ -11,20 +11,19 @@ dtype of ``--kda-state-dtypes`` (fp32 and bf16).
 
 import dataclasses
 
+import pytest
 import torch
 
 from kda.reference import reference_compute, reference_step
 from kda.testing import (CaseSpec, args_to, bits_equal, call_public, clone_args, compare_step,
                          expected_after, make_case, make_config, rel_err)
 from tests.conformance.cases import STATE_DTYPES, cases
-from tests.conftest import shard_of, state_dtypes_of
+from tests.conftest import state_dtypes_of
 
 
 def pytest_generate_tests(metafunc):  # noqa: D103 - pytest hook
     if "spec" in metafunc.fixturenames:
-        i, n = shard_of(metafunc.config)
-        cs = cases(metafunc.config.getoption("--kda-matrix"),
-                   state_dtypes_of(metafunc.config))[i::n]
+        cs = cases(metafunc.config.getoption("--kda-matrix"), state_dtypes_of(metafunc.config))
         metafunc.parametrize("spec", cs, ids=[c.id for c in cs])
     if "state_dtype" in metafunc.fixturenames:
         metafunc.parametrize("state_dtype", state_dtypes_of(metafunc.config))
@@ -59,11 +58,17 @@ def test_matches_reference(backend_name, spec, kda_device, require_backend):
 
 
 def test_repeatable(backend_name, state_dtype, kda_device, require_backend):
-    """Two runs on the same inputs give bit-identical results (no races)."""
+    """Two runs on the same inputs give bit-identical results (no races). Not under Triton's
+    CPU interpreter, which runs a launch's programs one after another: there is no race to
+    find, and the buffers a build keeps between launches are reused by
+    test_three_steps_back_to_back (the same build at T = 3), against the reference."""
+    from kda.backends.triton.backend import interpreter_enabled
     from tests.conformance.cases import ci_cases
     spec = _with_state(ci_cases()[7], state_dtype)
     cfg = spec.cfg
     require_backend(backend_name, cfg, kda_device)
+    if backend_name == "triton" and kda_device.type == "cpu" and interpreter_enabled():
+        pytest.skip("Triton's interpreter runs programs one at a time: no race to find")
     a1 = make_case(spec, kda_device)
     a2 = clone_args(a1)
     call_public(a1, cfg, backend_name)
@@ -86,12 +91,12 @@ def test_three_steps_back_to_back(backend_name, state_dtype, kda_device, require
     assert not errors, "\n".join(errors)
 
 
-def test_out_in_an_engine_buffer(backend_name, state_dtype, kda_device, require_backend):
+def test_out_in_an_engine_buffer(backend_name, kda_device, require_backend):
     """``out`` as an engine hands it: the first N rows of its [1, N_max, H, 128] attention
     output buffer viewed as [N, H*128], beside the packed projection's rows and an activated
-    beta; the buffer's rows past N are left alone."""
-    spec = _with_state(CaseSpec(make_config(4, 2, beta_act=True), R=3, packed=True, seed=41),
-                       state_dtype)
+    beta; the buffer's rows past N are left alone. (With an fp32 state pool only: what is
+    checked is where ``out`` is written, which the pool's dtype does not touch.)"""
+    spec = CaseSpec(make_config(4, 2, beta_act=True), R=3, packed=True, seed=41)
     cfg = spec.cfg
     require_backend(backend_name, cfg, kda_device)
     args = make_case(spec, kda_device)
