@@ -6,21 +6,17 @@ three of vLLM's KDA layer classes by subclasses, through vLLM's
 ``PluggableLayer.register_oot`` (keyed by the class's name): constructing vLLM's class then
 yields the subclass.
 
-=============  =========================================  ===========================================
-model          vLLM's class (module)                      the subclass
-=============  =========================================  ===========================================
-Kimi-Linear    ``KimiGatedDeltaNetAttention``             ``KdaKimiGatedDeltaNetAttention``
-               (``vllm.model_executor.layers.mamba.gdn.   (``kda.integrations._vllm_kimi_linear``);
-               kimi_gdn_linear_attn``; also Alice-AI)     registered when ``register`` runs
-Kimi-K3        ``KimiK3DeltaAttention``                   ``KdaKimiK3DeltaAttention``
-               (``vllm.models.kimi_k3.nvidia.kda``)       (``kda.integrations._vllm_kimi_k3``)
-GLM-5-Next     ``Glm5NextLinearAttention``                ``KdaGlm5NextLinearAttention``
-               (``vllm.models.glm5next.common.kda``)      (``kda.integrations._vllm_glm5next``)
-=============  =========================================  ===========================================
+* Kimi-Linear: ``KimiGatedDeltaNetAttention``
+  (``vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn``; Alice-AI's model uses it
+  too) -> ``KdaKimiGatedDeltaNetAttention`` (``kda.integrations._vllm_kimi_linear``);
+* Kimi-K3: ``KimiK3DeltaAttention`` (``vllm.models.kimi_k3.nvidia.kda``) ->
+  ``KdaKimiK3DeltaAttention`` (``kda.integrations._vllm_kimi_k3``);
+* GLM-5-Next: ``Glm5NextLinearAttention`` (``vllm.models.glm5next.common.kda``) ->
+  ``KdaGlm5NextLinearAttention`` (``kda.integrations._vllm_glm5next``).
 
-The Kimi-K3 and GLM-5-Next classes are registered when vLLM itself imports their module (an
-import hook on exactly those two module names; at once when they are already imported), so a
-process serving another model never imports them. Kimi-K3's is not registered on ROCm or TPU:
+Kimi-Linear's class is registered when ``register`` runs; the Kimi-K3 and GLM-5-Next classes
+when vLLM itself imports their module (an import hook on exactly those two module names; at
+once when they are already imported), so a process serving another model never imports them. Kimi-K3's is not registered on ROCm or TPU:
 there vLLM builds the class of the same name in ``vllm.models.kimi_k3.amd`` (or a plugin's),
 which a subclass of the NVIDIA class must not stand in for.
 
