@@ -1,75 +1,100 @@
-"""vLLM plugin: Kimi-Linear's KDA decode and speculative-verify batches through :class:`kda.KdaDecode`.
+"""vLLM plugin: the KDA decode and speculative-verify batches of vLLM's KDA layers through :class:`kda.KdaDecode`.
 
 Install this distribution next to vLLM 0.33 and vLLM loads :func:`register` from the
 ``vllm.general_plugins`` entry point (pyproject.toml) in every process. ``register`` replaces
-vLLM's ``KimiGatedDeltaNetAttention`` (the KDA layer of ``KimiLinearForCausalLM``, also used
-by ``AliceAIForCausalLM``) by a subclass, :class:`KdaKimiGatedDeltaNetAttention`, through
-vLLM's ``PluggableLayer.register_oot``: constructing vLLM's class then yields the subclass.
+three of vLLM's KDA layer classes by subclasses, through vLLM's
+``PluggableLayer.register_oot`` (keyed by the class's name): constructing vLLM's class then
+yields the subclass.
 
-What the subclass changes
--------------------------
-* ``forward`` runs vLLM's projections as vLLM does, except that it keeps ``f_a`` instead of
-  projecting it through ``f_b_proj`` (the op fuses that low-rank GEMM), and hands the slices of
-  the packed projection output to ``_kda_forward``, which, like vLLM's ``_forward``, is
-  decorated ``@eager_break_during_capture`` and writes into the caller's ``core_attn_out``
-  buffer in place: under vLLM's breakable CUDA graphs it is an eager segment (replayed with
-  weak references to the same buffers, deciding its path from the forward context each
-  replay); in FULL mode it is captured like vLLM's (FULL graphs hold uniform decode batches).
-* In ``_kda_forward``, a **pure-decode batch** (no spec config in the metadata, no prefills,
-  T=1, conv window 3) and a **uniform speculative-verify batch** (no prefills or plain
-  decodes, every request ``T = num_spec + 1`` tokens) run one :class:`kda.KdaDecode` on the
-  engine's own tensors: the q|k|v, beta and f_a slices of the packed projection (strided views,
-  no copy), ``f_b_proj.weight``, the conv cache (SD: vLLM's ``.transpose(-1, -2)`` view, DS:
-  as is), the state pool (fp32, or bf16 with ``--mamba-ssm-cache-dtype bfloat16``: the op
-  widens each page to fp32 and rounds each state written once to nearest even), the slot
-  table (null block 0) and ``num_accepted_tokens``. The op writes the gated-RMSNorm output
-  straight into ``core_attn_out``, so ``o_norm`` is skipped for those rows. Rows past
-  ``num_actual_tokens`` are left as vLLM leaves them (unused).
-* **Every other batch** (prefills, mixed batches, ragged spec batches, a plain decode batch of
-  a layer configured for speculative decoding, whose window vLLM shifts differently from the
-  op; see below) computes ``f_b_proj(f_a)`` and calls vLLM's own ``_forward`` body unchanged,
-  as does every call of a layer whose setup the op does not serve: a recurrent state other
-  than fp32 / bf16, a quantized ``f_b_proj``, ReplaySSM / RecoverSSM
-  (``cache_config.use_replayssm``), a non-bf16 model, arguments the op's validation refuses
-  (logged as a warning), ROCm unless a backend is named (the op's GPU backends target NVIDIA GPUs), and ``auto`` on a GPU
-  where it finds only the PyTorch ``reference`` backend. The first reason per layer is logged
-  once (logger ``"kda"``).
-* Nothing is copied except where vLLM hands a non-contiguous slot table (see
-  ``_slot_table``); nothing is read from the device on the host; the op never synchronizes.
-  The conv weight ``[3*dim, 1, 4]`` is re-laid out once to the op's ``[3, 4, dim]`` fp32
-  (in ``process_weights_after_loading``, which vLLM's loader calls after loading and
-  reloading weights, else lazily on first use) and cached on the layer; code that rewrites
-  ``conv1d.weight`` in place without vLLM's loader must call
-  ``layer.process_weights_after_loading()`` after it. One ``KdaDecode`` per layer per
-  configuration (T, window, conv layout, dtypes) is built on first use (vLLM's warm-up runs,
-  before CUDA-graph capture) and reused.
+* Kimi-Linear: ``KimiGatedDeltaNetAttention``
+  (``vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn``; Alice-AI's model uses it
+  too) -> ``KdaKimiGatedDeltaNetAttention`` (``kda.integrations._vllm_kimi_linear``);
+* Kimi-K3: ``KimiK3DeltaAttention`` (``vllm.models.kimi_k3.nvidia.kda``) ->
+  ``KdaKimiK3DeltaAttention`` (``kda.integrations._vllm_kimi_k3``);
+* GLM-5-Next: ``Glm5NextLinearAttention`` (``vllm.models.glm5next.common.kda``) ->
+  ``KdaGlm5NextLinearAttention`` (``kda.integrations._vllm_glm5next``).
 
-Why plain decode of a spec-configured layer falls back: with ``num_spec > 0`` the conv window
-holds ``L = 3 + num_spec`` positions. vLLM's T=1 conv update reads positions 0..2 and then
-shifts the whole window left by one (x lands at position L-1); the op's contract
-(docs/contract.md section 2) rewrites positions 0..2 only (x lands at position 2). The
-outputs agree but the windows would not, so such batches stay on vLLM's path.
+Kimi-Linear's class is registered when ``register`` runs; the Kimi-K3 and GLM-5-Next classes
+when vLLM itself imports their module (an import hook on exactly those two module names; at
+once when they are already imported), so a process serving another model never imports them. Kimi-K3's is not registered on ROCm or TPU:
+there vLLM builds the class of the same name in ``vllm.models.kimi_k3.amd`` (or a plugin's),
+which a subclass of the NVIDIA class must not stand in for.
 
-Choosing the backend
---------------------
-``--additional-config '{"kda_fused_decode_backend": "<name>"}'``, else ``$KDA_BACKEND``, else
-``auto``; ``<name>`` is one of :data:`kda.registry.CHOICES`. The choice and where it came
-from are logged once per process on the standard-library logger ``"kda"`` (INFO); an unknown
-name raises at layer construction (model build, i.e. at startup) listing the valid names.
-The key is deliberately not vLLM's ``kda_decode_backend``: vLLM 0.33's Kimi-K3 layer reads
-that key (also set by its ``--kda-decode-backend`` flag) and accepts only its own values
-(auto / native / flashinfer / triton), so a value of ours there would make K3 models fail and
-its ``triton`` would be ambiguous.
+What each subclass does
+-----------------------
+``forward`` runs vLLM's projections as vLLM does, except that it keeps ``f_a`` instead of
+projecting it through ``f_b_proj`` (the op fuses that low-rank GEMM), and hands the slices of
+the packed projection output to ``_kda_forward`` (``kda.integrations._vllm_layer``), which,
+like vLLM's ``_forward``, is decorated ``@eager_break_during_capture`` and writes into the
+caller's ``core_attn_out`` buffer in place. There:
 
-Kimi-K3 (``KimiK3DeltaAttention``) is not replaced: its layer is swappable by class name, but
-not cleanly. Its ``forward`` differs from Kimi-Linear's in ways an override would have to
-re-implement and track across releases: under CUDA-graph capture it computes the in-projection
-and the ``f_b`` GEMM together on an auxiliary stream (``run_kda_projection_overlap``), so
-``f_a`` never exists as a tensor; it has its own metadata class (RecoverSSM records,
-``spec_token_start``), a fused GEMM + reduce-scatter ``o_proj``, FP8 block-quantized
-projections, and its own decode-kernel choice (vLLM's native fused CUDA decode and FlashInfer,
-selected by ``kda_decode_backend``), which already fuse conv, gate, recurrence and norm for
-K3's head counts.
+* a **pure-decode batch** (no prefill, no speculative request) and a **uniform
+  speculative-verify batch** (no prefill or plain decode, every request
+  ``T = num_speculative_tokens + 1`` tokens) run one ``KdaDecode`` step on vLLM's own tensors:
+  the q|k|v, beta and f_a column slices of the packed projection (no copy), the output gate,
+  ``f_b_proj.weight``, the conv cache (SD: vLLM's ``.transpose(-1, -2)`` view, DS: as is), the
+  state pool (fp32 or bf16), the slot table (null block 0) and ``num_accepted_tokens``. The
+  op writes the gated-RMSNorm output into ``core_attn_out``, so ``o_norm`` is skipped. It
+  serves exactly the requests vLLM's kernels would (the rows past them are left as vLLM
+  leaves them, unused);
+* **every other batch** computes ``f_b_proj(f_a)`` and calls vLLM's own ``_forward`` body
+  (and GLM-5-Next's ``o_norm``, which vLLM applies after it) unchanged: prefill and mixed
+  batches, ragged speculative batches (requests with fewer drafts than configured, dynamic
+  speculation), plain decodes beside speculative ones. Each reason is logged once per model
+  (logger ``"kda"``, INFO), and ``layer.kda_last_path`` says which path the last call took.
+
+A layer whose setup the op does not serve runs vLLM's own ``forward`` for every batch, the
+reason logged once: a recurrent state other than fp32 / bf16, a quantized ``f_b_proj``,
+ReplaySSM / RecoverSSM, a model dtype other than bf16, a head dim other than 128 or conv
+other than 4 taps, ROCm unless a backend is named (the op's GPU backends target NVIDIA GPUs).
+Arguments the op's validation refuses (logged as a warning) and ``auto`` finding only the
+PyTorch ``reference`` on a GPU leave that configuration on vLLM's path.
+
+How each model maps onto the op (docs/contract.md)
+-------------------------------------------------
+* **Kimi-Linear**: softplus gate (``lower_bound=None``) or, with ``gate_lower_bound`` in its
+  config, the bounded gate; output gate ``g_b_proj(g_a_proj(h))`` (or the full-rank slice of
+  the packed projection), computed as vLLM does and passed as ``output_gate``; beta raw logits;
+  ``o_norm.eps``. The layer's ``get_state_dtype`` here passes ``--mamba-ssm-cache-dtype``
+  through (vLLM 0.33's class drops it, so its pool stayed fp32 while the model's
+  ``get_mamba_state_dtype_from_config`` said bf16): ``bfloat16`` gives a bf16 pool, on vLLM's
+  path too.
+* **Kimi-K3**: the bounded gate with the config's ``gate_lower_bound`` (softplus without one),
+  the full-rank output-gate slice of the packed projection, beta raw logits, ``o_norm.eps``.
+  Under CUDA-graph capture vLLM computes the in-projection and the ``f_b`` GEMM on an
+  auxiliary stream (TP 8); the subclass computes the in-projection alone (the op fuses the
+  ``f_b`` GEMM) and, on vLLM's path, ``f_b_proj(f_a)`` inside the eager segment. Its
+  ``gemm_rs_ar`` ``o_proj`` is kept. With ``auto``, decode / verify batches for which vLLM
+  chose its FlashInfer kernels (SM100 family) stay there: the op was not measured against
+  them (name a backend to use the op). With adaptive verification, vLLM trims each request's
+  drafts on the device, so the host cannot know that a batch is uniform: verify batches stay
+  on vLLM's path. RecoverSSM (``--use-replayssm``) keeps the layer on vLLM's path.
+* **GLM-5-Next**: the bounded gate ``linear_lower_bound * sigmoid(exp(A_log) * (f_b(f_a) +
+  dt_bias))`` (vLLM's kernels have no other gate); ``A_log`` ``[1, 1, H, 1]`` viewed as
+  ``[H]``; the separate q / k / v conv weights laid out once as the op's ``[3, 4, dim]``; the
+  output gate ``g_b_proj(g_a)``, a low-rank projection computed as vLLM does and passed as
+  ``output_gate``; beta raw logits; ``o_norm.eps``. A lower bound outside the contract's
+  [-5, 0) stays on vLLM's path (the op's validation refuses it, logged).
+
+The conv weight is re-laid out once to the op's ``[3, 4, dim]`` fp32 (in
+``process_weights_after_loading``, which vLLM's loader calls after loading and reloading
+weights, else lazily on first use) and cached on the layer; code that rewrites a conv weight
+in place without vLLM's loader must call ``layer.process_weights_after_loading()`` after it.
+One ``KdaDecode`` per layer and configuration (T, window, conv layout, dtypes) is built on
+first use (vLLM's warm-up runs, before CUDA-graph capture) and reused. Nothing is copied
+except a non-contiguous slot table (a column slice of vLLM's block table: R or R*T int32);
+nothing is read from the device on the host; the op never synchronizes.
+
+Choosing the backend (one setting per process)
+----------------------------------------------
+``--additional-config '{"kda_fused_decode_backend": "<value>"}'``, else ``$KDA_BACKEND``, else
+``auto``. ``<value>`` is one of :data:`kda.registry.CHOICES` or ``"vllm"``, which keeps every
+KDA layer of the process on vLLM's own path. The choice and where it came from are logged
+once per process (logger ``"kda"``, INFO); any other value raises at layer construction
+(model build, i.e. startup) listing the valid values. The key is deliberately not vLLM's
+``kda_decode_backend`` / ``kda_spec_decode_backend``: Kimi-K3's layer reads those (auto /
+native / flashinfer / triton) and they keep that meaning, choosing vLLM's kernel wherever
+vLLM's path runs.
 
 Environment: vLLM 0.33.0. Tests: ``tools/vllm/run_tests.sh`` (tests/integrations/test_vllm.py).
 This module imports vLLM only inside functions, so ``import kda.integrations.vllm`` works
@@ -78,24 +103,53 @@ without vLLM; ``import kda`` never imports this module.
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
 import logging
 import os
+import sys
 import threading
-from typing import Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 #: The ``--additional-config`` key that picks the backend.
 CONFIG_KEY = "kda_fused_decode_backend"
-#: vLLM's name of the class replaced (the ``op_registry_oot`` key: the class's ``__name__``).
-VLLM_CLASS = "KimiGatedDeltaNetAttention"
+#: The setting's value that keeps every KDA layer on vLLM's own path.
+VLLM_PATH = "vllm"
 
 _log = logging.getLogger("kda")
 _lock = threading.RLock()
 _registered = False
-_layer_class = None
 _logged: set = set()
 
 
-def _log_once(key, level: int, msg: str, *args) -> None:
+class Model(NamedTuple):
+    """One vLLM KDA layer class the plugin replaces."""
+
+    name: str            # the model's name in logs and docs
+    vllm_module: str     # where vLLM defines the class
+    vllm_class: str      # its name: the ``op_registry_oot`` key
+    module: str          # where the subclass is defined
+    cls: str             # the subclass's name
+    deferred: bool       # registered when vLLM imports ``vllm_module`` (else in ``register``)
+
+
+#: The replaced classes, by model.
+MODELS: Dict[str, Model] = {
+    "Kimi-Linear": Model("Kimi-Linear", "vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn",
+                         "KimiGatedDeltaNetAttention", "kda.integrations._vllm_kimi_linear",
+                         "KdaKimiGatedDeltaNetAttention", deferred=False),
+    "Kimi-K3": Model("Kimi-K3", "vllm.models.kimi_k3.nvidia.kda", "KimiK3DeltaAttention",
+                     "kda.integrations._vllm_kimi_k3", "KdaKimiK3DeltaAttention", deferred=True),
+    "GLM-5-Next": Model("GLM-5-Next", "vllm.models.glm5next.common.kda", "Glm5NextLinearAttention",
+                        "kda.integrations._vllm_glm5next", "KdaGlm5NextLinearAttention",
+                        deferred=True),
+}
+#: vLLM's name of Kimi-Linear's class (kept for callers of the first plugin version).
+VLLM_CLASS = MODELS["Kimi-Linear"].vllm_class
+
+
+def log_once(key, level: int, msg: str, *args) -> None:
+    """Log ``msg % args`` on the ``"kda"`` logger the first time ``key`` is seen in this process."""
     with _lock:
         if key in _logged:
             return
@@ -103,311 +157,190 @@ def _log_once(key, level: int, msg: str, *args) -> None:
     _log.log(level, msg, *args)
 
 
+def setting_values() -> Tuple[str, ...]:
+    """The valid values of the setting: :data:`kda.registry.CHOICES` and :data:`VLLM_PATH`."""
+    from kda import registry
+    return registry.CHOICES + (VLLM_PATH,)
+
+
 def backend_choice(additional_config=None) -> Tuple[str, str]:
-    """The backend name the plugin asks :class:`kda.KdaDecode` for, and where it came from.
+    """The setting's value for this process, and where it came from.
 
     Order: ``additional_config[CONFIG_KEY]`` (vLLM's ``--additional-config``), then
-    ``$KDA_BACKEND``, then ``"auto"``. Logs the choice once per process (logger ``"kda"``).
+    ``$KDA_BACKEND``, then ``"auto"``. The value is a backend name for :class:`kda.KdaDecode`
+    or :data:`VLLM_PATH` (every layer on vLLM's path). Logs the choice once per process
+    (logger ``"kda"``).
 
     Raises:
-      kda.KdaBackendError: the name is not one of :data:`kda.registry.CHOICES` (the message
-        lists them).
+      kda.KdaBackendError: the value is not one of :func:`setting_values` (the message names
+        the setting, lists the valid values and shows the value given).
     """
     from kda import registry
+    from kda.errors import KdaBackendError
     if isinstance(additional_config, dict) and additional_config.get(CONFIG_KEY) is not None:
         name, source = additional_config[CONFIG_KEY], f"--additional-config {CONFIG_KEY}"
     elif os.environ.get(registry.ENV_VAR, "").strip():
         name, source = os.environ[registry.ENV_VAR].strip(), f"${registry.ENV_VAR}"
     else:
         name, source = "auto", "default"
-    registry.check_choice(name, source)
-    _log_once(("choice", name, source), logging.INFO,
-              "vLLM plugin: KDA fused decode backend %r (from %s). Pure-decode and uniform "
-              "speculative-verify batches of vLLM's Kimi-Linear KDA layers run kda.KdaDecode; "
-              "every other batch runs vLLM's own path.", name, source)
+    valid = setting_values()
+    if not isinstance(name, str) or name not in valid:
+        raise KdaBackendError(f"vLLM plugin: unknown value {name!r} for {source}: expected one "
+                              f"of {', '.join(valid)} ({VLLM_PATH!r} keeps vLLM's own path)")
+    if name == VLLM_PATH:
+        log_once(("choice", name, source), logging.INFO,
+                 "vLLM plugin: %s %r (from %s): every KDA layer runs vLLM's own path.",
+                 CONFIG_KEY, name, source)
+    else:
+        log_once(("choice", name, source), logging.INFO,
+                 "vLLM plugin: KDA fused decode backend %r (from %s). Pure-decode and uniform "
+                 "speculative-verify batches of vLLM's Kimi-Linear, Kimi-K3 and GLM-5-Next KDA "
+                 "layers run kda.KdaDecode; every other batch runs vLLM's own path.",
+                 name, source)
     return name, source
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: replace vLLM's Kimi-Linear KDA layer class.
+    """The ``vllm.general_plugins`` entry point: replace vLLM's KDA layer classes (:data:`MODELS`).
 
-    Idempotent: a second call in a process (vLLM loads general plugins once per process, but
-    tests and manual calls may repeat it) finds the class in vLLM's ``op_registry_oot`` and
-    does nothing. When another plugin already registered a replacement for the class, that
-    one is kept and a warning is logged.
+    Kimi-Linear's class is registered at once; Kimi-K3's and GLM-5-Next's when vLLM imports
+    their module (at once if it already has). Idempotent: a second call in a process (vLLM
+    loads general plugins once per process, but tests and manual calls may repeat it) does
+    nothing. When another plugin already registered a replacement for a class, that one is
+    kept and a warning is logged. A model whose subclass cannot be built (its vLLM module
+    fails to import) is left to vLLM, with a warning.
     """
     global _registered
     with _lock:
         if _registered:
             return
-        from vllm.model_executor.custom_op import op_registry_oot
-        from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import (
-            KimiGatedDeltaNetAttention)
-        cls = layer_class()
-        current = op_registry_oot.get(VLLM_CLASS)
-        if current is None:
-            KimiGatedDeltaNetAttention.register_oot(cls)
-        elif current is not cls and not getattr(current, "_kda_plugin", False):
-            _log.warning("vLLM plugin: %s is already replaced by %s.%s; the KDA plugin leaves it",
-                         VLLM_CLASS, current.__module__, current.__qualname__)
         _registered = True
-    _log_once(("registered",), logging.INFO,
-              "vLLM plugin: %s -> %s.%s", VLLM_CLASS, __name__, cls.__qualname__)
+        for model in MODELS.values():
+            if model.deferred and model.vllm_module not in sys.modules:
+                _hook().add(model)
+            else:
+                _register_model(model)
 
 
-def layer_class():
-    """The subclass of vLLM's ``KimiGatedDeltaNetAttention`` (built on first call; needs vLLM)."""
-    global _layer_class
-    with _lock:
-        if _layer_class is None:
-            _layer_class = _build_layer_class()
-        return _layer_class
+def layer_class(model: str = "Kimi-Linear"):
+    """The subclass that replaces ``model``'s vLLM layer class (imports it, and vLLM's).
+
+    Raises:
+      KeyError: ``model`` is not one of :data:`MODELS` (the message lists them).
+    """
+    if model not in MODELS:
+        raise KeyError(f"unknown model {model!r}; expected one of {', '.join(MODELS)}")
+    spec = MODELS[model]
+    return getattr(importlib.import_module(spec.module), spec.cls)
 
 
 def __getattr__(name):
-    # ``kda.integrations.vllm.KdaKimiGatedDeltaNetAttention`` (e.g. for pickling by reference)
-    if name == "KdaKimiGatedDeltaNetAttention":
-        return layer_class()
+    # ``kda.integrations.vllm.KdaKimiGatedDeltaNetAttention`` etc.
+    for model in MODELS.values():
+        if name == model.cls:
+            return layer_class(model.name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _build_layer_class():
-    import torch
-    from einops import rearrange
-    from vllm.compilation.breakable_cudagraph import eager_break_during_capture
-    from vllm.forward_context import get_forward_context
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import (
-        KimiGatedDeltaNetAttention)
-    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+def _skip_reason(model: Model) -> Optional[str]:
+    if model.name != "Kimi-K3":
+        return None
     from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+    if current_platform.is_rocm() or current_platform.device_type == "tpu":
+        return (f"on {current_platform.device_type} vLLM builds its own class named "
+                f"{model.vllm_class}, not the NVIDIA one the plugin's subclass derives from")
+    return None
 
-    import kda
-    from kda.errors import KdaArgumentError
 
-    # vLLM's ``_forward`` body without its decorator: our ``_kda_forward`` carries the
-    # decorator, so the fallback must not open a second eager segment inside it.
-    vllm_forward_body = getattr(KimiGatedDeltaNetAttention._forward, "__wrapped__",
-                                KimiGatedDeltaNetAttention._forward)
+def _register_model(model: Model) -> None:
+    """Register ``model``'s subclass with vLLM (imports both); never raises."""
+    try:
+        why = _skip_reason(model)
+        if why is not None:
+            log_once(("skip", model.name), logging.INFO,
+                     "vLLM plugin: %s's layer is not replaced: %s", model.name, why)
+            return
+        from vllm.model_executor.custom_op import op_registry_oot
+        vllm_cls = getattr(importlib.import_module(model.vllm_module), model.vllm_class)
+        cls = layer_class(model.name)
+    except Exception as e:  # noqa: BLE001 - a plugin must not break vLLM's import of a model
+        _log.warning("vLLM plugin: %s's layer stays vLLM's: %s: %s", model.name,
+                     type(e).__name__, e)
+        return
+    with _lock:
+        current = op_registry_oot.get(model.vllm_class)
+        if current is None:
+            vllm_cls.register_oot(cls)
+        elif current is not cls:
+            _log.warning("vLLM plugin: %s is already replaced by %s.%s; the KDA plugin leaves it",
+                         model.vllm_class, current.__module__, current.__qualname__)
+            return
+    log_once(("registered", model.name), logging.INFO, "vLLM plugin: %s (%s) -> %s.%s",
+             model.vllm_class, model.name, cls.__module__, cls.__qualname__)
 
-    class KdaKimiGatedDeltaNetAttention(KimiGatedDeltaNetAttention):
-        """vLLM's Kimi-Linear KDA layer whose decode / verify batches run :class:`kda.KdaDecode`.
 
-        See the module docstring. Attributes for inspection: ``kda_backend`` (the requested
-        name), ``kda_enabled`` (False: always vLLM's path), ``kda_last_path`` ("kda" or
-        "vllm: <reason>", the path of the last call), ``kda_steps`` ({KdaConfig: KdaDecode}).
-        """
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Registers a model's subclass right after the import system runs its vLLM module.
 
-        _kda_plugin = True
+    Only the modules of :meth:`add` are touched: their spec comes from the finders after this
+    one, with a loader that runs the module's own loader and then :func:`_register_model`.
+    """
 
-        def __init__(self, config, vllm_config, prefix: str = "") -> None:
-            # Before anything is registered under ``prefix``: an unknown name fails here.
-            backend, source = backend_choice(getattr(vllm_config, "additional_config", None))
-            super().__init__(config, vllm_config, prefix)
-            self.kda_backend: str = backend
-            self._kda_backend_named = source != "default"
-            self.kda_enabled: bool = True
-            self.kda_last_path: Optional[str] = None
-            self.kda_steps: dict = {}
-            self._kda_conv_weight: Optional[torch.Tensor] = None
-            self._kda_refused: dict = {}      # KdaConfig -> reason the op refused it
+    def __init__(self):
+        self._pending: Dict[str, Model] = {}
 
-        # ---- weights -------------------------------------------------------------------
-        def process_weights_after_loading(self, act_dtype=None) -> None:
-            """Called by vLLM's loader after (re)loading weights: re-lay out the conv weight."""
-            parent = getattr(super(), "process_weights_after_loading", None)
-            if parent is not None:
-                parent(act_dtype)
-            self._kda_conv_weight = self._kda_relayout_conv_weight()
+    def add(self, model: Model) -> None:
+        self._pending[model.vllm_module] = model
 
-        def _kda_relayout_conv_weight(self) -> torch.Tensor:
-            # [3*dim, 1, 4] (q|k|v channels, tap last) -> [3, 4, dim] fp32 contiguous
-            w = self.conv1d.weight.detach()
-            dim = self.local_projection_size
-            return w.view(3, dim, w.shape[-1]).permute(0, 2, 1).to(torch.float32).contiguous()
+    def pending(self) -> Tuple[str, ...]:
+        """The module names still waited for."""
+        return tuple(self._pending)
 
-        # ---- forward -------------------------------------------------------------------
-        def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            if not self.kda_enabled:
-                self.kda_last_path = "vllm: disabled (kda_enabled=False)"
-                return super().forward(hidden_states, positions)
-            # vLLM's forward up to f_b_proj, which the op fuses (it takes f_a).
-            num_tokens = hidden_states.size(0)
-            projected = self.in_proj_qkvgfab(hidden_states)[0]
-            dim, H, D = self.local_projection_size, self.local_num_heads, self.head_dim
-            if self.use_full_rank_gate:
-                sizes = [3 * dim, dim, D, H] + ([self.in_proj_padding] if self.in_proj_padding
-                                                 else [])
-                mixed_qkv, g_proj_states, f_a, beta = projected.split(sizes, dim=-1)[:4]
-            else:
-                mixed_qkv, beta, f_a = projected.split([3 * dim, H, D], dim=-1)
-                g_proj_states = self.g_b_proj(self.g_a_proj(hidden_states)[0])[0]
-            core_attn_out = torch.empty((1, num_tokens, H, D), dtype=hidden_states.dtype,
-                                        device=hidden_states.device)
-            self._kda_forward(mixed_qkv=mixed_qkv, f_a=f_a, g_proj_states=g_proj_states,
-                              beta=beta, core_attn_out=core_attn_out)
-            core_attn_out = rearrange(core_attn_out, "1 n h d -> n (h d)")
-            return self.o_proj(core_attn_out)[0]
-
-        @eager_break_during_capture
-        def _kda_forward(self, mixed_qkv: torch.Tensor, f_a: torch.Tensor,
-                         g_proj_states: torch.Tensor, beta: torch.Tensor,
-                         core_attn_out: torch.Tensor) -> None:
-            """Writes ``core_attn_out`` in place: the op's normed output, or vLLM's path."""
-            why = self._kda_try_step(mixed_qkv, f_a, g_proj_states, beta, core_attn_out)
-            if why is None:
-                self.kda_last_path = "kda"
-                return
-            self.kda_last_path = f"vllm: {why}"
-            # vLLM's path, exactly as its forward would have called it.
-            g1 = rearrange(self.f_b_proj(f_a)[0], "n (h d) -> 1 n h d", d=self.head_dim)
-            g2 = rearrange(g_proj_states, "... (h d) -> ... h d", d=self.head_dim)
-            vllm_forward_body(self, mixed_qkv=mixed_qkv, g1=g1, g2=g2, beta=beta.unsqueeze(0),
-                              core_attn_out=core_attn_out)
-
-        # ---- the op's path -------------------------------------------------------------
-        def _kda_static_reason(self, mixed_qkv, conv_state, state) -> Optional[str]:
-            """Why this layer's setup is not the op's (None when it is). Host metadata only."""
-            if current_platform.is_rocm() and not self._kda_backend_named:
-                return ("ROCm: the op's GPU backends are built for NVIDIA GPUs (name one with "
-                        f"{CONFIG_KEY} to try anyway)")
-            cache = self.cache_config
-            if cache is not None and (getattr(cache, "use_replayssm", False)
-                                      or getattr(cache, "use_kda_recoverssm", False)):
-                return "ReplaySSM / RecoverSSM"
-            if self.head_dim != kda.HEAD_DIM or self.conv_size != 4:
-                return f"head_dim {self.head_dim} / conv size {self.conv_size} (op: 128 / 4)"
-            if mixed_qkv.dtype != torch.bfloat16:
-                return f"activations in {mixed_qkv.dtype} (op: bf16)"
-            if state.dtype not in (torch.float32, torch.bfloat16):
-                return f"recurrent state in {state.dtype} (op: fp32 or bf16)"
-            if conv_state.dtype not in (torch.bfloat16, torch.float32):
-                return f"conv state in {conv_state.dtype} (op: bf16 or fp32)"
-            fb = self.f_b_proj
-            if not isinstance(getattr(fb, "quant_method", None), UnquantizedLinearMethod) \
-                    or fb.weight.dtype != torch.bfloat16:
-                return "quantized f_b_proj"
-            norm = self.o_norm
-            if getattr(norm, "activation", None) != "sigmoid" or norm.weight is None \
-                    or norm.weight.dtype not in (torch.bfloat16, torch.float32):
-                return "o_norm is not a sigmoid-gated RMSNorm with a bf16/fp32 weight"
-            bias = self.conv1d.bias
-            if bias is not None and bias.dtype != torch.float32:
-                return f"conv bias in {bias.dtype} (op: fp32)"
+    def find_spec(self, fullname, path, target=None):
+        model = self._pending.get(fullname)
+        if model is None:
             return None
-
-        def _kda_try_step(self, mixed_qkv, f_a, g_proj_states, beta, core_attn_out
-                          ) -> Optional[str]:
-            """Run the op when the batch and layer are its; else return why not (nothing
-            written then). Reads host-side metadata only."""
-            attn_metadata = get_forward_context().attn_metadata
-            if attn_metadata is None:
-                return "no attention metadata (profile / warm-up run)"
-            m = attn_metadata.get(self.prefix) if isinstance(attn_metadata, dict) else None
-            if not isinstance(m, GDNAttentionMetadata):
-                return "no GDN metadata for this layer"
-            conv_state, state = self.kv_cache[0], self.kv_cache[1]
-            # Same view as vLLM's _forward: the SD cache [slots, L, 3*dim] becomes
-            # [slots, 3*dim, L] with strides [s, 1, 3*dim]; DS is already [slots, 3*dim, L].
-            if not is_conv_state_dim_first():
-                conv_state = conv_state.transpose(-1, -2)
-            why = self._kda_static_reason(mixed_qkv, conv_state, state)
-            if why is not None:
-                _log_once(("static", self.prefix, why), logging.INFO,
-                          "vLLM plugin: %s stays on vLLM's path: %s", self.prefix, why)
-                return why
-
-            N = m.num_actual_tokens
-            if m.num_prefills != 0:
-                return "prefill or mixed batch"
-            if m.spec_sequence_masks is None:
-                # pure decode (vLLM's "pure-decode non-spec batch" branch)
-                T, nacc = 1, None
-                if conv_state.shape[-1] != 3:
-                    return (f"plain decode with a conv window of {conv_state.shape[-1]} "
-                            f"(num_spec={self.num_spec}): vLLM shifts the whole window")
-                idx = m.non_spec_state_indices_tensor
-                if idx is None or idx.dim() != 1 or idx.shape[0] < N:
-                    return "no slot table for every token row"
-                idx = idx[:N]
-            else:
-                # speculative verify: only when every request has T = num_spec + 1 rows
-                T = self.num_spec + 1
-                if m.num_decodes != 0:
-                    return "plain decodes beside spec decodes"
-                if m.uniform_spec_sequence_length != T \
-                        or m.num_spec_decode_tokens != m.num_spec_decodes * T:
-                    return f"ragged speculative batch (not every request has {T} tokens)"
-                idx, nacc = m.spec_state_indices_tensor, m.num_accepted_tokens
-                if N % T != 0 or idx is None or nacc is None or idx.dim() != 2 \
-                        or idx.shape[1] != T:
-                    return "speculative metadata not [R, T] for every token row"
-                R = N // T
-                # Rows past num_spec_decodes exist only in FULL-graph staging, where vLLM
-                # fills them with the null block and accepted count 1 (gdn_attn.py).
-                if idx.shape[0] < R or nacc.shape[0] < R:
-                    return "speculative slot table shorter than the token rows"
-                idx, nacc = idx[:R], nacc[:R]
-                if not nacc.is_contiguous():
-                    nacc = nacc.contiguous()
-            if N == 0:
-                return None
-            idx = self._slot_table(idx)
-
-            dim = self.local_projection_size
-            x, beta, f_a = mixed_qkv[:N], beta[:N], f_a[:N]
-            gate = g_proj_states[:N]
-            out = core_attn_out.view(core_attn_out.shape[1], dim)[:N]
-            cfg = kda.KdaConfig(
-                num_heads=self.local_num_heads, T=T, window=conv_state.shape[-1],
-                conv_layout="SD" if conv_state.stride(-2) == 1 else "DS",
-                lower_bound=self.gate_lower_bound, has_conv_bias=self.conv1d.bias is not None,
-                norm_eps=float(self.o_norm.eps), conv_state_dtype=conv_state.dtype,
-                conv_weight_dtype=torch.float32, norm_weight_dtype=self.o_norm.weight.dtype,
-                state_dtype=state.dtype)
-            if cfg in self._kda_refused:
-                return self._kda_refused[cfg]
-            step = self.kda_steps.get(cfg)
-            if step is None:
-                # Built once per (layer, configuration); a backend that cannot serve it
-                # (an explicitly named one on the wrong GPU) raises here, at warm-up.
-                step = kda.KdaDecode(cfg, device=x.device, backend=self.kda_backend)
-                if (x.device.type == "cuda" and self.kda_backend == "auto"
-                        and step.backend_name == "reference"):
-                    why = ("auto found no GPU backend for this GPU (only the PyTorch "
-                           "reference, slower than vLLM's kernels)")
-                    self._kda_refused[cfg] = why
-                    _log.warning("vLLM plugin: %s stays on vLLM's path for %s: %s",
-                                 self.prefix, cfg.short(), why)
-                    return why
-                self.kda_steps[cfg] = step
-            if self._kda_conv_weight is None or self._kda_conv_weight.device != x.device:
-                self._kda_conv_weight = self._kda_relayout_conv_weight()
-            try:
-                step(x, self._kda_conv_weight, self.conv1d.bias, conv_state, f_a,
-                     self.f_b_proj.weight, beta, self.A_log, self.dt_bias, state, idx, gate,
-                     self.o_norm.weight, num_accepted_tokens=nacc, out=out)
-            except KdaArgumentError as e:
-                # Validation runs before anything is written: vLLM's path is still exact.
-                why = f"the op refused the arguments: {e}"
-                self._kda_refused[cfg] = why
-                _log.warning("vLLM plugin: %s stays on vLLM's path for %s: %s", self.prefix,
-                             cfg.short(), e)
-                return why
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                break
+        else:
             return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        del self._pending[fullname]
+        spec.loader = _ThenRegister(spec.loader, model)
+        return spec
 
-        @staticmethod
-        def _slot_table(idx: torch.Tensor) -> torch.Tensor:
-            # vLLM hands column slices of its block table (``block_table[:, 0]`` for decode,
-            # ``block_table[:n, :num_spec + 1]`` for verify): non-contiguous whenever the
-            # table is wider (spec decoding, prefix caching). The op wants a contiguous
-            # int32 table, so only then is it copied (R or R*T int32 on the device; the
-            # FULL-graph staging buffers are already contiguous and are used as they are).
-            if idx.dtype != torch.int32:
-                idx = idx.to(torch.int32)
-            return idx if idx.is_contiguous() else idx.contiguous()
 
-    KdaKimiGatedDeltaNetAttention.__module__ = __name__
-    KdaKimiGatedDeltaNetAttention.__qualname__ = "KdaKimiGatedDeltaNetAttention"
-    return KdaKimiGatedDeltaNetAttention
+class _ThenRegister(importlib.abc.Loader):
+    """A module loader that, after the real one executed the module, registers ``model``."""
+
+    def __init__(self, loader, model: Model):
+        self._loader = loader
+        self._model = model
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _register_model(self._model)
+
+    def __getattr__(self, name):      # get_source, get_filename, is_package, ...
+        return getattr(self._loader, name)
+
+
+_finder: Optional[_RegisterOnImport] = None
+
+
+def _hook() -> _RegisterOnImport:
+    global _finder
+    with _lock:
+        if _finder is None:
+            _finder = _RegisterOnImport()
+            sys.meta_path.insert(0, _finder)
+        return _finder

@@ -3,45 +3,60 @@
 Run with ``tools/vllm/run_tests.sh``: it builds an isolated virtual environment with
 vllm==0.33.0 and runs this file. Without vLLM every test here is skipped.
 
-How vLLM runs here. vLLM's Kimi-Linear layer is built for real (``KimiGatedDeltaNetAttention``
-with random weights at Kimi-Linear-48B's per-rank shapes: hidden 2304, H = 8 (TP 4) or 4 (TP 8)
-heads), its caches bound through its own ``bind_kv_cache`` (one raw int8 page per slot, padded),
-and its ``forward`` called under vLLM's forward context with ``GDNAttentionMetadata`` as vLLM's
-metadata builder lays it out (slot tables as column slices of a block table, FULL-graph-style
-padding rows with the null block). Its Triton kernels (conv update, packed decode, fused
-recurrent verify, chunked prefill, gated RMSNorm) run in Triton's CPU interpreter, which needs:
+How vLLM runs here. Each model's KDA layer is built for real (``KimiGatedDeltaNetAttention``,
+``KimiK3DeltaAttention``, ``Glm5NextLinearAttention``; small hidden size, the per-rank head
+counts of the real checkpoints at TP 8 and TP 1, random weights) under a real ``VllmConfig``
+(a ``ModelConfig`` read from a config.json written here, the ``CacheConfig`` with the state
+dtype, an n-gram ``SpeculativeConfig`` for verify). Its caches come from vLLM's own cache-spec
+path (``layer.get_kv_cache_spec`` -> one raw int8 page per slot, padded -> vLLM's
+``bind_kv_cache_to_layers``); its metadata from vLLM's own builders (``GDNAttentionMetadata
+Builder`` for Kimi-Linear and GLM-5-Next, ``KimiK3KDAMetadataBuilder`` for Kimi-K3) from a
+``CommonAttentionMetadata``, FULL-graph staging included where the builder stages on a CPU.
+The layer's ``forward`` runs under vLLM's forward context; vLLM's Triton kernels (conv update,
+packed decode, fused recurrent verify, gated RMSNorm) run in Triton's CPU interpreter, which
+needs:
 
 * ``CUDA_VISIBLE_DEVICES=""`` and ``TRITON_INTERPRET=1`` before vLLM is imported (else vLLM's
   Triton import check finds no driver and replaces every kernel with a placeholder);
 * vLLM's platform then is ``UnspecifiedPlatform`` (not ``cpu``: vLLM's CPU platform swaps the
   conv update for a C++ op that its CUDA wheel does not ship);
 * a single-process gloo "distributed" init (the layer asks for its TP rank);
-* a rebinding of ``exp`` / ``log`` in vLLM's ``fused_recurrent`` module to jit functions (the
-  module aliases ``tl.exp`` at import time, which the interpreter rejects);
-* Triton 3.8 (3.6's interpreter fails on the varlen conv update of the verify path).
+* a rebinding of ``exp`` / ``log`` in vLLM's two ``fused_recurrent`` modules to jit functions
+  (the modules alias ``tl.exp`` at import time, which the interpreter rejects);
+* Triton 3.8 (3.6's interpreter fails on the varlen conv update of the verify path);
+* GLM-5-Next's package ``__init__`` imports its multimodal model, whose image processor needs
+  torchvision, which has no CPU build for this torch here: when torchvision does not import,
+  ``vllm.models.glm5next`` is entered as a package whose ``__init__`` is not run, and its real
+  ``common/kda.py`` and kernels are imported from it.
 
 The comparison baseline is vLLM's own path on the same layer instance (``kda_enabled=False``:
 the plugin's ``forward`` then is ``super().forward``), on copies of the same caches.
 
 Rounding: Triton's interpreter casts fp32 to bf16 by truncation, not round-to-nearest-even as
-Triton does on a GPU, so in the interpreter vLLM's kernels round their conv output y, o and
-the normed output toward zero. ``rne_casts`` patches that one cast to round to nearest
-even; the step comparisons run under it and then meet kda.testing's tolerances (states: 1e-5 +
-1e-4 relative). ``test_state_difference_is_the_interpreters_truncation`` shows what the
-unpatched interpreter gives (the ~9e-3 state difference first measured) and why.
+Triton does on a GPU, so in the interpreter vLLM's kernels round their conv output y, o, the
+normed output and a bf16 state toward zero. ``rne_casts`` patches that one cast to round to
+nearest even; the step comparisons run under it and then meet kda.testing's tolerances
+(states: 1e-5 + 1e-4 relative; a bf16 state also kda.testing's rule that at most
+``BF16_STATE_DIFFER_FRAC`` of its written elements differ at all, which a truncating cast
+fails). ``test_state_difference_is_the_interpreters_truncation`` shows what the unpatched
+interpreter gives and why.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import importlib.util
 import itertools
+import json
 import logging
 import os
 import socket
 import subprocess
 import sys
+import tempfile
+import types
 
 import pytest
 
@@ -60,11 +75,11 @@ import triton.language as tl  # noqa: E402
 
 import kda  # noqa: E402
 from kda.integrations import vllm as plugin  # noqa: E402
-from kda.testing import TOLERANCES, Tolerance  # noqa: E402
+from kda.testing import BF16_STATE_DIFFER_FRAC, TOLERANCES, Tolerance  # noqa: E402
 from tests.integrations.triton_rne import rne_casts  # noqa: E402
 
 D = 128
-HIDDEN = 2304          # Kimi-Linear-48B's hidden size
+HIDDEN = 256           # the layers' hidden size (the op never sees it; small keeps GEMMs cheap)
 SLOTS = 16
 PAGE_PAD = 48          # bytes past the states in each page: slot pitches larger than the states
 ENTRY_POINT = "kda.integrations.vllm:register"
@@ -89,20 +104,47 @@ def _cast_bf16(x_ptr, y_ptr):
     tl.store(y_ptr + offs, tl.load(x_ptr + offs).to(tl.bfloat16))
 
 
+GLM_SHELL = """
+import importlib, importlib.machinery, importlib.util, os, sys
+try:
+    import torchvision  # noqa: F401
+except Exception:
+    models = importlib.import_module("vllm.models")
+    name = "vllm.models.glm5next"
+    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    spec.submodule_search_locations = [os.path.join(models.__path__[0], "glm5next")]
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules[name] = pkg
+    models.glm5next = pkg
+"""
+
+
+def glm_package_shell() -> None:
+    """Enter ``vllm.models.glm5next`` without running its ``__init__`` when torchvision does
+    not import (see the module docstring); a no-op where it does."""
+    if "vllm.models.glm5next" not in sys.modules:
+        exec(GLM_SHELL, {})
+
+
 @pytest.fixture(scope="module")
 def env():
-    """vLLM's config, a single-process gloo TP group, the interpreter workaround, the plugin."""
+    """A single-process gloo TP group, the interpreter workarounds, the plugin registered and
+    the three layer modules imported (their classes registered by the plugin's import hook)."""
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed.parallel_state import (init_distributed_environment,
                                                  initialize_model_parallel,
                                                  model_parallel_is_initialized)
+    glm_package_shell()
+    plugin.register()
+    import vllm.models.glm5next.common.kda  # noqa: F401
+    import vllm.models.glm5next.nvidia.ops.third_party.kda.fused_recurrent as glm_fr
+    import vllm.models.kimi_k3.nvidia.kda  # noqa: F401
     import vllm.models.kimi_k3.nvidia.ops.third_party.kda.fused_recurrent as fr
 
     fr.exp, fr.log = _exp, _log       # interpreter only: see the module docstring
-
-    vc = VllmConfig(device_config=DeviceConfig(device="cpu"),
-                    additional_config={plugin.CONFIG_KEY: "reference"})
+    glm_fr.exp = _exp
     if not model_parallel_is_initialized():
+        vc = VllmConfig(device_config=DeviceConfig(device="cpu"))
         s = socket.socket()
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -112,7 +154,56 @@ def env():
                                          distributed_init_method=f"tcp://127.0.0.1:{port}",
                                          backend="gloo")
             initialize_model_parallel(1, 1)
-    plugin.register()
+    return True
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A local checkpoint folder with a Kimi-Linear config.json (vLLM's ModelConfig reads it;
+    the layers get their own configs)."""
+    from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
+    d = tmp_path_factory.mktemp("kimi")
+    c = KimiLinearConfig(hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
+                         rms_norm_eps=1e-5, linear_attn_config={
+                             "head_dim": D, "num_heads": 8, "short_conv_kernel_size": 4,
+                             "kda_layers": [1], "full_attn_layers": []})
+    c.architectures = ["KimiLinearForCausalLM"]
+    c.save_pretrained(str(d))
+    return str(d)
+
+
+_configs: dict = {}
+
+
+def vllm_config(model_dir, ssm_dtype="auto", num_spec=0, backend="reference", adaptive=False,
+                recoverssm=False, full_graphs=False):
+    """A real VllmConfig: bf16 ModelConfig, CacheConfig(mamba_ssm_cache_dtype), an n-gram
+    speculative config with ``num_spec`` tokens, the plugin's setting (None: not given), FULL
+    CUDA graphs (so vLLM's builders stage their decode metadata)."""
+    key = (model_dir, ssm_dtype, num_spec, backend, adaptive, recoverssm, full_graphs)
+    if key in _configs:
+        return _configs[key]
+    from vllm.config import (CacheConfig, CUDAGraphMode, DeviceConfig, ModelConfig,
+                             ParallelConfig, SpeculativeConfig, VllmConfig)
+    mc = ModelConfig(model=model_dir, tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16")
+    pc = ParallelConfig()
+    sc = None
+    if num_spec:
+        sc = SpeculativeConfig(method="ngram", num_speculative_tokens=num_spec,
+                               target_model_config=mc, target_parallel_config=pc,
+                               prompt_lookup_max=3, prompt_lookup_min=1)
+    cc = CacheConfig(mamba_ssm_cache_dtype=ssm_dtype, enable_prefix_caching=False)
+    extra = {} if backend is None else {plugin.CONFIG_KEY: backend}
+    vc = VllmConfig(model_config=mc, device_config=DeviceConfig(device="cpu"), cache_config=cc,
+                    parallel_config=pc, speculative_config=sc, additional_config=extra)
+    if adaptive:       # set after validation, which wants FULL CUDA graphs for it
+        vc.speculative_config.enable_adaptive_verification = True
+    if recoverssm:
+        vc.cache_config.use_replayssm = True
+        vc.cache_config.use_kda_recoverssm = True
+    if full_graphs:
+        vc.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    _configs[key] = vc
     return vc
 
 
@@ -143,42 +234,79 @@ def interpreter_truncates() -> bool:
     return y.float().abs().tolist() == [1.0, 1.0]
 
 
-# ---- a real layer --------------------------------------------------------------------------
+# ---- the three models ----------------------------------------------------------------------
 
-def vllm_layer_cls():
-    from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import (
-        KimiGatedDeltaNetAttention)
-    return KimiGatedDeltaNetAttention
+@dataclasses.dataclass(frozen=True)
+class ModelCase:
+    """One vLLM KDA model: its per-rank head counts at TP 8 and TP 1, its layer and builder."""
+
+    name: str
+    tp8: int
+    tp1: int
+
+    def vllm_class(self):
+        m = plugin.MODELS[self.name]
+        return getattr(importlib.import_module(m.vllm_module), m.vllm_class)
+
+    def builder_class(self):
+        if self.name == "Kimi-K3":
+            from vllm.models.kimi_k3.nvidia.kda_metadata import KimiK3KDAMetadataBuilder
+            return KimiK3KDAMetadataBuilder
+        from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+        return GDNAttentionMetadataBuilder
+
+    def hf_config(self, H: int, lower_bound=None):
+        """The layer's config: Kimi-Linear (Kimi-Linear-48B: 32 heads), Kimi-K3 (full-rank
+        output gate, bounded gate -5, 96 heads), GLM-5-Next (bounded gate -5, 64 heads)."""
+        if self.name == "GLM-5-Next":
+            from transformers import Glm5NextTextConfig
+            return Glm5NextTextConfig(hidden_size=HIDDEN, num_hidden_layers=1,
+                                      linear_head_dim=D, linear_num_heads=H,
+                                      linear_conv_kernel_dim=4,
+                                      linear_lower_bound=-5.0 if lower_bound is None
+                                      else lower_bound)
+        from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
+        lin = {"head_dim": D, "num_heads": H, "short_conv_kernel_size": 4, "kda_layers": [1],
+               "full_attn_layers": []}
+        if self.name == "Kimi-K3":
+            lin.update(use_full_rank_gate=True,
+                       gate_lower_bound=-5.0 if lower_bound is None else lower_bound)
+        elif lower_bound is not None:
+            lin["gate_lower_bound"] = lower_bound
+        return KimiLinearConfig(hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
+                                rms_norm_eps=1e-5, linear_attn_config=lin)
 
 
-def kimi_config(H: int):
-    from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
-    return KimiLinearConfig(
-        hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=32, rms_norm_eps=1e-5,
-        linear_attn_config={"head_dim": D, "num_heads": H, "short_conv_kernel_size": 4,
-                            "kda_layers": [1], "full_attn_layers": []})
+KIMI = ModelCase("Kimi-Linear", tp8=4, tp1=32)
+K3 = ModelCase("Kimi-K3", tp8=12, tp1=96)
+GLM = ModelCase("GLM-5-Next", tp8=8, tp1=64)
+MODEL_CASES = [KIMI, K3, GLM]
 
 
-def construct(vc, H: int):
-    """``KimiGatedDeltaNetAttention(config, vllm_config, prefix)`` as vLLM's model builds it
-    (default dtype bf16: bf16 projections and o_norm weight, fp32 conv / A_log / dt_bias)."""
+def construct(vc, model: ModelCase, H: int, lower_bound=None):
+    """vLLM's layer class called as vLLM's model builds it (default dtype bf16: bf16
+    projections and o_norm weight, fp32 conv / A_log / dt_bias)."""
     from vllm.config import set_current_vllm_config
     with set_current_vllm_config(vc):
         old = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
         try:
-            return vllm_layer_cls()(kimi_config(H), vc,
-                                    prefix=f"model.layers.{next(_prefixes)}.self_attn")
+            return model.vllm_class()(model.hf_config(H, lower_bound), vc,
+                                      prefix=f"model.layers.{next(_prefixes)}.self_attn")
         finally:
             torch.set_default_dtype(old)
 
 
-def make_layer(vc, H: int, num_spec: int = 0, seed: int = 0, state_dtype=torch.float32):
-    """A layer with random weights and bound caches; returns (layer, the raw page tensor)."""
-    layer = construct(vc, H)
-    # num_spec comes from vLLM's speculative config (a drafter model); the layer only uses it
-    # for its cache shape (window 3 + num_spec) and, in the plugin, for T = num_spec + 1.
-    layer.num_spec = num_spec
+def bind(vc, layer, page):
+    """vLLM's binding of one layer's raw pages (``bind_kv_cache_to_layers``)."""
+    from vllm.v1.worker.utils import bind_kv_cache_to_layers
+    bind_kv_cache_to_layers({layer.prefix: page}, {layer.prefix: layer})
+
+
+def make_layer(vc, model: ModelCase, H: int, seed: int = 0, lower_bound=None):
+    """A layer with random weights and caches from vLLM's cache spec; returns (layer, raw
+    pages ``[SLOTS, 1, 1, page bytes + PAGE_PAD]`` int8)."""
+    layer = construct(vc, model, H, lower_bound)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in layer.named_parameters():
@@ -187,94 +315,74 @@ def make_layer(vc, H: int, num_spec: int = 0, seed: int = 0, state_dtype=torch.f
                 r = torch.rand(p.shape, generator=g) * 2 - 1
             elif n == "o_norm.weight":
                 r = 1 + 0.1 * r
-            elif n == "conv1d.weight":
+            elif n.endswith("conv1d.weight"):
                 r = 0.5 * r
             elif n != "dt_bias":
                 r = r / p.shape[-1] ** 0.5
             p.copy_(r)
-    # vLLM's bind_kv_cache needs the dtypes the model config would give (none here).
-    layer.get_state_dtype = lambda: (torch.bfloat16, state_dtype)
-    (conv_shape, state_shape) = layer.get_state_shape()
-    conv_bytes = int(np.prod(conv_shape)) * 2
-    state_bytes = int(np.prod(state_shape)) * torch.tensor([], dtype=state_dtype).element_size()
-    raw = torch.randint(-128, 128, (SLOTS, 1, 1, conv_bytes + state_bytes + PAGE_PAD),
+    spec = layer.get_kv_cache_spec(vc)
+    raw = torch.randint(-128, 128, (SLOTS, 1, 1, spec.page_size_bytes + PAGE_PAD),
                         dtype=torch.int8, generator=g)
-    layer.bind_kv_cache(raw)
-    conv_state, state = layer.kv_cache
+    bind(vc, layer, raw)
+    conv_state, state = layer.kv_cache[:2]
     conv_state.copy_(torch.randn(conv_state.shape, generator=g))
     state.copy_(0.1 * torch.randn(state.shape, generator=g))
     layer.process_weights_after_loading(torch.bfloat16)      # as vLLM's loader calls it
     return layer, raw
 
 
-# ---- metadata as vLLM's GDN builder lays it out --------------------------------------------
+# ---- metadata from vLLM's own builders -----------------------------------------------------
 
-def decode_md(block_table: torch.Tensor):
-    """Pure decode: ``non_spec_state_indices_tensor = block_table[:, 0]`` (gdn_attn.py)."""
-    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
-    R = block_table.shape[0]
-    return GDNAttentionMetadata(
-        num_prefills=0, num_prefill_tokens=0, num_decodes=R, num_decode_tokens=R,
-        num_spec_decodes=0, num_spec_decode_tokens=0, num_actual_tokens=R,
-        non_spec_state_indices_tensor=block_table[:, 0],
-        non_spec_query_start_loc=torch.arange(R + 1, dtype=torch.int32))
-
-
-def verify_md(block_table: torch.Tensor, accepted: torch.Tensor, T: int, n_real: int,
-              query_lens=None):
-    """Spec-only batch: ``spec_state_indices_tensor = block_table[:, :T]``; requests past
-    ``n_real`` are FULL-graph padding (null block, accepted 1, zero query length)."""
-    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
-    R = block_table.shape[0]
-    lens = list(query_lens) if query_lens is not None else [T] * n_real
-    lens += [0] * (R - n_real)
-    qsl = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32)
-    n_tok = sum(lens)
-    uniform = lens[0] if all(v == lens[0] for v in lens[:n_real]) else None
-    return GDNAttentionMetadata(
-        num_prefills=0, num_prefill_tokens=0, num_decodes=0, num_decode_tokens=0,
-        num_spec_decodes=n_real, num_spec_decode_tokens=n_tok,
-        num_actual_tokens=R * T if query_lens is None else n_tok,
-        spec_state_indices_tensor=block_table[:, :T], spec_query_start_loc=qsl,
-        spec_sequence_masks=torch.arange(R) < n_real, num_accepted_tokens=accepted,
-        spec_token_indx=torch.arange(n_tok, dtype=torch.int32),
-        non_spec_token_indx=torch.empty(0, dtype=torch.int32),
-        uniform_spec_sequence_length=uniform)
-
-
-def mixed_md(slots, query_lens, has_state):
-    """No spec config, one plain decode and prefills: vLLM runs every token through its
-    chunked prefill path."""
-    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
-    from vllm.v1.attention.backends.utils import compute_causal_conv1d_metadata
-    qsl = torch.tensor([0] + list(itertools.accumulate(query_lens)), dtype=torch.int32)
-    nd = sum(1 for v in query_lens if v == 1)
+def build_md(vc, model: ModelCase, layer, block_table, query_lens, accepted=None, drafts=None,
+             prefilling=None, context=10):
+    """``builder.build(0, CommonAttentionMetadata(...), num_accepted_tokens, drafts)`` of the
+    model's own metadata builder, on the CPU (pinned memory off: there is no accelerator)."""
     import vllm.utils.torch_utils as tu
     import vllm.v1.attention.backends.utils as bu
-    with pytest.MonkeyPatch.context() as mp:     # no pinned memory without an accelerator
-        mp.setattr(tu, "PIN_MEMORY", False)
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    R = block_table.shape[0]
+    lens = torch.tensor(query_lens, dtype=torch.int32)
+    qsl = torch.zeros(R + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(lens, 0)
+    seq = lens + context
+    if prefilling is None:
+        prefilling = [False] * R
+    cm = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq, num_reqs=R,
+        num_actual_tokens=int(qsl[-1]), max_query_len=int(lens.max()), max_seq_len=int(seq.max()),
+        block_table_tensor=block_table, slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.long),
+        is_prefilling=torch.tensor(prefilling), seq_lens_cpu_upper_bound=seq.clone())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tu, "PIN_MEMORY", False, raising=False)
         mp.setattr(bu, "PIN_MEMORY", False, raising=False)
-        nums_dict, batch_ptr, offs = compute_causal_conv1d_metadata(qsl,
-                                                                    device=torch.device("cpu"))
-    return GDNAttentionMetadata(
-        num_prefills=len(query_lens) - nd, num_prefill_tokens=sum(query_lens) - nd,
-        num_decodes=nd, num_decode_tokens=nd, num_spec_decodes=0, num_spec_decode_tokens=0,
-        num_actual_tokens=sum(query_lens), has_initial_state=torch.tensor(has_state),
-        non_spec_state_indices_tensor=torch.tensor(slots, dtype=torch.int32),
-        non_spec_query_start_loc=qsl, nums_dict=nums_dict, batch_ptr=batch_ptr,
-        token_chunk_offset_ptr=offs)
+        builder = model.builder_class()(layer.get_kv_cache_spec(vc), [layer.prefix], vc,
+                                        torch.device("cpu"))
+        return builder.build(0, cm, num_accepted_tokens=accepted,
+                             num_decode_draft_tokens_cpu=drafts)
+
+
+def decode_md(vc, model, layer, block_table):
+    R = block_table.shape[0]
+    return build_md(vc, model, layer, block_table, [1] * R)
+
+
+def verify_md(vc, model, layer, block_table, accepted, query_lens):
+    lens = torch.tensor(query_lens, dtype=torch.int32)
+    return build_md(vc, model, layer, block_table, query_lens, accepted=accepted,
+                    drafts=lens - 1)
 
 
 def step(vc, layer, raw, md, hs, use_kda=True):
-    """One forward of ``layer`` on a copy of ``raw``; returns (y, core, raw after, path).
+    """One forward of ``layer`` on a copy of ``raw``; returns (y, core, pages after, path).
     ``core`` is o_proj's input (the normed attention output)."""
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
     page = raw.clone()
-    layer.bind_kv_cache(page)
+    bind(vc, layer, page)
     layer.kda_enabled = use_kda
     cap = {}
-    hook = layer.o_proj.register_forward_pre_hook(lambda m, a: cap.__setitem__("core", a[0].clone()))
+    hook = layer.o_proj.register_forward_pre_hook(
+        lambda m, a: cap.__setitem__("core", a[0].clone()))
     try:
         with torch.no_grad(), set_current_vllm_config(vc), \
                 set_forward_context({layer.prefix: md}, vc):
@@ -285,11 +393,11 @@ def step(vc, layer, raw, md, hs, use_kda=True):
     return y, cap["core"], page, layer.kda_last_path
 
 
-def views(layer, page):
-    """(conv cache, state pool, padding bytes) of a raw page tensor, as the layer binds them."""
-    layer.bind_kv_cache(page)
-    conv_state, state = layer.kv_cache
-    end = conv_state[0].numel() * 2 + state[0].numel() * state.element_size()
+def views(vc, layer, page):
+    """(conv cache, state pool, padding bytes) of a raw page tensor, as vLLM binds them."""
+    bind(vc, layer, page)
+    conv_state, state = layer.kv_cache[:2]
+    end = conv_state[0].numel() * conv_state.element_size() + state[0].numel() * state.element_size()
     return conv_state, state, page.view(SLOTS, -1)[:, end:]
 
 
@@ -307,9 +415,24 @@ def assert_close(name, actual, expected, tol: Tolerance):
         f"max err {float(err.max()):.3g}")
 
 
+def assert_states_close(state, state_v, slots):
+    """The written state pages: fp32 within kda.testing's state tolerance; bf16 within one
+    bf16 ulp and, the contract's rounding rule (round to nearest even, once), at most
+    ``BF16_STATE_DIFFER_FRAC`` of the elements different at all."""
+    a, e = state[slots], state_v[slots]
+    if state.dtype == torch.bfloat16:
+        assert_close("state", a.float(), e.float(), TOLERANCES["state_bf16"])
+        differ = float((a.view(torch.int16) != e.view(torch.int16)).double().mean())
+        assert differ <= BF16_STATE_DIFFER_FRAC, (
+            f"state: {differ:.2%} of the written bf16 elements differ from vLLM's (allowed "
+            f"{BF16_STATE_DIFFER_FRAC:.0%}: rounded other than to nearest even?)")
+    else:
+        assert_close("state", a, e, TOLERANCES["state"])
+
+
 def report(label, core, core_v, state, state_v):
     """One line on how far the op's step is from vLLM's (shown with pytest -s)."""
-    dc, ds = (core.float() - core_v.float()).abs(), (state - state_v).abs()
+    dc, ds = (core.float() - core_v.float()).abs(), (state.float() - state_v.float()).abs()
     print(f"\n{label}: out max |diff| {float(dc.max()):.3g} ({int((dc > 0).sum())} of "
           f"{dc.numel()} elements differ), state max |diff| {float(ds.max()):.3g}")
 
@@ -318,7 +441,11 @@ def hidden(n: int, seed: int = 1) -> torch.Tensor:
     return torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
-# ---- (a), (b): the plugin loader and the class swap ----------------------------------------
+def dtype_of(name):
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+# ---- the plugin loader and the class swap ----------------------------------------------------
 
 def test_entry_point_is_discovered_and_loaded_by_vllm(env, monkeypatch):
     eps = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins")
@@ -333,12 +460,14 @@ def test_entry_point_is_discovered_and_loaded_by_vllm(env, monkeypatch):
         monkeypatch.setattr(vp, "plugins_loaded", False)
         vp.load_general_plugins()
         funcs["kda"]()
-    assert op_registry_oot[plugin.VLLM_CLASS] is plugin.layer_class()
+    for name, m in plugin.MODELS.items():
+        assert op_registry_oot[m.vllm_class] is plugin.layer_class(name)
 
 
-def test_vllm_loader_registers_the_layer_in_a_fresh_process():
-    """In a process where nothing registered the plugin by hand: vLLM's loader, twice."""
-    code = (
+def test_vllm_loader_registers_the_layers_in_a_fresh_process():
+    """In a process where nothing registered the plugin by hand: vLLM's loader, twice;
+    Kimi-Linear's class at once, Kimi-K3's and GLM-5-Next's when vLLM imports their module."""
+    code = GLM_SHELL + (
         "import vllm.plugins as vp\n"
         "from vllm.model_executor.custom_op import op_registry_oot as r\n"
         "assert 'KimiGatedDeltaNetAttention' not in r\n"
@@ -347,121 +476,226 @@ def test_vllm_loader_registers_the_layer_in_a_fresh_process():
         "vp.plugins_loaded = False\n"
         "vp.load_general_plugins()\n"
         "assert r['KimiGatedDeltaNetAttention'] is first\n"
-        "print(first.__module__ + '.' + first.__qualname__)\n")
+        "assert 'KimiK3DeltaAttention' not in r and 'Glm5NextLinearAttention' not in r\n"
+        "assert 'vllm.models.kimi_k3.nvidia.kda' not in sys.modules\n"
+        "from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention\n"
+        "from vllm.models.glm5next.common.kda import Glm5NextLinearAttention\n"
+        "for c in (first, r['KimiK3DeltaAttention'], r['Glm5NextLinearAttention']):\n"
+        "    print(c.__module__ + '.' + c.__qualname__)\n"
+        "assert issubclass(r['KimiK3DeltaAttention'], KimiK3DeltaAttention)\n"
+        "assert issubclass(r['Glm5NextLinearAttention'], Glm5NextLinearAttention)\n")
     env_ = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
     env_.pop("VLLM_PLUGINS", None)
     res = subprocess.run([sys.executable, "-c", code], env=env_, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.strip().splitlines()[-1] == \
-        "kda.integrations.vllm.KdaKimiGatedDeltaNetAttention"
+    assert res.stdout.strip().splitlines()[-3:] == [
+        "kda.integrations._vllm_kimi_linear.KdaKimiGatedDeltaNetAttention",
+        "kda.integrations._vllm_kimi_k3.KdaKimiK3DeltaAttention",
+        "kda.integrations._vllm_glm5next.KdaGlm5NextLinearAttention"]
 
 
-def test_constructing_vllms_layer_yields_ours(env):
-    layer = construct(env, 8)
-    assert type(layer) is plugin.layer_class()
-    assert isinstance(layer, vllm_layer_cls())
-    assert layer.kda_backend == "reference"
+def test_k3_is_not_replaced_where_vllm_builds_another_class(env, monkeypatch, caplog):
+    """On ROCm vLLM builds ``vllm.models.kimi_k3.amd``'s class of the same name: the plugin
+    must not register its NVIDIA subclass for that name there."""
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.platforms import current_platform
+    caplog.set_level(logging.INFO, logger="kda")
+    monkeypatch.setattr(type(current_platform), "is_rocm", lambda self: True)
+    monkeypatch.delitem(op_registry_oot, "KimiK3DeltaAttention")
+    monkeypatch.setattr(plugin, "_logged", set())
+    plugin._register_model(plugin.MODELS["Kimi-K3"])
+    assert "KimiK3DeltaAttention" not in op_registry_oot
+    assert any("Kimi-K3's layer is not replaced" in r.getMessage() for r in caplog.records)
 
 
-# ---- (c): one decode step and one verify step against vLLM's own path ----------------------
+@pytest.mark.parametrize("model", MODEL_CASES, ids=lambda m: m.name)
+def test_constructing_vllms_layer_yields_ours(env, model_dir, model):
+    layer = construct(vllm_config(model_dir), model, model.tp8)
+    assert type(layer) is plugin.layer_class(model.name)
+    assert isinstance(layer, model.vllm_class())
+    assert layer.kda_backend == "reference" and layer.kda_enabled
 
-@pytest.mark.parametrize("H,layout", [(8, "SD"), (4, "SD"), (8, "DS")])
-def test_decode_step_matches_vllm(env, H, layout):
-    # a 2-column block table (so [:, 0] is a strided column), a null-block request, and a
-    # FULL-graph padding row (null block) at the end
-    table = torch.tensor([[5, 11], [0, 0], [2, 12], [9, 13], [0, 0]], dtype=torch.int32)
-    md = decode_md(table)
-    hs = hidden(table.shape[0])
-    with conv_layout(layout), rne_casts():
-        layer, raw = make_layer(env, H)
-        y, core, page, path = step(env, layer, raw, md, hs)
-        y_v, core_v, page_v, path_v = step(env, layer, raw, md, hs, use_kda=False)
-        conv, state, pad = views(layer, page)
-        conv_v, state_v, pad_v = views(layer, page_v)
-        conv0, state0, pad0 = views(layer, raw.clone())
+
+# ---- the state dtype through vLLM's cache-spec path ------------------------------------------
+
+@pytest.mark.parametrize("model", MODEL_CASES, ids=lambda m: m.name)
+@pytest.mark.parametrize("ssm", ["auto", "float32", "bfloat16"])
+def test_ssm_cache_dtype_reaches_the_cache(env, model_dir, model, ssm):
+    """``--mamba-ssm-cache-dtype`` gives the pool the dtype the model class computes:
+    vLLM's own ``get_kv_cache_spec`` and binding, no dtype set by hand (vLLM 0.33's
+    Kimi-Linear layer alone reports fp32 for bfloat16)."""
+    from vllm.models.kimi_k3.nvidia.model import KimiLinearForCausalLM
+    vc = vllm_config(model_dir, ssm_dtype=ssm)
+    want = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}[ssm]
+    layer, _ = make_layer(vc, model, model.tp8)
+    spec = layer.get_kv_cache_spec(vc)
+    assert spec.dtypes == (torch.bfloat16, want)
+    assert tuple(spec.dtypes) == tuple(KimiLinearForCausalLM.get_mamba_state_dtype_from_config(vc))
+    assert layer.kv_cache[1].dtype == want
+
+
+# ---- decode and verify steps against vLLM's own path -----------------------------------------
+
+# Each model: H as at TP 8 and at TP 1, both conv layouts and both state dtypes, paired so that
+# every value of each appears with every value of the others at least once across decode and
+# verify.
+STEP_CASES = [(m, H, layout, sd) for m in MODEL_CASES
+              for H, layout, sd in [(m.tp8, "SD", "fp32"), (m.tp8, "DS", "bf16"),
+                                    (m.tp1, "SD", "bf16"), (m.tp1, "DS", "fp32")]]
+
+
+def step_id(c):
+    m, H, layout, sd = c
+    return f"{m.name}-H{H}-{layout}-{sd}"
+
+
+def expected_path_matches(vc, model, layer, raw, md, hs, touched, label, live_rows=None,
+                          dead_rows=(), written=None, conv_touched=None):
+    """Run the op and vLLM's path on copies of ``raw``; check out, y, conv windows, states,
+    untouched slots and padding bytes."""
+    with rne_casts():
+        y, core, page, path = step(vc, layer, raw, md, hs)
+        y_v, core_v, page_v, path_v = step(vc, layer, raw, md, hs, use_kda=False)
+    conv, state, pad = views(vc, layer, page)
+    conv_v, state_v, pad_v = views(vc, layer, page_v)
+    conv0, state0, pad0 = views(vc, layer, raw.clone())
+    assert path == "kda", path
     assert path_v.startswith("vllm: disabled")
-    # the layout asked for: SD stores [slots, L, 3*dim], DS [slots, 3*dim, L]
-    assert conv.shape[-1 if layout == "SD" else -2] == 3 * H * D
-    # H=4: the packed projection's row pitch is 385*H + 128 = 1668 elements (8-byte rows)
-    assert path == "kda"
-    report(f"decode H={H} {layout}", core, core_v, state, state_v)
-    assert_close("out", core, core_v, TOLERANCES["out"])
-    assert_close("y", y, y_v, TOLERANCES["out"])
-    dead = torch.tensor([1, 4])
-    assert torch.equal(core[dead], torch.zeros_like(core[dead]))
-    assert torch.equal(core_v[dead], torch.zeros_like(core_v[dead]))
+    rows = torch.arange(core.shape[0]) if live_rows is None else torch.tensor(live_rows)
+    report(label, core[rows], core_v[rows], state, state_v)
+    assert_close("out", core[rows], core_v[rows], TOLERANCES["out"])
+    assert_close("y", y[rows], y_v[rows], TOLERANCES["out"])
+    if len(dead_rows):
+        dead = torch.tensor(dead_rows)
+        assert torch.equal(core[dead], torch.zeros_like(core[dead]))
     assert torch.equal(conv, conv_v), "conv windows must be bit-identical"
-    assert_close("state", state, state_v, TOLERANCES["state"])
-    touched = sorted({5, 2, 9})
-    untouched = [s for s in range(SLOTS) if s not in touched]
-    assert torch.equal(state[untouched], state0[untouched])
-    assert torch.equal(conv[untouched], conv0[untouched])
-    assert not torch.equal(state[touched], state0[touched])
-    assert torch.equal(pad, pad0) and torch.equal(pad_v, pad0)
-
-
-@pytest.mark.parametrize("H,layout", [(8, "SD"), (4, "SD"), (8, "DS")])
-def test_verify_step_matches_vllm(env, H, layout):
-    T = 3
-    # block table wider than T (prefix-caching style): [:, :T] is not contiguous. Requests:
-    # accepted 2; a dead request (null source slot); accepted 3 with a write slot aliasing the
-    # source; a FULL-graph padding request (null blocks, accepted 1, no tokens).
-    table = torch.tensor([[5, 6, 7, 14], [0, 0, 0, 0], [9, 10, 9, 15], [0, 0, 0, 0]],
-                         dtype=torch.int32)
-    acc = torch.tensor([2, 1, 3, 1], dtype=torch.int32)
-    md = verify_md(table, acc, T, n_real=3)
-    hs = hidden(table.shape[0] * T, seed=2)
-    with conv_layout(layout), rne_casts():
-        layer, raw = make_layer(env, H, num_spec=T - 1)
-        y, core, page, path = step(env, layer, raw, md, hs)
-        y_v, core_v, page_v, _ = step(env, layer, raw, md, hs, use_kda=False)
-        conv, state, pad = views(layer, page)
-        conv_v, state_v, _ = views(layer, page_v)
-        conv0, state0, pad0 = views(layer, raw.clone())
-    assert path == "kda"
-    live = torch.tensor([0, 1, 2, 6, 7, 8])
-    report(f"verify T=3 H={H} {layout}", core[live], core_v[live], state, state_v)
-    assert_close("out", core[live], core_v[live], TOLERANCES["out"])
-    assert_close("y", y[live], y_v[live], TOLERANCES["out"])
-    # dead and padding requests: all T rows zero here; vLLM zeroes the dead request's first
-    # row and leaves the others unset
-    dead = torch.tensor([3, 4, 5, 9, 10, 11])
-    assert torch.equal(core[dead], torch.zeros_like(core[dead]))
-    assert torch.equal(core_v[3], torch.zeros_like(core_v[3]))
-    assert torch.equal(conv, conv_v), "conv windows must be bit-identical"
-    assert_close("state", state, state_v, TOLERANCES["state"])
-    written = [5, 6, 7, 9, 10]
+    written = sorted(touched if written is None else written)
+    assert_states_close(state, state_v, written)
     untouched = [s for s in range(SLOTS) if s not in written]
-    assert torch.equal(state[untouched], state0[untouched])
-    assert torch.equal(conv[[s for s in range(SLOTS) if s not in (5, 9)]],
-                       conv0[[s for s in range(SLOTS) if s not in (5, 9)]])
-    assert torch.equal(pad, pad0)
+    assert torch.equal(state[untouched].view(torch.uint8), state0[untouched].view(torch.uint8))
+    keep = [s for s in range(SLOTS) if s not in (touched if conv_touched is None else conv_touched)]
+    assert torch.equal(conv[keep], conv0[keep])
+    assert not torch.equal(state[written].float(), state0[written].float())
+    assert torch.equal(pad, pad0) and torch.equal(pad_v, pad0)
+    return layer
 
 
-def test_state_difference_is_the_interpreters_truncation(env):
-    """Without ``rne_casts`` the states differ by up to ~1e-2 (the difference first
-    measured against vLLM on the CPU). Cause: the interpreter truncates every fp32 -> bf16
-    cast of vLLM's kernels, among them the conv output y, which feeds the state update (k, v);
-    about half of y's elements land one bf16 ulp toward zero. Shown here: vLLM's conv output
-    with the truncating cast is its round-to-nearest output moved toward zero by at most one
-    ulp (never away); with round-to-nearest it equals the op's (the reference's k exactly),
-    and the states then agree to kda.testing's state tolerance (the decode test)."""
+@pytest.mark.parametrize("case", STEP_CASES, ids=step_id)
+def test_decode_step_matches_vllm(env, model_dir, case):
+    model, H, layout, sd = case
+    vc = vllm_config(model_dir, ssm_dtype={"fp32": "float32", "bf16": "bfloat16"}[sd])
+    # a 2-column block table (so [:, 0] is a strided column) and a null-block request
+    table = torch.tensor([[5, 11], [0, 0], [2, 12], [9, 13]], dtype=torch.int32)
+    hs = hidden(table.shape[0])
+    with conv_layout(layout):
+        layer, raw = make_layer(vc, model, H)
+        md = decode_md(vc, model, layer, table)
+        assert layer.kv_cache[1].dtype == dtype_of(sd)
+        # the layout asked for: SD stores [slots, L, 3*dim], DS [slots, 3*dim, L]
+        assert layer.kv_cache[0].shape[-1 if layout == "SD" else -2] == 3 * H * D
+        expected_path_matches(vc, model, layer, raw, md, hs, touched={5, 2, 9},
+                              label=f"decode {step_id(case)}", live_rows=[0, 2, 3],
+                              dead_rows=[1])
+    (cfg, obj), = layer.kda_steps.items()
+    assert (cfg.num_heads, cfg.T, cfg.window, cfg.conv_layout, cfg.state_dtype) == (
+        H, 1, 3, layout, dtype_of(sd))
+    assert cfg.lower_bound == (None if model is KIMI else -5.0)
+
+
+@pytest.mark.parametrize("case", STEP_CASES, ids=step_id)
+def test_verify_step_matches_vllm(env, model_dir, case):
+    model, H, layout, sd = case
+    T = 3
+    vc = vllm_config(model_dir, ssm_dtype={"fp32": "float32", "bf16": "bfloat16"}[sd],
+                     num_spec=T - 1)
+    # block table wider than T (prefix-caching style): [:, :T] is not contiguous. Requests:
+    # accepted 2; a dead request (null source slot); accepted 3 with a write slot aliasing
+    # the source
+    table = torch.tensor([[5, 6, 7, 14], [0, 0, 0, 0], [9, 10, 9, 15]], dtype=torch.int32)
+    acc = torch.tensor([2, 1, 3], dtype=torch.int32)
+    hs = hidden(table.shape[0] * T, seed=2)
+    with conv_layout(layout):
+        layer, raw = make_layer(vc, model, H)
+        md = verify_md(vc, model, layer, table, acc, [T] * 3)
+        assert layer.kv_cache[0].shape[-2 if layout == "SD" else -1] == T + 2     # window
+        expected_path_matches(vc, model, layer, raw, md, hs, touched={5, 9},
+                              label=f"verify T=3 {step_id(case)}",
+                              live_rows=[0, 1, 2, 6, 7, 8], dead_rows=[3, 4, 5],
+                              written={5, 6, 7, 9, 10})
+    (cfg, _), = layer.kda_steps.items()
+    assert (cfg.T, cfg.window) == (T, T + 2)
+
+
+@pytest.mark.parametrize("model", [KIMI, GLM], ids=lambda m: m.name)
+def test_full_graph_staging_pads_with_null_blocks(env, model_dir, model):
+    """With FULL CUDA graphs vLLM's GDN builder stages the slot table and accepted counts
+    into its persistent buffers; a zero-token padding request gets the null block and
+    accepted count 1: a dead item for the op, as for vLLM's kernels."""
+    T = 2
+    vc = vllm_config(model_dir, num_spec=T - 1, full_graphs=True)
+    table = torch.tensor([[5, 6, 14], [9, 10, 15], [3, 4, 13]], dtype=torch.int32)
+    acc = torch.tensor([2, 1, 2], dtype=torch.int32)
+    layer, raw = make_layer(vc, model, model.tp8, seed=3)
+    md = build_md(vc, model, layer, table, [T, T, 0], accepted=acc,
+                  drafts=torch.tensor([T - 1, T - 1, -1]))
+    assert md.spec_state_indices_tensor.is_contiguous()        # the staging buffer
+    hs = hidden(2 * T, seed=4)
+    expected_path_matches(vc, model, layer, raw, md, hs, touched={5, 9},
+                          label=f"verify staged {model.name}", written={5, 6, 9, 10})
+
+
+@pytest.mark.parametrize("model", MODEL_CASES, ids=lambda m: m.name)
+def test_decode_of_a_spec_configured_layer_matches_vllm(env, model_dir, model):
+    """A pure-decode batch of a layer configured for speculation (window 3 + num_spec): vLLM's
+    T=1 conv update rewrites positions 0..2 only, as the op does; both leave the rest."""
+    vc = vllm_config(model_dir, num_spec=2)
+    table = torch.tensor([[5, 6, 7], [2, 3, 4]], dtype=torch.int32)
+    layer, raw = make_layer(vc, model, model.tp8, seed=7)
+    md = decode_md(vc, model, layer, table)
+    assert md.num_spec_decodes == 0
+    expected_path_matches(vc, model, layer, raw, md, hidden(2, seed=8), touched={5, 2},
+                          label=f"decode, window 5, {model.name}")
+    (cfg, _), = layer.kda_steps.items()
+    assert (cfg.T, cfg.window) == (1, 5)
+
+
+def test_kimi_linear_bounded_gate_matches_vllm(env, model_dir):
+    """Kimi-Linear with ``gate_lower_bound`` in its config: the op's bounded gate."""
+    vc = vllm_config(model_dir)
+    table = torch.tensor([[5], [2], [9]], dtype=torch.int32)
+    layer, raw = make_layer(vc, KIMI, KIMI.tp8, seed=21, lower_bound=-3.0)
+    md = decode_md(vc, KIMI, layer, table)
+    expected_path_matches(vc, KIMI, layer, raw, md, hidden(3, seed=22), touched={5, 2, 9},
+                          label="decode, Kimi-Linear bounded gate")
+    (cfg, _), = layer.kda_steps.items()
+    assert cfg.lower_bound == -3.0
+
+
+def test_state_difference_is_the_interpreters_truncation(env, model_dir):
+    """Without ``rne_casts`` the states differ by up to ~1e-2. Cause: the interpreter truncates
+    every fp32 -> bf16 cast of vLLM's kernels, among them the conv output y, which feeds the
+    state update (k, v); about half of y's elements land one bf16 ulp toward zero. Shown here:
+    vLLM's conv output with the truncating cast is its round-to-nearest output moved toward
+    zero by at most one ulp (never away); with round-to-nearest it equals the op's (the
+    reference's k exactly), and the states then agree to kda.testing's state tolerance (the
+    decode test)."""
     if not interpreter_truncates():
         pytest.skip("this Triton's interpreter rounds fp32 -> bf16 to nearest: nothing to show")
     from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
     from kda.config import KdaArgs
     from kda.reference import reference_compute
     H = 8
-    layer, raw = make_layer(env, H, seed=3)
+    vc = vllm_config(model_dir)
+    layer, raw = make_layer(vc, KIMI, H, seed=3)
     table = torch.tensor([[5], [2], [9], [7]], dtype=torch.int32)
-    md = decode_md(table)
+    md = decode_md(vc, KIMI, layer, table)
     hs = hidden(4, seed=4)
-    y, core, page, path = step(env, layer, raw, md, hs)
-    y_v, core_v, page_v, _ = step(env, layer, raw, md, hs, use_kda=False)   # truncating
+    y, core, page, path = step(vc, layer, raw, md, hs)
+    y_v, core_v, page_v, _ = step(vc, layer, raw, md, hs, use_kda=False)   # truncating
     assert path == "kda"
-    _, state, _ = views(layer, page)
-    _, state_v, _ = views(layer, page_v)
+    _, state, _ = views(vc, layer, page)
+    _, state_v, _ = views(vc, layer, page_v)
     d = (state - state_v).abs()
     print(f"\nstate |op - vLLM (truncating interpreter)|: max {float(d.max()):.3g}, "
           f"relative {float(d.norm() / state_v.norm()):.3g}")
@@ -470,7 +704,7 @@ def test_state_difference_is_the_interpreters_truncation(env):
     dim = H * D
     with torch.no_grad():
         x, beta, f_a = layer.in_proj_qkvgfab(hs)[0].split([3 * dim, H, D], -1)
-        conv_state0, state0 = views(layer, raw.clone())[:2]
+        conv_state0, state0 = views(vc, layer, raw.clone())[:2]
         w = layer.conv1d.weight.view(3 * dim, 4)
         idx = table[:, 0].contiguous()
 
@@ -496,19 +730,38 @@ def test_state_difference_is_the_interpreters_truncation(env):
     assert torch.equal(y_trunc.abs()[moved], one_below.float()[moved]), "by one ulp"
 
 
-# ---- (d): other batches fall back to vLLM's path --------------------------------------------
+# ---- other batches and setups fall back to vLLM's path ---------------------------------------
 
-def test_prefill_and_mixed_batches_fall_back(env, monkeypatch):
-    """vLLM's prefill kernels do not run on a CPU: ``gather_initial_states`` asserts a CUDA /
-    XPU tensor, and ``causal_conv1d_fn``'s grid callback handles its arguments as torch
-    tensors, which Triton's interpreter hands it as its own handles. So both runs here (with
-    and without the plugin) use the same recording stand-ins for those three kernels
-    (``chunk_kda_with_fused_gate`` too); what the test shows is the routing: a mixed batch
-    reaches vLLM's own prefill code with the same tensors (g1 = f_b_proj(f_a) included) and
-    gives the same result, bit for bit."""
+def assert_falls_back(vc, layer, raw, md, hs, reason: str, caplog=None):
+    """The plugin leaves this batch on vLLM's path (its path starts with ``reason``): output
+    and pages bit-identical to vLLM's own run, no KdaDecode built; the reason logged once
+    over two calls."""
+    if caplog is not None:
+        caplog.set_level(logging.INFO, logger="kda")
+        caplog.clear()
+        plugin._logged.clear()           # "once per process": this test's first time
+    y, _, page, path = step(vc, layer, raw, md, hs)
+    step(vc, layer, raw, md, hs)
+    y_v, _, page_v, _ = step(vc, layer, raw, md, hs, use_kda=False)
+    assert path.startswith(reason), path
+    assert torch.equal(y, y_v) and torch.equal(page, page_v)
+    assert not layer.kda_steps
+    if caplog is not None:
+        why = path[len("vllm: "):]
+        logged = [r for r in caplog.records if why in r.getMessage()]
+        assert len(logged) == 1, [r.getMessage() for r in caplog.records]
+
+
+def stand_in_prefill_kernels(monkeypatch, model, calls):
+    """vLLM's prefill kernels do not run on a CPU (``gather_initial_states`` and GLM-5-Next's
+    ``scatter_states`` assert a CUDA / XPU tensor; ``causal_conv1d_fn``'s grid callback takes
+    Triton's interpreter handles for torch tensors): recording stand-ins where the model's ``_forward`` looks them up, the same
+    for both runs of a test. (GLM-5-Next's ``_cast_sigmoid`` is a torch.compile'd
+    ``x.float().sigmoid()``: called as that, without Inductor.)"""
     import vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn as kimi
+    import vllm.models.glm5next.common.kda as glm
+    import vllm.models.kimi_k3.nvidia.kda as k3
     import vllm.models.kimi_k3.nvidia.ops.third_party.kda as kda_ops
-    calls = []
 
     def conv_fn(x, weight, bias, activation=None, conv_states=None, has_initial_state=None,
                 cache_indices=None, query_start_loc=None, metadata=None):
@@ -520,119 +773,181 @@ def test_prefill_and_mixed_batches_fall_back(env, monkeypatch):
         got = state[indices.long()].clone()
         return torch.where(has_initial_state.view(-1, 1, 1, 1), got, torch.zeros_like(got))
 
-    def chunk(q, k, v, raw_g, raw_beta, A_log, g_bias, lower_bound, initial_state,
-              output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
-        calls.append(("chunk", raw_g.clone(), raw_beta.clone(), cu_seqlens.clone()))
+    def chunk(q, k, v, raw_g, initial_state=None, cu_seqlens=None, **kwargs):
+        beta = kwargs["raw_beta"] if "raw_beta" in kwargs else kwargs["beta"]
+        calls.append(("chunk", raw_g.clone(), beta.clone(), cu_seqlens.clone()))
         o = (v.float() * torch.sigmoid(raw_g.float())
-             * torch.sigmoid(raw_beta.float())[..., None]).to(q.dtype)
+             * torch.sigmoid(beta.float())[..., None]).to(q.dtype)
         return o, initial_state + 1.0
 
-    monkeypatch.setattr(kimi, "causal_conv1d_fn", conv_fn)
-    monkeypatch.setattr(kimi, "gather_initial_states", gather)
-    monkeypatch.setattr(kda_ops, "chunk_kda_with_fused_gate", chunk)
-    layer, raw = make_layer(env, 8, seed=5)
-    # a plain decode (slot 5, has state) and a prefill of 4 tokens (slot 2, fresh): vLLM sends
-    # every token of such a batch through its chunked prefill path
-    md = mixed_md([5, 2], [1, 4], [True, False])
+    # the module whose globals _forward reads, and where it finds the chunk kernel
+    mod, chunk_mod = {"Kimi-Linear": (kimi, kda_ops), "Kimi-K3": (k3, kda_ops),
+                      "GLM-5-Next": (glm, glm)}[model.name]
+    monkeypatch.setattr(mod, "causal_conv1d_fn", conv_fn)
+    monkeypatch.setattr(mod, "gather_initial_states", gather)
+    monkeypatch.setattr(chunk_mod, "chunk_kda_with_fused_gate", chunk)
+    if model is GLM:
+        def scatter(state, new, indices):       # asserts a CUDA tensor
+            calls.append(("scatter", new.clone(), indices.clone()))
+            state[indices.long()] = new.to(state.dtype)
+
+        monkeypatch.setattr(glm, "_cast_sigmoid", lambda x: x.float().sigmoid())
+        monkeypatch.setattr(glm, "scatter_states", scatter)
+
+
+@pytest.mark.parametrize("model", MODEL_CASES, ids=lambda m: m.name)
+def test_prefill_and_mixed_batches_fall_back(env, model_dir, model, monkeypatch, caplog):
+    """A plain decode (slot 5, has state) and a prefill of 4 tokens (slot 2, fresh): the batch
+    reaches vLLM's own prefill code with the same tensors (g1 = f_b_proj(f_a) included) and
+    gives the same result, bit for bit (vLLM's prefill kernels are stood in for, see
+    ``stand_in_prefill_kernels``)."""
+    vc = vllm_config(model_dir)
+    layer, raw = make_layer(vc, model, model.tp8, seed=5)
+    calls = []
+    stand_in_prefill_kernels(monkeypatch, model, calls)
+    table = torch.tensor([[5], [2]], dtype=torch.int32)
+    md = build_md(vc, model, layer, table, [1, 4], prefilling=[False, True], context=0)
     hs = hidden(5, seed=6)
-    y, core, page, path = step(env, layer, raw, md, hs)
+    caplog.set_level(logging.INFO, logger="kda")
+    plugin._logged.clear()
+    y, core, page, path = step(vc, layer, raw, md, hs)
     ours, calls[:] = list(calls), []
-    y_v, core_v, page_v, _ = step(env, layer, raw, md, hs, use_kda=False)
-    assert path == "vllm: prefill or mixed batch"
-    assert [c[0] for c in ours] == ["conv", "conv", "conv", "gather", "chunk"]
+    y_v, core_v, page_v, _ = step(vc, layer, raw, md, hs, use_kda=False)
+    assert path == "vllm: prefill or mixed batch", path
+    assert "chunk" in [c[0] for c in ours] and "gather" in [c[0] for c in ours]
     assert len(ours) == len(calls) and all(
         a[0] == b[0] and all(torch.equal(u, w) for u, w in zip(a[1:], b[1:]))
         for a, b in zip(ours, calls))
     assert torch.equal(y, y_v) and torch.equal(core, core_v) and torch.equal(page, page_v)
     assert not torch.equal(page, raw)
+    assert not layer.kda_steps
+    assert [r for r in caplog.records if "prefill or mixed batch" in r.getMessage()]
 
 
-def assert_falls_back(env, layer, raw, md, hs, reason: str):
-    """The plugin leaves this batch on vLLM's path (its path starts with ``reason``): output
-    and pages bit-identical to vLLM's own run."""
-    y, _, page, path = step(env, layer, raw, md, hs)
-    y_v, _, page_v, _ = step(env, layer, raw, md, hs, use_kda=False)
-    assert path.startswith(reason), path
-    assert torch.equal(y, y_v) and torch.equal(page, page_v)
-
-
-def test_plain_decode_of_a_spec_layer_falls_back(env):
-    # num_spec=2: window 5; vLLM's T=1 update shifts all 5 positions, the op's rewrites 0..2
-    layer, raw = make_layer(env, 8, num_spec=2, seed=7)
-    md = decode_md(torch.tensor([[5, 6, 7], [2, 3, 4]], dtype=torch.int32))
-    hs = hidden(2, seed=8)
-    assert_falls_back(env, layer, raw, md, hs, "vllm: plain decode with a conv window of 5")
-
-
-def test_ragged_verify_batch_falls_back(env):
+@pytest.mark.parametrize("model", MODEL_CASES, ids=lambda m: m.name)
+def test_ragged_verify_batch_falls_back(env, model_dir, model, caplog):
     T = 3
-    layer, raw = make_layer(env, 4, num_spec=T - 1, seed=9)
+    vc = vllm_config(model_dir, num_spec=T - 1)
+    layer, raw = make_layer(vc, model, model.tp8, seed=9)
     table = torch.tensor([[5, 6, 7], [9, 10, 11]], dtype=torch.int32)
-    md = verify_md(table, torch.tensor([2, 1], dtype=torch.int32), T, n_real=2,
-                   query_lens=[3, 1])       # a request that drafted nothing: 1 token
-    hs = hidden(4, seed=10)
-    assert_falls_back(env, layer, raw, md, hs, "vllm: ragged speculative batch")
+    # a request that drafted nothing: 1 token
+    md = verify_md(vc, model, layer, table, torch.tensor([2, 1], dtype=torch.int32), [3, 1])
+    assert_falls_back(vc, layer, raw, md, hidden(4, seed=10), "vllm: ragged speculative batch",
+                      caplog)
 
 
-def test_bf16_state_runs_the_op(env):
-    """vLLM's bf16 recurrent state (--mamba-ssm-cache-dtype bfloat16) goes to the op, which
-    agrees with vLLM's own kernels (round-to-nearest casts in the interpreter, as on a GPU):
-    outputs as for fp32, each written page within one bf16 ulp for all but 1% of its
-    elements, every other slot bit for bit."""
-    md = decode_md(torch.tensor([[5], [0], [2]], dtype=torch.int32))
-    hs = hidden(3, seed=12)
-    with rne_casts():
-        layer, raw = make_layer(env, 8, state_dtype=torch.bfloat16, seed=11)
-        y, core, page, path = step(env, layer, raw, md, hs)
-        y_v, core_v, page_v, _ = step(env, layer, raw, md, hs, use_kda=False)
-        conv, state, _ = views(layer, page)
-        conv_v, state_v, _ = views(layer, page_v)
-        conv0, state0, _ = views(layer, raw.clone())
-    assert path == "kda", path
-    assert state.dtype == torch.bfloat16
-    (cfg, _), = layer.kda_steps.items()
-    assert cfg.state_dtype == torch.bfloat16
-    assert_close("out", core, core_v, TOLERANCES["out"])
-    assert_close("y", y, y_v, TOLERANCES["out"])
-    assert torch.equal(conv, conv_v)
-    assert_close("state", state[[5, 2]].float(), state_v[[5, 2]].float(),
-                 TOLERANCES["state_bf16"])
-    untouched = [s for s in range(SLOTS) if s not in (5, 2)]
-    assert torch.equal(state[untouched].view(torch.int16), state0[untouched].view(torch.int16))
+def test_k3_plain_decodes_beside_speculative_ones_fall_back(env, model_dir, caplog):
+    """Kimi-K3's builder keeps one-token decodes of requests that are not speculative apart
+    (GDN's reclassifies them as prefills)."""
+    T = 2
+    vc = vllm_config(model_dir, num_spec=T - 1)
+    layer, raw = make_layer(vc, K3, K3.tp8, seed=11)
+    table = torch.tensor([[5, 6], [9, 10]], dtype=torch.int32)
+    md = build_md(vc, K3, layer, table, [T, 1], accepted=torch.tensor([1, 1], dtype=torch.int32),
+                  drafts=torch.tensor([T - 1, -1]))
+    assert (md.num_spec_decodes, md.num_decodes, md.num_prefills) == (1, 1, 0)
+    assert_falls_back(vc, layer, raw, md, hidden(T + 1, seed=12),
+                      "vllm: plain decodes beside speculative decodes", caplog)
 
 
-def test_one_kdadecode_per_layer_and_configuration(env):
-    layer, raw = make_layer(env, 8, seed=13)
-    md = decode_md(torch.tensor([[5], [2]], dtype=torch.int32))
-    step(env, layer, raw, md, hidden(2, seed=14))
+def test_k3_adaptive_verification_keeps_verify_on_vllms_path(env, model_dir, caplog):
+    T = 2
+    vc = vllm_config(model_dir, num_spec=T - 1, adaptive=True)
+    layer, raw = make_layer(vc, K3, K3.tp8, seed=13)
+    table = torch.tensor([[5, 6], [9, 10]], dtype=torch.int32)
+    md = verify_md(vc, K3, layer, table, torch.tensor([2, 1], dtype=torch.int32), [T, T])
+    assert_falls_back(vc, layer, raw, md, hidden(2 * T, seed=14),
+                      "vllm: adaptive verification", caplog)
+
+
+def test_k3_recoverssm_keeps_the_layer_on_vllms_path(env, model_dir, caplog):
+    """RecoverSSM (``--use-replayssm`` with speculation): every call runs vLLM's own
+    ``forward`` (here a pure-decode batch, its packed decode kernel)."""
+    vc = vllm_config(model_dir, num_spec=1, recoverssm=True)
+    layer, raw = make_layer(vc, K3, K3.tp8, seed=15)
+    assert layer.use_recoverssm
+    table = torch.tensor([[5, 6], [9, 10]], dtype=torch.int32)
+    md = decode_md(vc, K3, layer, table)
+    assert_falls_back(vc, layer, raw, md, hidden(2, seed=16), "vllm: ReplaySSM / RecoverSSM", caplog)
+
+
+@pytest.mark.parametrize("kind", ["decode", "verify"])
+def test_k3_auto_keeps_vllms_flashinfer_kernels(env, model_dir, kind):
+    """With ``auto``, batches for which vLLM chose its FlashInfer kernels (SM100 family) stay
+    vLLM's. (The choice is set by hand here: FlashInfer does not run on a CPU.)"""
+    vc = vllm_config(model_dir, num_spec=0 if kind == "decode" else 1, backend="auto")
+    layer, raw = make_layer(vc, K3, K3.tp8, seed=17)
+    table = torch.tensor([[5, 6], [9, 10]], dtype=torch.int32)
+    if kind == "decode":
+        md = decode_md(vc, K3, layer, table)
+        layer.kda_decode_backend = "flashinfer"
+    else:
+        md = verify_md(vc, K3, layer, table, torch.tensor([1, 2], dtype=torch.int32), [2, 2])
+        layer.kda_spec_decode_backend = "flashinfer"
+    why = layer._kda_batch(md)
+    assert isinstance(why, str) and why.startswith("auto keeps vLLM's FlashInfer"), why
+    layer.kda_backend = "reference"              # a named backend runs the op
+    assert not isinstance(layer._kda_batch(md), str)
+
+
+@pytest.mark.parametrize("model", MODEL_CASES, ids=lambda m: m.name)
+def test_setting_vllm_keeps_the_model_on_vllms_path(env, model_dir, model):
+    vc = vllm_config(model_dir, backend="vllm")
+    layer, raw = make_layer(vc, model, model.tp8, seed=19)
+    assert not layer.kda_enabled
+    md = decode_md(vc, model, layer, torch.tensor([[5], [2]], dtype=torch.int32))
+    y, _, page, path = step(vc, layer, raw, md, hidden(2, seed=20), use_kda=layer.kda_enabled)
+    assert path.startswith("vllm: disabled") and "'vllm'" in path
+    assert not layer.kda_steps
+
+
+def test_glm_lower_bound_outside_the_contract_stays_on_vllms_path(env, model_dir, caplog):
+    """GLM-5-Next with a gate bound the op's contract refuses (< -5): vLLM's path, logged."""
+    vc = vllm_config(model_dir)
+    layer, raw = make_layer(vc, GLM, GLM.tp8, seed=23, lower_bound=-8.0)
+    md = decode_md(vc, GLM, layer, torch.tensor([[5], [2]], dtype=torch.int32))
+    assert_falls_back(vc, layer, raw, md, hidden(2, seed=24),
+                      "vllm: the op refuses this layer's setup: lower_bound", caplog)
+
+
+def test_quantized_f_b_proj_keeps_the_layer_on_vllms_path(env, model_dir):
+    vc = vllm_config(model_dir)
+    layer, _ = make_layer(vc, K3, K3.tp8, seed=25)
+    layer.f_b_proj.quant_method = object()        # what a quantized linear carries instead
+    assert layer._kda_layer_reason() == "quantized f_b_proj"
+
+
+def test_one_kdadecode_per_layer_and_configuration(env, model_dir):
+    vc = vllm_config(model_dir)
+    layer, raw = make_layer(vc, KIMI, 8, seed=13)
+    step(vc, layer, raw, decode_md(vc, KIMI, layer, torch.tensor([[5], [2]], dtype=torch.int32)),
+         hidden(2, seed=14))
     built = dict(layer.kda_steps)
-    md3 = decode_md(torch.tensor([[5], [2], [3]], dtype=torch.int32))    # another batch size
-    step(env, layer, raw, md3, hidden(3, seed=15))
+    md3 = decode_md(vc, KIMI, layer, torch.tensor([[5], [2], [3]], dtype=torch.int32))
+    step(vc, layer, raw, md3, hidden(3, seed=15))                      # another batch size
     assert len(built) == 1 and layer.kda_steps == built
     (cfg, obj), = built.items()
     assert (cfg.num_heads, cfg.T, cfg.window, cfg.conv_layout) == (8, 1, 3, "SD")
     assert obj.backend_name == "reference"
 
 
-# ---- (e): backend choice ---------------------------------------------------------------------
+# ---- the setting -----------------------------------------------------------------------------
 
-def test_unknown_backend_fails_at_construction_listing_the_names(env, monkeypatch):
-    from vllm.config import DeviceConfig, VllmConfig
-    vc = VllmConfig(device_config=DeviceConfig(device="cpu"),
-                    additional_config={plugin.CONFIG_KEY: "fastest"})
+@pytest.mark.parametrize("model", MODEL_CASES, ids=lambda m: m.name)
+def test_unknown_value_fails_at_construction_listing_the_values(env, model_dir, model,
+                                                                monkeypatch):
     with pytest.raises(kda.KdaBackendError) as e:
-        construct(vc, 8)
-    for name in kda.registry.CHOICES:
-        assert name in str(e.value)
+        construct(vllm_config(model_dir, backend="fastest"), model, model.tp8)
+    for name in kda.registry.CHOICES + ("vllm",):
+        assert repr(name) in str(e.value) or name in str(e.value)
     assert "fastest" in str(e.value) and plugin.CONFIG_KEY in str(e.value)
     # $KDA_BACKEND when the key is absent; vLLM's own kda_decode_backend key is not ours
     monkeypatch.setenv("KDA_BACKEND", "nope")
-    vc2 = VllmConfig(device_config=DeviceConfig(device="cpu"),
-                     additional_config={"kda_decode_backend": "native"})
+    vc2 = vllm_config(model_dir, backend=None)
     with pytest.raises(kda.KdaBackendError, match="KDA_BACKEND"):
-        construct(vc2, 8)
+        construct(vc2, model, model.tp8)
     monkeypatch.delenv("KDA_BACKEND")
-    assert construct(vc2, 8).kda_backend == "auto"
+    assert construct(vc2, model, model.tp8).kda_backend == "auto"
 
 
 def test_backend_choice_is_logged_once(caplog):

@@ -13,16 +13,19 @@
 #     numpy, einops, pytest, pytest-timeout.
 #  3. vllm==0.33.0 with --no-deps: its own pins (torch 2.14 CUDA, flashinfer, cutlass, ...,
 #     about 9 GB) are GPU packages that cannot run here. Then the pure-Python packages that
-#     importing vLLM's config, forward context, plugin loader and Kimi-Linear layer needs, at
-#     vLLM's pinned versions, with torch held at the version of step 2 by a constraints file.
+#     importing vLLM's config, forward context, plugin loader and its Kimi-Linear, Kimi-K3 and
+#     GLM-5-Next layers needs, at vLLM's pinned versions, with torch held at the version of
+#     step 2 by a constraints file. (No torchvision: it has no CPU build for this torch here;
+#     the tests enter GLM-5-Next's package without its multimodal __init__, see test_vllm.py.)
 #  4. pip install -e <this repository>: the `vllm.general_plugins` entry point lands in the
 #     venv's metadata, where vLLM's plugin loader finds it.
 #  5. pytest tests/integrations/test_vllm.py with CUDA_VISIBLE_DEVICES="" (vLLM's Triton
 #     import check then keeps its kernels) and TRITON_INTERPRET=1.
 # pip then warns that vLLM's own pins (torch==2.14.0, ...) are not met: expected, harmless here.
 # Steps 1-3 are skipped when the venv was built by this version of the script. On a 2-core
-# machine: 1.5-2.5 minutes to build the venv (3 GB; PyPI reachable), then about 2 minutes of
-# tests (vLLM's kernels in Triton's interpreter; the verify steps are the slow ones).
+# machine: 1.5-2.5 minutes to build the venv (3 GB; PyPI reachable), then about 20 minutes of
+# tests (vLLM's kernels in Triton's interpreter; the verify steps at the TP 1 head counts,
+# 64 and 96 heads, are the slow ones: -k "not H96 and not H64 and not H32" skips them).
 set -euo pipefail
 venv=${KDA_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kda/vllm-venv-0.33.0}
 torch_req=${KDA_VLLM_TORCH:-torch==2.13.0}

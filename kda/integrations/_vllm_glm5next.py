@@ -1,0 +1,84 @@
+"""The vLLM plugin's GLM-5-Next layer (imports vLLM; see kda.integrations.vllm)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from vllm.models.glm5next.common.kda import Glm5NextLinearAttention
+
+from kda.integrations import vllm as plugin
+from kda.integrations._vllm_layer import KdaLayerMixin
+
+# vLLM's ``_forward`` body without its decorator (our ``_kda_forward`` carries it).
+_vllm_forward_body = getattr(Glm5NextLinearAttention._forward, "__wrapped__",
+                             Glm5NextLinearAttention._forward)
+
+
+class KdaGlm5NextLinearAttention(KdaLayerMixin, Glm5NextLinearAttention):
+    """vLLM's GLM-5-Next KDA layer whose decode / verify batches run :class:`kda.KdaDecode`.
+
+    See :mod:`kda.integrations.vllm`. Constructed by vLLM in place of
+    ``Glm5NextLinearAttention(config, vllm_config, prefix)``. On the op's path ``o_norm`` is
+    the op's; on vLLM's path it runs inside the eager segment, after vLLM's ``_forward``.
+
+    Raises:
+      kda.KdaBackendError: at construction, an unknown ``kda_fused_decode_backend`` /
+        ``$KDA_BACKEND`` value (the message lists the valid ones).
+    """
+
+    kda_model = "GLM-5-Next"
+
+    def __init__(self, config, vllm_config, prefix: str = "") -> None:
+        backend, source = plugin.backend_choice(getattr(vllm_config, "additional_config", None))
+        super().__init__(config, vllm_config, prefix)
+        self._kda_init(backend, source)
+
+    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self._kda_off():
+            return super().forward(hidden_states, positions)
+        # vLLM's projections, keeping f_a (the op fuses f_b_proj)
+        num_tokens = hidden_states.size(0)
+        dim, H, D = self.local_projection_size, self.local_num_heads, self.head_dim
+        projected = self.in_proj_qkvbfg_a(hidden_states)[0]
+        qkv, beta, f_a, g_a = projected.split([3 * dim, H, D, D], dim=-1)
+        output_gate = self.g_b_proj(g_a)[0]
+        core_attn_out = torch.empty((1, num_tokens, H, D), dtype=hidden_states.dtype,
+                                    device=hidden_states.device)
+        self._kda_forward(mixed_qkv=qkv, f_a=f_a, output_gate=output_gate, beta=beta,
+                          core_attn_out=core_attn_out)
+        return self.o_proj(core_attn_out.view(num_tokens, dim))[0]
+
+    # ---- the model's pieces ----------------------------------------------------------
+    def _kda_conv_weight_rows(self) -> torch.Tensor:
+        # q|k|v conv weights [dim, 1, 4] each, stacked as vLLM's merged conv weight
+        return torch.cat([c.weight.view(c.weight.shape[0], c.weight.shape[-1])
+                          for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+
+    def _kda_conv_bias(self) -> Optional[torch.Tensor]:
+        return self.q_conv1d.bias
+
+    def _kda_lower_bound(self) -> Optional[float]:
+        return self.kda_lower_bound
+
+    def _kda_A_log(self) -> torch.Tensor:
+        return self.A_log.view(-1)          # [1, 1, H, 1] -> [H]
+
+    def _kda_decode_requests(self, m) -> int:
+        # vLLM's decode kernels take the first num_decodes slots and query starts
+        return m.num_decodes
+
+    def _kda_model_reason(self) -> Optional[str]:
+        if not self.kda_safe_gate or self.kda_lower_bound is None:
+            return "no bounded gate (vLLM's GLM-5-Next kernels implement only the bounded one)"
+        if any(c.bias is not None for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)):
+            return "conv biases (vLLM's GLM-5-Next path passes q_conv1d.bias for all channels)"
+        return None
+
+    def _kda_vllm_path(self, mixed_qkv, f_a, output_gate, beta, core_attn_out) -> None:
+        # as vLLM's forward: _forward on the raw gate, then o_norm on the output gate
+        H, D = self.local_num_heads, self.head_dim
+        g1 = self.f_b_proj(f_a)[0].reshape(1, -1, H, D)
+        _vllm_forward_body(self, qkv_proj_states=mixed_qkv, g1=g1, beta=beta.unsqueeze(0),
+                           core_attn_out=core_attn_out)
+        core_attn_out.copy_(self.o_norm(core_attn_out, output_gate.reshape(-1, H, D)))

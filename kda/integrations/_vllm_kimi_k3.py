@@ -1,0 +1,79 @@
+"""The vLLM plugin's Kimi-K3 layer (imports vLLM; see kda.integrations.vllm)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from einops import rearrange
+from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention
+
+from kda.integrations import vllm as plugin
+from kda.integrations._vllm_layer import KdaLayerMixin
+
+# vLLM's ``_forward`` body without its decorator (our ``_kda_forward`` carries it).
+_vllm_forward_body = getattr(KimiK3DeltaAttention._forward, "__wrapped__",
+                             KimiK3DeltaAttention._forward)
+
+
+class KdaKimiK3DeltaAttention(KdaLayerMixin, KimiK3DeltaAttention):
+    """vLLM's Kimi-K3 KDA layer whose decode / verify batches run :class:`kda.KdaDecode`.
+
+    See :mod:`kda.integrations.vllm`. Constructed by vLLM in place of
+    ``KimiK3DeltaAttention(config, vllm_config, prefix, aux_stream, run_gemm_rs_ar)``.
+
+    Raises:
+      kda.KdaBackendError: at construction, an unknown ``kda_fused_decode_backend`` /
+        ``$KDA_BACKEND`` value (the message lists the valid ones).
+    """
+
+    kda_model = "Kimi-K3"
+
+    def __init__(self, config, vllm_config, prefix: str = "", *args, **kwargs) -> None:
+        backend, source = plugin.backend_choice(getattr(vllm_config, "additional_config", None))
+        super().__init__(config, vllm_config, prefix, *args, **kwargs)
+        self._kda_init(backend, source)
+
+    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self._kda_off():
+            return super().forward(hidden_states, positions)
+        # vLLM's in-projection without its capture-time overlap with the f_b GEMM: the op
+        # fuses that GEMM (vLLM's path computes it in the eager segment)
+        num_tokens = hidden_states.size(0)
+        dim, H, D = self.local_projection_size, self.local_num_heads, self.head_dim
+        projected = self.in_proj_qkvgfab(hidden_states)[0]
+        sizes = [3 * dim, dim, D, H] + ([self.in_proj_padding] if self.in_proj_padding else [])
+        mixed_qkv, output_gate, f_a, beta = projected.split(sizes, dim=-1)[:4]
+        core_attn_out = torch.empty((1, num_tokens, H, D), dtype=hidden_states.dtype,
+                                    device=hidden_states.device)
+        self._kda_forward(mixed_qkv=mixed_qkv, f_a=f_a, output_gate=output_gate, beta=beta,
+                          core_attn_out=core_attn_out)
+        core = core_attn_out.view(num_tokens, dim)
+        if self.gemm_rs_ar is not None and self.gemm_rs_ar.should_run(core):
+            return self.gemm_rs_ar.apply(core, self.o_proj)
+        return self.o_proj(core)[0]
+
+    def _kda_decode_reason(self) -> Optional[str]:
+        if self.kda_backend == "auto" and self.kda_decode_backend == "flashinfer":
+            return ("auto keeps vLLM's FlashInfer fused KDA decode (SM100 family), which the "
+                    f"op was not measured against; name a backend with {plugin.CONFIG_KEY} "
+                    "to run the op")
+        return None
+
+    def _kda_verify_reason(self) -> Optional[str]:
+        if getattr(self.speculative_config, "enable_adaptive_verification", False):
+            return ("adaptive verification: each request's drafts are trimmed on the device, "
+                    "so the host cannot tell a uniform batch")
+        if self.kda_backend == "auto" and self.kda_spec_decode_backend == "flashinfer":
+            return ("auto keeps vLLM's FlashInfer packed KDA verify (SM100 family), which the "
+                    f"op was not measured against; name a backend with {plugin.CONFIG_KEY} "
+                    "to run the op")
+        return None
+
+    def _kda_vllm_path(self, mixed_qkv, f_a, output_gate, beta, core_attn_out) -> None:
+        # as vLLM's forward (outside capture) hands them to _forward, whose body ends with
+        # o_norm
+        g1 = rearrange(self.f_b_proj(f_a)[0], "n (h d) -> 1 n h d", d=self.head_dim)
+        g2 = rearrange(output_gate, "... (h d) -> ... h d", d=self.head_dim)
+        _vllm_forward_body(self, mixed_qkv=mixed_qkv, g1=g1, g2=g2, beta=beta.unsqueeze(0),
+                           core_attn_out=core_attn_out)

@@ -1,0 +1,91 @@
+"""The vLLM plugin's setting and its register-on-import hook, without vLLM (default suite).
+
+The layers themselves run against the real vLLM in test_vllm.py (tools/vllm/run_tests.sh).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+import pytest
+
+import kda
+from kda.integrations import vllm as plugin
+
+
+def test_import_does_not_import_vllm():
+    import subprocess
+    code = ("import sys, kda.integrations.vllm as p; assert 'vllm' not in sys.modules; "
+            "assert not any(m.startswith('kda.integrations._vllm') for m in sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("value", list(kda.registry.CHOICES) + ["vllm"])
+def test_every_valid_value_is_accepted(value, monkeypatch):
+    monkeypatch.delenv("KDA_BACKEND", raising=False)
+    assert plugin.backend_choice({plugin.CONFIG_KEY: value}) == (
+        value, f"--additional-config {plugin.CONFIG_KEY}")
+
+
+def test_order_key_then_env_then_auto(monkeypatch):
+    monkeypatch.setenv("KDA_BACKEND", "triton")
+    assert plugin.backend_choice({plugin.CONFIG_KEY: "cuda"})[0] == "cuda"
+    assert plugin.backend_choice({"kda_decode_backend": "native"}) == ("triton", "$KDA_BACKEND")
+    monkeypatch.setenv("KDA_BACKEND", "vllm")
+    assert plugin.backend_choice(None) == ("vllm", "$KDA_BACKEND")
+    monkeypatch.delenv("KDA_BACKEND")
+    assert plugin.backend_choice({}) == ("auto", "default")
+
+
+@pytest.mark.parametrize("value", ["fastest", "native", 3, ""])
+def test_an_unknown_value_names_the_setting_the_valid_values_and_the_value(value, monkeypatch):
+    monkeypatch.delenv("KDA_BACKEND", raising=False)
+    with pytest.raises(kda.KdaBackendError) as e:
+        plugin.backend_choice({plugin.CONFIG_KEY: value})
+    msg = str(e.value)
+    assert plugin.CONFIG_KEY in msg and repr(value) in msg
+    for name in plugin.setting_values():
+        assert name in msg
+
+
+def test_the_choice_is_logged_once(caplog, monkeypatch):
+    monkeypatch.setattr(plugin, "_logged", set())
+    caplog.set_level(logging.INFO, logger="kda")
+    for _ in range(3):
+        plugin.backend_choice({plugin.CONFIG_KEY: "vllm"})
+    msgs = [r.getMessage() for r in caplog.records if "vLLM's own path" in r.getMessage()]
+    assert len(msgs) == 1, msgs
+
+
+def test_a_deferred_model_registers_when_its_module_is_imported(tmp_path, monkeypatch):
+    """The hook registers a model right after the import system ran its module, once, and
+    leaves every other module alone."""
+    (tmp_path / "kda_fake_engine_layer.py").write_text("VALUE = 41 + 1\n")
+    (tmp_path / "kda_fake_other.py").write_text("VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    monkeypatch.setattr(plugin, "_register_model",
+                        lambda m: seen.append((m.name, sys.modules[m.vllm_module].VALUE)))
+    model = plugin.Model("Fake", "kda_fake_engine_layer", "FakeLayer", "nowhere", "KdaFake",
+                         deferred=True)
+    hook = plugin._RegisterOnImport()
+    monkeypatch.setattr(sys, "meta_path", [hook] + sys.meta_path)
+    hook.add(model)
+    assert hook.pending() == ("kda_fake_engine_layer",)
+    importlib.import_module("kda_fake_other")
+    assert seen == []
+    mod = importlib.import_module("kda_fake_engine_layer")
+    assert seen == [("Fake", 42)] and mod.VALUE == 42
+    assert hook.pending() == ()
+    importlib.reload(mod)                       # the module's own loader still works
+    assert seen == [("Fake", 42)]
+    for name in ("kda_fake_engine_layer", "kda_fake_other"):
+        sys.modules.pop(name, None)
+
+
+def test_layer_class_names_the_models():
+    with pytest.raises(KeyError, match="Kimi-Linear"):
+        plugin.layer_class("Qwen")
+    assert set(plugin.MODELS) == {"Kimi-Linear", "Kimi-K3", "GLM-5-Next"}
