@@ -50,13 +50,11 @@ class RingShape:
       rows: value rows per unit (16, 32 or 64; ``units = 128 // rows``).
       consumers: consumer warps (a multiple of ``units``).
       depth: stages per consumer warp (``stages = consumers * depth``).
-      chunk: items a CTA takes from the shared counter at a time (the dynamic part).
     """
 
     rows: int = 32
     consumers: int = 8
     depth: int = 1
-    chunk: int = 2
 
     def __post_init__(self):
         if self.rows not in (16, 32, 64):
@@ -138,43 +136,18 @@ class UnitRing:
     # ----------------------------------------------------------------------- producer
     @cute.jit
     def produce(self, storage, state: cute.Tensor, si: cute.Tensor, na: cute.Tensor, R: Int32,
-                slots: Int32, n: Int32, static_end: Int32, counter: cute.Tensor, block: Int32,
-                grid: Int32, lane: Int32):
-        """The producer warp's loop (all 32 lanes call it): the units of every live item the
-        CTA takes, then one end marker per consumer warp.
-
-        Items ``[0, static_end)`` are split into balanced contiguous ranges, one per CTA;
-        items ``[static_end, n)`` are taken ``chunk`` at a time from ``counter[0]`` (the SMs
-        do not run at one speed: a static split of every item ends far apart). The last CTA
-        to finish resets ``counter`` ([2] Int32, zero before the launch) to zero.
+                slots: Int32, n: Int32, block: Int32, grid: Int32, lane: Int32):
+        """The producer warp's loop (all 32 lanes call it): the units of every live item of the
+        CTA's range of the ``n`` items, then one end marker per consumer warp.
 
         ``state``: [slots, H, 128, 128]; ``si``: [R, T] slot ids; ``na``: [R] accepted counts
         (read at T > 1 only).
         """
         k = Int32(0)
-        i0, i1 = self.item_range(static_end, block, grid)
+        i0, i1 = self.item_range(n, block, grid)
         for base in cutlass.range(i0, i1, 32, unroll=1):
             k = self._batch(storage, state, si, na, R, slots, base,
                             cutlass.min(i1, base + 32), k, lane)
-        if static_end < n:
-            go = Int32(1)
-            while go != 0:
-                c = Int32(0)
-                if lane == 0:
-                    c = cute.arch.atomic_add(counter.iterator, Int32(self.shape.chunk))
-                c = cute.arch.shuffle_sync(c, 0)
-                base = static_end + c
-                if base >= n:
-                    go = Int32(0)
-                else:
-                    k = self._batch(storage, state, si, na, R, slots, base,
-                                    cutlass.min(n, base + self.shape.chunk), k, lane)
-            if lane == 0:
-                cute.arch.fence_acq_rel_gpu()
-                done = cute.arch.atomic_add(counter.iterator + 1, Int32(1))
-                if done == grid - 1:
-                    counter[0] = Int32(0)
-                    counter[1] = Int32(0)
         for w in cutlass.range_constexpr(self.consumers):
             s = k % self.stages
             cute.arch.mbarrier_wait(storage.empty.data_ptr() + s, ((k // self.stages) & 1) ^ 1)

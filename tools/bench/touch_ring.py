@@ -42,7 +42,6 @@ class TouchRingStatic:
     rows: int = 32
     consumers: int = 8
     depth: int = 1
-    chunk: int = 2
     store: str = "regs"
 
     def __post_init__(self):
@@ -60,15 +59,15 @@ class TouchRing:
         self.T = ts.T
         self.H = ts.H
         self.st = BFloat16 if ts.state_bf16 else Float32
-        self.shape = RingShape(ts.rows, ts.consumers, ts.depth, ts.chunk)
+        self.shape = RingShape(ts.rows, ts.consumers, ts.depth)
         self.ring = UnitRing(self.shape, ts.T, self.st)
         self.threads = 32 * (1 + ts.consumers)
         fields = self.ring.fields()
         self.Storage = cute.struct(type("TouchRingStorage", (), {"__annotations__": fields}))
 
     @cute.kernel
-    def kernel(self, state: cute.Pointer, si: cute.Pointer, na: cute.Pointer, cnt: cute.Pointer,
-               R: Int32, slots: Int32, state_ss: Int64, static_end: Int32):
+    def kernel(self, state: cute.Pointer, si: cute.Pointer, na: cute.Pointer, R: Int32,
+               slots: Int32, state_ss: Int64):
         T, H = self.T, self.H
         tid, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
@@ -81,13 +80,11 @@ class TouchRing:
             stride=(cute.assume(state_ss, divby=8 if self.ts.state_bf16 else 4), D * D, D, 1)))
         g_si = cute.make_tensor(si, cute.make_layout((R, T), stride=(T, 1)))
         g_na = cute.make_tensor(na, cute.make_layout((R,)))
-        g_cnt = cute.make_tensor(cnt, cute.make_layout((2,)))
         self.ring.init(storage, tid)
         cute.arch.sync_threads()
         cute.arch.griddepcontrol_wait()
         if warp == 0:
-            self.ring.produce(storage, g_state, g_si, g_na, R, slots, R * H, static_end, g_cnt,
-                              block, grid, lane)
+            self.ring.produce(storage, g_state, g_si, g_na, R, slots, R * H, block, grid, lane)
         else:
             self.consume(storage, g_state, warp - 1, lane, slots)
         cute.arch.griddepcontrol_launch_dependents()
@@ -171,10 +168,9 @@ class TouchRing:
         cute.autovec_copy(raw, dst)
 
     @cute.jit
-    def launch(self, state: cute.Pointer, si: cute.Pointer, na: cute.Pointer, cnt: cute.Pointer,
-               R: Int32, slots: Int32, state_ss: Int64, static_end: Int32, grid: Int32,
-               stream: cuda.CUstream):
-        self.kernel(state, si, na, cnt, R, slots, state_ss, static_end).launch(
+    def launch(self, state: cute.Pointer, si: cute.Pointer, na: cute.Pointer, R: Int32,
+               slots: Int32, state_ss: Int64, grid: Int32, stream: cuda.CUstream):
+        self.kernel(state, si, na, R, slots, state_ss).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True)
 
 _compiled = {}
@@ -189,15 +185,14 @@ def compile_touch_ring(ts: TouchRingStatic):
         fake = [make_ptr(st, 0, cute.AddressSpace.gmem, assumed_align=16),
                 make_ptr(Int32, 0, cute.AddressSpace.gmem, assumed_align=4),
                 make_ptr(Int32, 0, cute.AddressSpace.gmem, assumed_align=4),
-                make_ptr(Int32, 0, cute.AddressSpace.gmem, assumed_align=4),
-                Int32(1), Int32(2), Int64(4), Int32(1), Int32(1), cuda.CUstream(0)]
+                Int32(1), Int32(2), Int64(4), Int32(1), cuda.CUstream(0)]
         fn = cute.compile(obj.launch, *fake)
         _compiled[ts] = fn
     return fn
 
 
 def make_touch_ring(cfg: KdaConfig, args: KdaArgs, ctas_per_sm: int = 1,
-                    grid: Optional[int] = None, static_fraction: float = 1.0, **shape
+                    grid: Optional[int] = None, **shape
                     ) -> Callable[[torch.Tensor, Optional[torch.Tensor]], None]:
     """A step function ``fn(state_indices, num_accepted_tokens)`` moving ``args.state`` as the
     step would (see the module docstring), on ``ctas_per_sm`` persistent CTAs per SM.
@@ -208,8 +203,6 @@ def make_touch_ring(cfg: KdaConfig, args: KdaArgs, ctas_per_sm: int = 1,
         contiguous, slot stride a multiple of 16 bytes) is used.
       ctas_per_sm: persistent CTAs per SM (the grid is at most one CTA per item).
       grid: a fixed number of CTAs instead (tests: several items and ring passes per CTA).
-      static_fraction: the share of the items split statically; the rest is taken from a
-        counter ``chunk`` items at a time.
       shape: :class:`TouchRingStatic` fields (rows, consumers, depth, store).
     """
     state = args.state
@@ -222,20 +215,15 @@ def make_touch_ring(cfg: KdaConfig, args: KdaArgs, ctas_per_sm: int = 1,
     sms = torch.cuda.get_device_properties(state.device).multi_processor_count
     slots = state.shape[0]
     sp = make_ptr(st, state.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
-    counter = torch.zeros(2, dtype=torch.int32, device=state.device)
-    cp = make_ptr(Int32, counter.data_ptr(), cute.AddressSpace.gmem, assumed_align=4)
 
     def step(state_indices: torch.Tensor, num_accepted: Optional[torch.Tensor]) -> None:
         R = state_indices.shape[0]
         nacc = num_accepted if num_accepted is not None else state_indices
         ctas = grid if grid is not None else min(sms * ctas_per_sm, R * cfg.num_heads)
         stream = cuda.CUstream(torch.cuda.current_stream(state.device).cuda_stream)
-        n = R * cfg.num_heads
         fn(sp, make_ptr(Int32, state_indices.data_ptr(), cute.AddressSpace.gmem, assumed_align=4),
-           make_ptr(Int32, nacc.data_ptr(), cute.AddressSpace.gmem, assumed_align=4), cp,
-           Int32(R), Int32(slots), Int64(state.stride(0)), Int32(int(n * static_fraction)),
-           Int32(ctas), stream)
-    step.counter = counter    # kept alive with the step
+           make_ptr(Int32, nacc.data_ptr(), cute.AddressSpace.gmem, assumed_align=4),
+           Int32(R), Int32(slots), Int64(state.stride(0)), Int32(ctas), stream)
     return step
 
 

@@ -92,23 +92,20 @@ RING_SHAPES = [dict(), dict(rows=16, consumers=8, depth=2), dict(rows=64, consum
 @pytest.mark.parametrize("shape", RING_SHAPES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default")
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("grid,static_fraction", [(None, 1.0), (3, 1.0), (3, 0.5), (5, 0.0)],
-                         ids=["grid_auto", "grid3", "grid3_half_dynamic", "grid5_dynamic"])
-def test_touch_ring_moves_exactly_the_step_pages(shape, T, dtype, grid, static_fraction):
-    """touch_ring (GPU only): one item per CTA, and 3-5 CTAs walking 27+ items each (several
-    slot-id batches of 32, many passes over the ring, items taken from the shared counter;
-    run twice, so the second launch starts from the counter the first one reset)."""
+@pytest.mark.parametrize("grid", [None, 3], ids=["grid_auto", "grid3"])
+def test_touch_ring_moves_exactly_the_step_pages(shape, T, dtype, grid):
+    """touch_ring (GPU only): one item per CTA, and 3 CTAs walking 45 items each (several
+    slot-id batches of 32, many passes over the ring); T=1 run twice."""
     if peers.available("touch_ring", DEVICE) is not None:
         pytest.skip(peers.available("touch_ring", DEVICE))
     if shape.get("store") == "bulk" and T != 1:
         pytest.skip("store='bulk' is a T=1 variant")
     from tools.bench.touch_ring import make_touch_ring
     cfg, args, state0 = _pages_case(T, dtype, H=3, R=7 if grid is None else 45)
-    step = make_touch_ring(cfg, args, grid=grid, static_fraction=static_fraction, **shape)
+    step = make_touch_ring(cfg, args, grid=grid, **shape)
     step(args.state_indices, args.num_accepted_tokens)
     torch.cuda.synchronize()
     _check_pages(args, state0, T)
-    assert step.counter.tolist() == [0, 0]
     if T == 1:     # T=1 moves each page onto itself: a second step must change nothing
         step(args.state_indices, args.num_accepted_tokens)
         torch.cuda.synchronize()
