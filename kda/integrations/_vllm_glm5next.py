@@ -38,16 +38,12 @@ class KdaGlm5NextLinearAttention(KdaLayerMixin, Glm5NextLinearAttention):
         if self._kda_off():
             return super().forward(hidden_states, positions)
         # vLLM's projections, keeping f_a (the op fuses f_b_proj)
-        num_tokens = hidden_states.size(0)
         dim, H, D = self.local_projection_size, self.local_num_heads, self.head_dim
         projected = self.in_proj_qkvbfg_a(hidden_states)[0]
         qkv, beta, f_a, g_a = projected.split([3 * dim, H, D, D], dim=-1)
         output_gate = self.g_b_proj(g_a)[0]
-        core_attn_out = torch.empty((1, num_tokens, H, D), dtype=hidden_states.dtype,
-                                    device=hidden_states.device)
-        self._kda_forward(mixed_qkv=qkv, f_a=f_a, output_gate=output_gate, beta=beta,
-                          core_attn_out=core_attn_out)
-        return self.o_proj(core_attn_out.view(num_tokens, dim))[0]
+        attn = self._kda_attention(hidden_states, qkv, f_a, output_gate, beta)
+        return self.o_proj(attn)[0]
 
     # ---- the model's pieces ----------------------------------------------------------
     def _kda_conv_weight_rows(self) -> torch.Tensor:

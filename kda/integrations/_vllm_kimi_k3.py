@@ -39,19 +39,14 @@ class KdaKimiK3DeltaAttention(KdaLayerMixin, KimiK3DeltaAttention):
             return super().forward(hidden_states, positions)
         # vLLM's in-projection without its capture-time overlap with the f_b GEMM: the op
         # fuses that GEMM (vLLM's path computes it in the eager segment)
-        num_tokens = hidden_states.size(0)
         dim, H, D = self.local_projection_size, self.local_num_heads, self.head_dim
         projected = self.in_proj_qkvgfab(hidden_states)[0]
         sizes = [3 * dim, dim, D, H] + ([self.in_proj_padding] if self.in_proj_padding else [])
         mixed_qkv, output_gate, f_a, beta = projected.split(sizes, dim=-1)[:4]
-        core_attn_out = torch.empty((1, num_tokens, H, D), dtype=hidden_states.dtype,
-                                    device=hidden_states.device)
-        self._kda_forward(mixed_qkv=mixed_qkv, f_a=f_a, output_gate=output_gate, beta=beta,
-                          core_attn_out=core_attn_out)
-        core = core_attn_out.view(num_tokens, dim)
-        if self.gemm_rs_ar is not None and self.gemm_rs_ar.should_run(core):
-            return self.gemm_rs_ar.apply(core, self.o_proj)
-        return self.o_proj(core)[0]
+        attn = self._kda_attention(hidden_states, mixed_qkv, f_a, output_gate, beta)
+        if self.gemm_rs_ar is not None and self.gemm_rs_ar.should_run(attn):
+            return self.gemm_rs_ar.apply(attn, self.o_proj)
+        return self.o_proj(attn)[0]
 
     def _kda_decode_reason(self) -> Optional[str]:
         if self.kda_backend == "auto" and self.kda_decode_backend == "flashinfer":

@@ -54,7 +54,6 @@ class KdaKimiGatedDeltaNetAttention(KdaLayerMixin, KimiGatedDeltaNetAttention):
         if self._kda_off():
             return super().forward(hidden_states, positions)
         # vLLM's projections, keeping f_a (the op fuses f_b_proj)
-        num_tokens = hidden_states.size(0)
         projected = self.in_proj_qkvgfab(hidden_states)[0]
         dim, H, D = self.local_projection_size, self.local_num_heads, self.head_dim
         if self.use_full_rank_gate:
@@ -64,11 +63,8 @@ class KdaKimiGatedDeltaNetAttention(KdaLayerMixin, KimiGatedDeltaNetAttention):
         else:
             mixed_qkv, beta, f_a = projected.split([3 * dim, H, D], dim=-1)
             output_gate = self.g_b_proj(self.g_a_proj(hidden_states)[0])[0]
-        core_attn_out = torch.empty((1, num_tokens, H, D), dtype=hidden_states.dtype,
-                                    device=hidden_states.device)
-        self._kda_forward(mixed_qkv=mixed_qkv, f_a=f_a, output_gate=output_gate, beta=beta,
-                          core_attn_out=core_attn_out)
-        return self.o_proj(core_attn_out.view(num_tokens, dim))[0]
+        attn = self._kda_attention(hidden_states, mixed_qkv, f_a, output_gate, beta)
+        return self.o_proj(attn)[0]
 
     def _kda_vllm_path(self, mixed_qkv, f_a, output_gate, beta, core_attn_out) -> None:
         # as vLLM's forward hands them to _forward, whose body ends with o_norm

@@ -173,6 +173,18 @@ class KdaLayerMixin:
 
     # ---- one batch ---------------------------------------------------------------------
     @eager_break_during_capture
+    def _kda_attention(self, hidden_states: torch.Tensor, mixed_qkv: torch.Tensor,
+                       f_a: torch.Tensor, output_gate: torch.Tensor,
+                       beta: torch.Tensor) -> torch.Tensor:
+        """The layer's normed attention output ``[tokens, dim]`` (before ``o_proj``) from the
+        projection's slices (:meth:`_kda_forward`), in a new buffer of the model's dtype."""
+        num_tokens = hidden_states.size(0)
+        core_attn_out = torch.empty((1, num_tokens, self.local_num_heads, self.head_dim),
+                                    dtype=hidden_states.dtype, device=hidden_states.device)
+        self._kda_forward(mixed_qkv=mixed_qkv, f_a=f_a, output_gate=output_gate, beta=beta,
+                          core_attn_out=core_attn_out)
+        return core_attn_out.view(num_tokens, self.local_num_heads * self.head_dim)
+
     def _kda_forward(self, mixed_qkv: torch.Tensor, f_a: torch.Tensor,
                      output_gate: torch.Tensor, beta: torch.Tensor,
                      core_attn_out: torch.Tensor) -> None:
