@@ -17,8 +17,8 @@ item, unit by unit); unit ``k`` goes to stage ``k % stages`` and to consumer war
 unit ``w % units`` of an item, the ``units`` warps of a group work on one item at once, and
 the groups take turns by item. Each stage has a *full* mbarrier (one producer arrival plus
 the copy's bytes) and an *empty* one (one consumer arrival), and a metadata row the producer
-writes before its arrival: the head, the request and the T slots the unit's rows go to (T=1:
-the source slot), or a head of -1 that ends the consumer's loop. Waits use the mbarrier
+writes before its arrival: the head and the T slots the unit's rows go to (T=1: the source
+slot), or a head of -1 that ends the consumer's loop. Waits use the mbarrier
 phase parity of the stage's pass (``k // stages``); the producer's first pass waits on the
 parity a fresh barrier reports complete.
 
@@ -38,7 +38,7 @@ from cutlass import Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
 D = 128
-#: Metadata words per stage: head, request, then up to 8 slot ids.
+#: Metadata words per stage: head, then up to 8 slot ids.
 META = 16
 
 
@@ -72,10 +72,6 @@ class RingShape:
     @property
     def stages(self) -> int:
         return self.consumers * self.depth
-
-    def data_bytes(self, elem_bytes: int) -> int:
-        """Shared memory of the stages' data."""
-        return self.stages * self.rows * D * elem_bytes
 
 
 class UnitRing:
@@ -184,7 +180,6 @@ class UnitRing:
             lv = cute.arch.shuffle_sync(Int32(live), j)
             if lv != 0:
                 hj = cute.arch.shuffle_sync(h, j)
-                rj = cute.arch.shuffle_sync(r, j)
                 sj = cute.arch.shuffle_sync(src, j)
                 dj = [cute.arch.shuffle_sync(ids[t], j) for t in range(T)]
                 page = state[sj, hj, None, None]
@@ -194,12 +189,11 @@ class UnitRing:
                                             ((k // self.stages) & 1) ^ 1)
                     if lane == 0:
                         meta[s, 0] = hj
-                        meta[s, 1] = rj
                         if cutlass.const_expr(T == 1):
-                            meta[s, 2] = sj
+                            meta[s, 1] = sj
                         else:
                             for t in cutlass.range_constexpr(T):
-                                meta[s, 2 + t] = dj[t]
+                                meta[s, 1 + t] = dj[t]
                         full = storage.full.data_ptr() + s
                         cute.arch.mbarrier_arrive_and_expect_tx(full, self.unit_bytes)
                         blk = cute.local_tile(page, (self.rows, D), (u, 0))

@@ -9,8 +9,6 @@ them in order. A consumer moves its unit shared -> registers (a bf16 page widene
 as the math does) -> global, 16 rows per pass, each lane 4 rows x 16 key columns (the 8
 lanes of a row cover its 128 columns, so a warp store writes 4 rows x 128 contiguous bytes
 of fp32, or 4 x 64 bytes of bf16); T > 1 writes each pass to the T slots in token order.
-With ``store="bulk"`` (T = 1) a consumer writes its registers back into the stage and one
-``cp.async.bulk`` shared -> global stores the unit.
 
 So its fraction of the floor, against ``touch``'s in the same run, says whether the
 pipeline itself can carry the step's bytes: the streamed kernel's ceiling.
@@ -24,7 +22,6 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float32, Int32, Int64
-from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_ptr
 
 from kda.backends.cutedsl.ring import RingShape, UnitRing
@@ -42,13 +39,6 @@ class TouchRingStatic:
     rows: int = 32
     consumers: int = 8
     depth: int = 1
-    store: str = "regs"
-
-    def __post_init__(self):
-        if self.store not in ("regs", "bulk"):
-            raise ValueError(f"store: expected 'regs' or 'bulk', got {self.store!r}")
-        if self.store == "bulk" and self.T != 1:
-            raise ValueError("store='bulk' moves one state per unit: T must be 1")
 
 
 class TouchRing:
@@ -91,6 +81,7 @@ class TouchRing:
 
     @cute.jit
     def consume(self, storage, g_state, w, lane, slots):
+        """Consumer warp ``w``: its units in order until its end marker."""
         ts, T = self.ts, self.T
         data = self.ring.data(storage)
         meta = self.ring.meta(storage)
@@ -100,24 +91,15 @@ class TouchRing:
         l8 = lane % 8
         nw = 1 if T == 1 else T
         k = Int32(w)
-        prev = Int32(-1)          # bulk stores: the unit whose stage is still being read
         go = Int32(1)
         while go != 0:
-            if cutlass.const_expr(ts.store == "bulk"):
-                # the previous unit's store has read its stage: free it before waiting (with
-                # one stage per warp, the next unit lands in that stage)
-                if prev >= 0:
-                    if lane == 0:
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    self.ring.release(storage, prev, lane)
-                    prev = Int32(-1)
             self.ring.wait_full(storage, k)
             s = k % self.ring.stages
             h = meta[s, 0]
             if h < 0:
                 go = Int32(0)
             else:
-                dst = [meta[s, 2 + t] for t in range(nw)]
+                dst = [meta[s, 1 + t] for t in range(nw)]
                 for p in cutlass.range_constexpr(rows // 16):
                     S = cute.make_rmem_tensor(cute.make_layout((4, 16), stride=(16, 1)), Float32)
                     for m in cutlass.range_constexpr(4):
@@ -128,37 +110,16 @@ class TouchRing:
                             cute.autovec_copy(src, raw)
                             for e in cutlass.range_constexpr(4):
                                 S[m, 4 * c + e] = Float32(raw[e])
-                    if cutlass.const_expr(ts.store == "bulk"):
-                        for m in cutlass.range_constexpr(4):
-                            row = p * 16 + 4 * m + grp
-                            for c in cutlass.range_constexpr(4):
-                                self._put(S, m, c, cute.local_tile(
-                                    data[s, row, None], (4,), (l8 + 8 * c,)))
-                    else:
-                        if p == rows // 16 - 1:
-                            self.ring.release(storage, k, lane)
-                        for t in cutlass.range_constexpr(nw):
-                            if (dst[t] > 0) & (dst[t] < slots):
-                                for m in cutlass.range_constexpr(4):
-                                    row = u * rows + p * 16 + 4 * m + grp
-                                    for c in cutlass.range_constexpr(4):
-                                        self._put(S, m, c, cute.local_tile(
-                                            g_state[dst[t], h, row, None], (4,), (l8 + 8 * c,)))
-                if cutlass.const_expr(ts.store == "bulk"):
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.sync_warp()
-                    if lane == 0:
-                        atom = cute.make_copy_atom(cpasync.CopyBulkS2GOp(), self.st,
-                                                   num_bits_per_copy=self.ring.unit_bytes * 8)
-                        blk = cute.local_tile(g_state[dst[0], h, None, None], (rows, D), (u, 0))
-                        cute.copy(atom, cute.group_modes(data[s, None, None], 0, 2),
-                                  cute.group_modes(blk, 0, 2))
-                        cute.arch.cp_async_bulk_commit_group()
-                    prev = k
+                    if p == rows // 16 - 1:
+                        self.ring.release(storage, k, lane)
+                    for t in cutlass.range_constexpr(nw):
+                        if (dst[t] > 0) & (dst[t] < slots):
+                            for m in cutlass.range_constexpr(4):
+                                row = u * rows + p * 16 + 4 * m + grp
+                                for c in cutlass.range_constexpr(4):
+                                    self._put(S, m, c, cute.local_tile(
+                                        g_state[dst[t], h, row, None], (4,), (l8 + 8 * c,)))
             k += self.ring.consumers
-        if cutlass.const_expr(ts.store == "bulk"):
-            if lane == 0:
-                cute.arch.cp_async_bulk_wait_group(0)
 
     def _put(self, S, m, c, dst):
         """Registers (fp32) -> ``dst`` (4 elements of the state dtype)."""
@@ -203,7 +164,7 @@ def make_touch_ring(cfg: KdaConfig, args: KdaArgs, ctas_per_sm: int = 1,
         contiguous, slot stride a multiple of 16 bytes) is used.
       ctas_per_sm: persistent CTAs per SM (the grid is at most one CTA per item).
       grid: a fixed number of CTAs instead (tests: several items and ring passes per CTA).
-      shape: :class:`TouchRingStatic` fields (rows, consumers, depth, store).
+      shape: :class:`TouchRingStatic` fields (rows, consumers, depth).
     """
     state = args.state
     bf16 = state.dtype == torch.bfloat16

@@ -85,8 +85,7 @@ def test_touch_moves_exactly_the_step_pages(name, T, dtype):
     _check_pages(args, state0, T)
 
 
-RING_SHAPES = [dict(), dict(rows=16, consumers=8, depth=2), dict(rows=64, consumers=4, depth=1),
-               dict(store="bulk")]
+RING_SHAPES = [dict(), dict(rows=16, consumers=8, depth=2), dict(rows=64, consumers=4, depth=1)]
 
 
 @pytest.mark.parametrize("shape", RING_SHAPES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default")
@@ -98,8 +97,6 @@ def test_touch_ring_moves_exactly_the_step_pages(shape, T, dtype, grid):
     slot-id batches of 32, many passes over the ring); T=1 run twice."""
     if peers.available("touch_ring", DEVICE) is not None:
         pytest.skip(peers.available("touch_ring", DEVICE))
-    if shape.get("store") == "bulk" and T != 1:
-        pytest.skip("store='bulk' is a T=1 variant")
     from tools.bench.touch_ring import make_touch_ring
     cfg, args, state0 = _pages_case(T, dtype, H=3, R=7 if grid is None else 45)
     step = make_touch_ring(cfg, args, grid=grid, **shape)
