@@ -2,14 +2,17 @@
 kernel launch (nvidia-cutlass-dsl 4.8.1).
 
 ``cutedsl_wide`` runs one CTA per (request, head) item (:mod:`kda.backends.cutedsl.wide`).
-``cutedsl`` picks by the batch's load and T (:func:`kda.backends.cutedsl.policy.kernel_for`):
-at small batches each item runs on a cluster of 4 or 8 CTAs (:mod:`kda.backends.cutedsl.split`),
-above that one CTA per item. Both kernels compute every value in the same order, so the two
-backends produce bit-identical outputs, states, windows and records. Design:
+``cutedsl`` picks by the batch's load, T and the state pool dtype
+(:func:`kda.backends.cutedsl.policy.kernel_for`): at small batches each item runs on a cluster
+of 4 or 8 CTAs (:mod:`kda.backends.cutedsl.split`), above that on persistent CTAs that stream
+the state pages through a shared-memory ring (:mod:`kda.backends.cutedsl.stream`), or, for
+fp32 pages at T > 1 and large batches, one CTA per item. Every kernel computes every value in
+the same order, so the two backends produce bit-identical outputs, states, windows and records. Design:
 ``docs/design.md``; compilation and caching: :mod:`kda.backends.cutedsl.cache`.
 
 Host path: a built step keeps one ctypes buffer holding every kernel argument (17 pointers,
-the strides, R, the runtime scalars scale / norm_eps / lower_bound, the stream) and the
+the strides, R, the runtime scalars scale / norm_eps / lower_bound, the streamed kernel's
+grid, the stream) and the
 packed argument array of the compiled host launcher; a call writes the new values into the
 buffer with one slice assignment and calls the launcher (which issues ``cuLaunchKernelEx``
 on torch's current stream). No device values are read, nothing is allocated, nothing is
@@ -79,12 +82,17 @@ def import_cutedsl() -> Optional[str]:
 
 
 def kernel_static(kind: str, cfg: KdaConfig, row_bytes: int = 16) -> KernelStatic:
-    """What kernel ``kind`` ("wide" / "splitC") is compiled for to serve ``cfg`` on rows of
+    """What kernel ``kind`` ("wide" / "stream" / "splitC") is compiled for to serve ``cfg`` on rows of
     ``row_bytes`` alignment."""
     if kind == "wide":
         return KernelStatic.from_config(cfg, page_last=policy.page_last(cfg.T),
                                         row_bytes=row_bytes)
     return KernelStatic.from_config(cfg, row_bytes=row_bytes)
+
+
+def sm_count(device_index: int) -> int:
+    """The multiprocessors of CUDA device ``device_index``."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _f32_bits(x: float) -> int:
@@ -133,7 +141,7 @@ class _Launcher:
     alignment).
 
     Args (constructor):
-      kind: "wide" or "splitC". cfg: the config. device: a CUDA device. compiled: the
+      kind: "wide", "stream" or "splitC". cfg: the config. device: a CUDA device. compiled: the
       CuTe DSL ``JitCompiledFunction`` from :func:`kda.backends.cutedsl.cache.get_kernel`. ks: its
       :class:`kda.backends.cutedsl.static.KernelStatic`.
     """
@@ -155,6 +163,9 @@ class _Launcher:
         idx = {n: i for i, n in enumerate(names)}
         self.i_scalars = idx["R"]
         self.i_stream = idx["stream"]
+        self.i_ctas = idx["ctas"]
+        # the streamed kernel's persistent grid: one CTA per SM, at most one per item
+        self.sms = sm_count(self.device_index)
         lb = cfg.lower_bound if cfg.lower_bound is not None else 0.0
         self.buf[idx["scale"]] = _f32_bits(cfg.scale)
         self.buf[idx["eps"]] = _f32_bits(cfg.norm_eps)
@@ -214,6 +225,7 @@ class _Launcher:
                              [2 * vals[i] for i in _ROW_STRIDES] if R * self.T > 1 else ())
         launcher = self if rows == self.ks.row_bytes else self.for_rows(rows)
         launcher.buf[0:len(vals)] = vals
+        launcher.buf[launcher.i_ctas] = min(self.sms, R * self.H)
         launcher.buf[launcher.i_stream] = current_stream_handle(self.device)
         launcher._launch()
 
@@ -252,8 +264,10 @@ class _CuteDslBackend(Backend):
 
 
 class KdaBackend(_CuteDslBackend):
-    """``cutedsl``: the kernel by load (:func:`kda.backends.cutedsl.policy.kernel_for`): each
-    item on a cluster of CTAs at small batches, on one CTA above.
+    """``cutedsl``: the kernel by load, T and state dtype
+    (:func:`kda.backends.cutedsl.policy.kernel_for`): each item on a cluster of CTAs at small
+    batches, persistent streaming CTAs above (one CTA per item for fp32 pages at T > 1 and
+    large batches).
 
     The step reads only the host-side batch size to choose, so a CUDA graph captured at one
     batch size replays the kernel chosen for it; every kernel the policy names is compiled
@@ -263,14 +277,16 @@ class KdaBackend(_CuteDslBackend):
     name = "cutedsl"
     description = ("CuTe DSL: each (request, head) on a cluster of 4-8 CTAs (value rows split, "
                    "decays and outputs exchanged through distributed shared memory) at small "
-                   "batches, one CTA per item above; bulk-copied state rows, mma.sync gate, PDL")
+                   "batches, persistent CTAs streaming the state pages through a shared-memory "
+                   "ring above (prep warps ahead of consumer warps); mma.sync gate, PDL")
 
     def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:
-        launchers = {kind: self.launcher(kind, cfg, device) for kind in policy.kernels(cfg.T)}
+        bf16 = cfg.state_dtype == torch.bfloat16
+        launchers = {kind: self.launcher(kind, cfg, device) for kind in policy.kernels(cfg.T, bf16)}
         H, T = cfg.num_heads, cfg.T
 
         def step(a: KdaArgs) -> None:
-            launchers[policy.kernel_for(a.state_indices.shape[0] * H, T)](a)
+            launchers[policy.kernel_for(a.state_indices.shape[0] * H, T, bf16)](a)
 
         step.launchers = launchers    # for tests
         return step

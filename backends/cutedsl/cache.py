@@ -48,11 +48,12 @@ POINTER_ARGS = (
     ("out", "bf16", "rows"),
 )
 assert len(POINTER_ARGS) == len(KdaArgs._fields)
-#: Scalar arguments after the pointers: (name, kind) with kind i32 / i64 / f32.
+#: Scalar arguments after the pointers: (name, kind) with kind i32 / i64 / f32. ``ctas`` is the
+#: persistent grid of the streamed kernel (the others size their grids from R).
 SCALAR_ARGS = (
     ("R", "i32"), ("slots", "i32"), ("x_rs", "i32"), ("fa_rs", "i32"), ("beta_rs", "i32"),
     ("og_rs", "i32"), ("out_rs", "i32"), ("state_ss", "i64"), ("cs_ss", "i64"),
-    ("scale", "f32"), ("eps", "f32"), ("lb", "f32"),
+    ("scale", "f32"), ("eps", "f32"), ("lb", "f32"), ("ctas", "i32"),
 )
 
 
@@ -151,8 +152,8 @@ def compile_args(kind: str, ks: KernelStatic) -> list:
 
 
 def kernel_object(kind: str, ks: KernelStatic):
-    """The kernel object of ``kind``: "wide" (:class:`KdaWide`) or "splitC" (:class:`KdaSplit`
-    on clusters of C CTAs).
+    """The kernel object of ``kind``: "wide" (:class:`KdaWide`), "splitC" (:class:`KdaSplit`
+    on clusters of C CTAs) or "stream" (:class:`KdaStream`, persistent).
 
     Raises:
       ValueError: an unknown kind.
@@ -160,10 +161,13 @@ def kernel_object(kind: str, ks: KernelStatic):
     if kind == "wide":
         from kda.backends.cutedsl.wide import KdaWide
         return KdaWide(ks)
+    if kind == "stream":
+        from kda.backends.cutedsl.stream import KdaStream
+        return KdaStream(ks)
     if kind.startswith("split") and kind[5:].isdigit():
         from kda.backends.cutedsl.split import KdaSplit
         return KdaSplit(ks, int(kind[5:]))
-    raise ValueError(f"kind: expected 'wide' or 'splitC' (C in 2, 4, 8), got {kind!r}")
+    raise ValueError(f"kind: expected 'wide', 'stream' or 'splitC' (C in 2, 4, 8), got {kind!r}")
 
 
 def compile_kernel(kind: str, ks: KernelStatic, options: Optional[str] = None):

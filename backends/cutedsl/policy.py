@@ -10,22 +10,48 @@ from __future__ import annotations
 from typing import Optional
 
 #: ``cutedsl``: the kernel for a batch of ``items = R * H`` (request, head) items at T tokens,
-#: by T (a T above the largest key takes its row), first match of (most items, kernel):
-#: ``splitC`` runs each item on a cluster of C CTAs (:mod:`kda.backends.cutedsl.split`),
-#: ``wide`` on one CTA (:mod:`kda.backends.cutedsl.wide`). Step times against the wide kernel.
+#: by state pool dtype and T (a T takes the row of the largest key not above it), first match of (most
+#: items, kernel): ``splitC`` runs each item on a cluster of C CTAs
+#: (:mod:`kda.backends.cutedsl.split`), ``stream`` on the persistent CTAs
+#: (:mod:`kda.backends.cutedsl.stream`), ``wide`` on one CTA (:mod:`kda.backends.cutedsl.wide`).
+#: Step times: every kernel of the family at the rows' edges in one run (``docs/design.md``);
+#: the split rows of T = 5 and above are the wide kernel's older comparison.
 KERNEL_BY_ITEMS = {
-    1: ((32, "split8"),   # H=12 R=1: 2.9 us against 5.8 wide, 3.6 split4; H=32 R=1: 3.7 against 6.5
-        (64, "split4"),   # H=12 R=4: 4.6 us against 4.9 split8, 6.3 wide; H=32 R=2: 6.2 against 6.7 wide
-        (None, "wide")),  # H=12 R=8: 8.6 us against 9.1 split4; H=32 R=4: 10.2 against 11.5 split2
-    2: ((48, "split8"),   # T=4 H=12 R=1: 5.1 us against 11.7 wide; H=12 R=4: 8.7 against 9.4 split4
-        (96, "split4"),   # T=4 H=96 R=1: 14.9 us against 16.1 wide; H=12 R=8: 14.8 against 15.8 wide
-        (None, "wide")),  # T=4 H=32 R=4: 18.0 us against 20.5 split2; H=12 R=16: 24.0 against 24.8
+    "fp32": {
+        1: ((32, "split8"),    # H=32 R=1: 3.7 us against 4.3 split4, 5.2 stream
+            (None, "stream")),  # H=32 R=2: 5.9 us against 6.2 split8, 6.5 split4, 6.8 wide
+        2: ((48, "split8"),
+            (None, "stream")),  # T=2 H=32 R=128: 236.9 us against 242.1 wide
+        3: ((48, "split8"),     # T=4 H=12 R=4: 8.7 us against 9.4 split4, 13.0 stream
+            (256, "stream"),    # T=4 H=12 R=8: 13.4 us against 14.9 split4; H=32 R=8 28.3 = wide
+            (None, "wide")),    # T=4 H=32 R=64: 198.5 us against 202.9 stream
+        5: ((48, "split8"),
+            (96, "split4"),
+            (None, "wide")),    # T=8 H=32 R=32: 184.0 us against 199.3 stream
+    },
+    "bf16": {
+        1: ((32, "split8"),     # H=32 R=1: 3.6 us against 4.1 split4, 5.1 stream
+            (96, "split4"),     # H=32 R=2: 4.6 us against 4.7 split8; H=32 R=3 5.7 against 5.8 stream
+            (None, "stream")),
+        2: ((32, "split8"),     # T=4 H=12 R=1: 5.1 us against 6.5 split4
+            (96, "split4"),     # T=4 H=12 R=4: 7.6 us against 8.3 split8; H=12 R=8 10.4 against 11.5
+            (None, "stream")),  # T=4 H=32 R=8: 19.6 us against 23.0 wide; R=128 263.3 against 312.9
+        5: ((48, "split8"),
+            (96, "split4"),
+            (None, "wide")),    # T=8 H=32 R=32: 135.1 us against 189.6 stream
+    },
 }
 
 
-def table(T: int) -> tuple:
-    """The (most items, kernel) rows for ``T`` tokens (:data:`KERNEL_BY_ITEMS`)."""
-    return KERNEL_BY_ITEMS[min(T, max(KERNEL_BY_ITEMS))]
+def _state(state_bf16: bool) -> str:
+    return "bf16" if state_bf16 else "fp32"
+
+
+def table(T: int, state_bf16: bool = False) -> tuple:
+    """The (most items, kernel) rows for ``T`` tokens on a pool of fp32 (or bf16) pages
+    (:data:`KERNEL_BY_ITEMS`)."""
+    rows = KERNEL_BY_ITEMS[_state(state_bf16)]
+    return rows[max(t for t in rows if t <= T)]
 
 
 #: The wide kernel commits its state page as its own cp.async group after the operands
@@ -38,17 +64,18 @@ PAGE_LAST = {
 }
 
 
-def kernel_for(items: int, T: int) -> str:
-    """The kernel ``cutedsl`` runs for ``items`` (request, head) items at ``T`` tokens."""
-    for most, kind in table(T):
+def kernel_for(items: int, T: int, state_bf16: bool = False) -> str:
+    """The kernel ``cutedsl`` runs for ``items`` (request, head) items at ``T`` tokens on a
+    pool of fp32 (``state_bf16``: bf16) pages."""
+    for most, kind in table(T, state_bf16):
         if most is None or items <= most:
             return kind
     raise AssertionError("every KERNEL_BY_ITEMS row ends with a catch-all entry")
 
 
-def kernels(T: int) -> tuple:
-    """Every kernel ``cutedsl`` may run at ``T`` tokens, in table order."""
-    return tuple(kind for _, kind in table(T))
+def kernels(T: int, state_bf16: bool = False) -> tuple:
+    """Every kernel ``cutedsl`` may run at ``T`` tokens on fp32 (bf16) pages, in table order."""
+    return tuple(kind for _, kind in table(T, state_bf16))
 
 
 def page_last(T: int) -> bool:
@@ -57,5 +84,5 @@ def page_last(T: int) -> bool:
 
 
 def cluster_of(kind: str) -> Optional[int]:
-    """C of a ``splitC`` kernel name, None for ``wide``."""
+    """C of a ``splitC`` kernel name, None for ``wide`` and ``stream``."""
     return int(kind[5:]) if kind.startswith("split") else None

@@ -219,6 +219,11 @@ def gld_nc_u16x2_or0(gptr, pred):
                "@p mov.b32 $0, {l, h}; }", [Int32], [gptr, pred], memory=True, early=True)
 
 
+def prefetch_l2(gptr):
+    """Bring the line of ``gptr`` into L2 (no register, no scoreboard: a later load hits L2)."""
+    asm("prefetch.global.L2 [$0];", [], [gptr])
+
+
 def gld_nc_f32(gptr):
     """Read-only fp32 load."""
     return asm("ld.global.nc.f32 $0, [$1];", [Float32], [gptr], memory=True)

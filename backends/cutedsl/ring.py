@@ -1,31 +1,27 @@
-"""The state ring of the streamed CuTe DSL kernels: persistent CTAs, a producer warp that
-bulk-copies value-row *units* of the items' state pages into a ring of shared-memory stages,
-and consumer warps that take the units in order.
+"""The state pipeline of the streamed CuTe DSL kernels: persistent CTAs whose consumer warps
+each keep their own small ring of shared-memory stages filled by bulk copies of value-row
+*units* of the items' state pages.
 
 Work: the step's ``R * H`` items (request r, head h) are walked head-major (``item = h * R +
 r``), so that consecutive items of a CTA share the head's parameters; CTA ``b`` of ``G``
-takes the contiguous range ``[b * n // G, (b + 1) * n // G)`` (:meth:`UnitRing.item_range`).
-A live item's page ``state[src, h]`` ([128 value rows, 128 key columns], each slot
-contiguous) is cut into ``units = 128 // rows`` blocks of ``rows`` value rows; a block is
-one contiguous run of ``rows * 128`` elements, moved by one ``cp.async.bulk`` completing on
-the stage's mbarrier. The rows of a page are independent given the per-item vectors (k, q,
-decay, beta, v), so a unit is a whole piece of work.
+takes the contiguous range ``[b * n // G, (b + 1) * n // G)`` (:meth:`WarpRing.item_range`);
+``j`` below is an item's position in its CTA's walk. A live item's page ``state[src, h]``
+([128 value rows, 128 key columns], each slot contiguous) is cut into ``units = 128 // rows``
+blocks of ``rows`` value rows; a block is one contiguous run of ``rows * 128`` elements,
+moved by one ``cp.async.bulk`` completing on the stage's mbarrier. The rows of a page are
+independent given the per-item vectors (k, q, decay, beta, v), so a unit is a whole piece of
+work.
 
-Order: the producer numbers the units of the CTA's live items ``k = 0, 1, ...`` (item by
-item, unit by unit); unit ``k`` goes to stage ``k % stages`` and to consumer warp
-``k % consumers``. With ``consumers`` a multiple of ``units``, consumer ``w`` always gets
-unit ``w % units`` of an item, the ``units`` warps of a group work on one item at once, and
-the groups take turns by item. Each stage has a *full* mbarrier (one producer arrival plus
-the copy's bytes) and an *empty* one (one consumer arrival), and a metadata row the producer
-writes before its arrival: the head and the T slots the unit's rows go to (T=1: the source
-slot), or a head of -1 that ends the consumer's loop. Waits use the mbarrier
-phase parity of the stage's pass (``k // stages``); the producer's first pass waits on the
-parity a fresh barrier reports complete.
-
-Slot ids: the producer warp loads the ids of 32 items at once (lane j: item ``base + j``)
-and walks them by shuffles, so one round trip serves 32 items (contract section 2 and 6 for
-the liveness rule: live iff ``0 < src < slots`` and ``0 < conv_slot < slots``; a dead item
-has no units).
+Consumers: ``consumers`` warps in ``groups = consumers // units`` groups; warp ``w`` is unit
+``w % units`` of group ``w // units``, and group ``g`` takes the items ``j = g, g + groups,
+...``, so the warps of a group work on the units of one item at once and the groups take
+turns by item. A warp loads the slot ids of 32 of its items at a time (lane l: its item
+``32 b + l``; the next batch is requested when a batch starts), and keeps ``depth`` items of
+lookahead: right after it has read a unit out of its stage (:meth:`WarpRing.walk`'s
+``refill``), it issues the copy of the unit ``depth`` items ahead into that stage. So a
+warp's copies and waits touch only its own stages: no other warp is on its path, and a dead
+item (contract section 2 and 6: live iff ``0 < src < slots`` and ``0 < conv_slot < slots``)
+moves nothing.
 """
 
 from __future__ import annotations
@@ -38,18 +34,16 @@ from cutlass import Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
 D = 128
-#: Metadata words per stage: head, then up to 8 slot ids.
-META = 16
 
 
 @dataclasses.dataclass(frozen=True)
 class RingShape:
-    """The static shape of a ring.
+    """The static shape of the consumers' stages.
 
     Attributes:
       rows: value rows per unit (16, 32 or 64; ``units = 128 // rows``).
       consumers: consumer warps (a multiple of ``units``).
-      depth: stages per consumer warp (``stages = consumers * depth``).
+      depth: stages per consumer warp = items of lookahead.
     """
 
     rows: int = 32
@@ -70,16 +64,21 @@ class RingShape:
         return D // self.rows
 
     @property
+    def groups(self) -> int:
+        return self.consumers // self.units
+
+    @property
     def stages(self) -> int:
         return self.consumers * self.depth
 
+    def data_bytes(self, elem_bytes: int) -> int:
+        """Shared memory of the stages' data."""
+        return self.stages * self.rows * D * elem_bytes
 
-class UnitRing:
-    """Device code of the ring for one :class:`RingShape`, T tokens and a state dtype.
 
-    ``storage`` is the kernel's shared-memory struct, which holds the fields
-    :meth:`fields` names: ``full`` / ``empty`` (mbarriers), ``meta`` and ``data``.
-    """
+class WarpRing:
+    """Device code of the consumers' stages for one :class:`RingShape`, T tokens and a state
+    dtype. ``storage`` is the kernel's shared-memory struct, which holds :meth:`fields`."""
 
     def __init__(self, shape: RingShape, T: int, st_dtype):
         self.shape = shape
@@ -87,29 +86,25 @@ class UnitRing:
         self.st_dtype = st_dtype
         self.rows = shape.rows
         self.units = shape.units
-        self.stages = shape.stages
+        self.groups = shape.groups
+        self.depth = shape.depth
         self.consumers = shape.consumers
         self.unit_bytes = shape.rows * D * st_dtype.width // 8
+        #: per item of a batch: live, source slot, head, then the T write slots (T=1: source)
+        self.fields_per_item = 3 + T
 
     def fields(self) -> dict:
-        """The struct fields of the ring (name -> type), for the kernel's storage struct."""
+        """The struct fields of the stages (name -> type), for the kernel's storage struct."""
         return {
-            "full": cute.struct.MemRange[Int64, self.stages],
-            "empty": cute.struct.MemRange[Int64, self.stages],
-            "meta": cute.struct.Align[cute.struct.MemRange[Int32, self.stages * META], 16],
+            "full": cute.struct.MemRange[Int64, self.shape.stages],
             "data": cute.struct.Align[
-                cute.struct.MemRange[self.st_dtype, self.stages * self.rows * D], 128],
+                cute.struct.MemRange[self.st_dtype, self.shape.stages * self.rows * D], 128],
         }
 
-    # ------------------------------------------------------------------------ views
     def data(self, storage) -> cute.Tensor:
-        """The stages' data, ``[stages, rows, 128]``."""
+        """The stages' data, ``[stages, rows, 128]`` (warp w's are ``w * depth ..``)."""
         return storage.data.get_tensor(cute.make_layout(
-            (self.stages, self.rows, D), stride=(self.rows * D, D, 1)))
-
-    def meta(self, storage) -> cute.Tensor:
-        """The stages' metadata rows, ``[stages, META]`` Int32."""
-        return storage.meta.get_tensor(cute.make_layout((self.stages, META), stride=(META, 1)))
+            (self.shape.stages, self.rows, D), stride=(self.rows * D, D, 1)))
 
     @staticmethod
     def item_range(n, block, grid):
@@ -118,55 +113,26 @@ class UnitRing:
         i1 = Int32((Int64(block + 1) * Int64(n)) // Int64(grid))
         return i0, i1
 
-    # ------------------------------------------------------------------------ setup
     @cute.jit
     def init(self, storage, tid):
-        """Thread 0 initializes every stage's mbarriers (one arrival each); the caller syncs
-        the CTA before the ring is used."""
+        """Thread 0 initializes every stage's mbarrier (one arrival: the copy's issuer, with
+        its bytes); the caller syncs the CTA before the stages are used."""
         if tid == 0:
-            for s in cutlass.range_constexpr(self.stages):
+            for s in cutlass.range_constexpr(self.shape.stages):
                 cute.arch.mbarrier_init(storage.full.data_ptr() + s, 1)
-                cute.arch.mbarrier_init(storage.empty.data_ptr() + s, 1)
             cute.arch.mbarrier_init_fence()
 
-    # ----------------------------------------------------------------------- producer
+    # ------------------------------------------------------------------------ walk
     @cute.jit
-    def produce(self, storage, state: cute.Tensor, si: cute.Tensor, na: cute.Tensor, R: Int32,
-                slots: Int32, n: Int32, block: Int32, grid: Int32, lane: Int32):
-        """The producer warp's loop (all 32 lanes call it): the units of every live item of the
-        CTA's range of the ``n`` items, then one end marker per consumer warp.
-
-        ``state``: [slots, H, 128, 128]; ``si``: [R, T] slot ids; ``na``: [R] accepted counts
-        (read at T > 1 only).
-        """
-        k = Int32(0)
-        i0, i1 = self.item_range(n, block, grid)
-        for base in cutlass.range(i0, i1, 32, unroll=1):
-            k = self._batch(storage, state, si, na, R, slots, base,
-                            cutlass.min(i1, base + 32), k, lane)
-        for w in cutlass.range_constexpr(self.consumers):
-            s = k % self.stages
-            cute.arch.mbarrier_wait(storage.empty.data_ptr() + s, ((k // self.stages) & 1) ^ 1)
-            if lane == 0:
-                meta = self.meta(storage)
-                meta[s, 0] = Int32(-1)
-                cute.arch.mbarrier_arrive(storage.full.data_ptr() + s)
-            k += 1
-
-    @cute.jit
-    def _batch(self, storage, state, si, na, R, slots, base, end, k, lane):
-        """The units of the live items of ``[base, end)`` (at most 32: lane j loads the slot
-        ids of item ``base + j``); returns the next unit number."""
+    def _load_batch(self, bat, row, b, si, na, R, slots, i0, i1, g, lane):
+        """Row ``row`` (static) of ``bat`` := the slot ids of the warp's items ``32 b + lane``:
+        live, source slot, head, the T slot ids."""
         T = self.T
-        data = self.data(storage)
-        meta = self.meta(storage)
-        atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), self.st_dtype,
-                                   num_bits_per_copy=self.unit_bytes * 8)
-        i = base + lane
-        ok = i < end
+        j = g + self.groups * (32 * b + lane)
+        i = i0 + j
+        ok = i < i1
         h = i // R
         r = i - h * R          # in [0, R) for every lane: its loads stay in bounds
-        # the lane's item: every slot id, then liveness (contract section 2, project rule)
         ids = [si[r, t] for t in range(T)]
         cslot = ids[0]
         src = cslot
@@ -176,46 +142,96 @@ class UnitRing:
                 if a == t + 1:
                     src = ids[t]
         live = ok & (src > 0) & (src < slots) & (cslot > 0) & (cslot < slots)
-        for j in cutlass.range(end - base, unroll=1):
-            lv = cute.arch.shuffle_sync(Int32(live), j)
-            if lv != 0:
-                hj = cute.arch.shuffle_sync(h, j)
-                sj = cute.arch.shuffle_sync(src, j)
-                dj = [cute.arch.shuffle_sync(ids[t], j) for t in range(T)]
-                page = state[sj, hj, None, None]
-                for u in cutlass.range_constexpr(self.units):
-                    s = k % self.stages
-                    cute.arch.mbarrier_wait(storage.empty.data_ptr() + s,
-                                            ((k // self.stages) & 1) ^ 1)
-                    if lane == 0:
-                        meta[s, 0] = hj
-                        if cutlass.const_expr(T == 1):
-                            meta[s, 1] = sj
-                        else:
-                            for t in cutlass.range_constexpr(T):
-                                meta[s, 1 + t] = dj[t]
-                        full = storage.full.data_ptr() + s
-                        cute.arch.mbarrier_arrive_and_expect_tx(full, self.unit_bytes)
-                        blk = cute.local_tile(page, (self.rows, D), (u, 0))
-                        cute.copy(atom, cute.group_modes(blk, 0, 2),
-                                  cute.group_modes(data[s, None, None], 0, 2), mbar_ptr=full)
-                    k += 1
-        return k
-
-    # ----------------------------------------------------------------------- consumers
-    def stage_of(self, k):
-        """(stage, parity) of unit number ``k``."""
-        return k % self.stages, (k // self.stages) & 1
+        bat[row, 0] = Int32(live)
+        bat[row, 1] = src
+        bat[row, 2] = h
+        for t in cutlass.range_constexpr(T):
+            bat[row, 3 + t] = ids[t]
 
     @cute.jit
-    def wait_full(self, storage, k):
-        s, ph = self.stage_of(k)
-        cute.arch.mbarrier_wait(storage.full.data_ptr() + s, ph)
+    def _issue(self, storage, state, ctr, pend, w, lane):
+        """If the pending item is live: its unit into the warp's next stage (``ctr[0]``)."""
+        if pend[0] != 0:
+            u = w % self.units
+            n = ctr[0]
+            s = w * self.depth + n % self.depth
+            cute.arch.fence_proxy("async.shared", space="cta")   # our reads of the stage
+            cute.arch.sync_warp()
+            if lane == 0:
+                full = storage.full.data_ptr() + s
+                cute.arch.mbarrier_arrive_and_expect_tx(full, self.unit_bytes)
+                blk = cute.local_tile(state[pend[1], pend[2], None, None], (self.rows, D), (u, 0))
+                atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), self.st_dtype,
+                                           num_bits_per_copy=self.unit_bytes * 8)
+                cute.copy(atom, cute.group_modes(blk, 0, 2),
+                          cute.group_modes(self.data(storage)[s, None, None], 0, 2),
+                          mbar_ptr=full)
+            ctr[0] = n + 1
 
     @cute.jit
-    def release(self, storage, k, lane):
-        """The consumer warp is done reading unit ``k``'s stage (call from all lanes)."""
-        s, _ = self.stage_of(k)
-        cute.arch.sync_warp()
-        if lane == 0:
-            cute.arch.mbarrier_arrive(storage.empty.data_ptr() + s)
+    def walk(self, storage, state: cute.Tensor, si: cute.Tensor, na: cute.Tensor, R: Int32,
+             slots: Int32, i0: Int32, i1: Int32, w: Int32, lane: Int32, unit, skip):
+        """Consumer warp ``w``'s loop over its group's items of ``[i0, i1)``.
+
+        For every live item it waits for the unit's stage, then calls ``unit(stage, j, h,
+        dst, refill)``: ``stage`` the unit's [rows, 128] data, ``j`` the item's position in
+        the CTA's walk, ``h`` its head, ``dst`` its T write slots (T=1: the source; ``dst[0]``
+        is the conv slot); ``unit`` calls ``refill()`` once, right after its last read of the
+        stage, which issues the copy ``depth`` items ahead into it. For a dead item it calls
+        ``skip(j)``.
+
+        ``state``: [slots, H, 128, 128]; ``si``: [R, T] slot ids; ``na``: [R] accepted counts
+        (read at T > 1 only).
+        """
+        T = self.T
+        F = self.fields_per_item
+        dep = self.depth
+        g = w // self.units
+        nq = (i1 - i0 - g + self.groups - 1) // self.groups      # this group's items
+        # row 0: the batch of the current item, row 1: the next batch
+        bat = cute.make_rmem_tensor(cute.make_layout((2, F), stride=(F, 1)), Int32)
+        pend = cute.make_rmem_tensor(cute.make_layout((3,)), Int32)
+        ctr = cute.make_rmem_tensor(cute.make_layout((2,)), Int32)   # units issued, consumed
+        ctr[0] = Int32(0)
+        ctr[1] = Int32(0)
+        self._load_batch(bat, 0, Int32(0), si, na, R, slots, i0, i1, g, lane)
+        self._load_batch(bat, 1, Int32(1), si, na, R, slots, i0, i1, g, lane)
+        for q in cutlass.range_constexpr(dep):          # the first depth items (lookahead < 32)
+            for f in cutlass.range_constexpr(3):
+                pend[f] = cute.arch.shuffle_sync(bat[0, f], q)
+            if nq <= q:
+                pend[0] = Int32(0)
+            self._issue(storage, state, ctr, pend, w, lane)
+        for q in cutlass.range(nq, unroll=1):
+            if (q % 32 == 0) & (q > 0):
+                for f in cutlass.range_constexpr(F):
+                    bat[0, f] = bat[1, f]
+                self._load_batch(bat, 1, q // 32 + 1, si, na, R, slots, i0, i1, g, lane)
+            lq = q % 32
+            # the item depth ahead: in this batch or the next
+            qa = q + dep
+            la = qa % 32
+            for f in cutlass.range_constexpr(3):
+                v0 = cute.arch.shuffle_sync(bat[0, f], la)
+                v1 = cute.arch.shuffle_sync(bat[1, f], la)
+                pend[f] = v0
+                if qa // 32 != q // 32:
+                    pend[f] = v1
+            if qa >= nq:
+                pend[0] = Int32(0)
+            live = cute.arch.shuffle_sync(bat[0, 0], lq)
+            if live != 0:
+                fq = [cute.arch.shuffle_sync(bat[0, f], lq) for f in range(1, F)]
+                n = ctr[1]
+                s = w * dep + n % dep
+                cute.arch.mbarrier_wait(storage.full.data_ptr() + s, (n // dep) & 1)
+                dst = [fq[2 + t] for t in range(T)] if T > 1 else [fq[0]]
+
+                def refill():
+                    self._issue(storage, state, ctr, pend, w, lane)
+
+                unit(self.data(storage)[s, None, None], g + self.groups * q, fq[1], dst, refill)
+                ctr[1] = n + 1
+            else:
+                self._issue(storage, state, ctr, pend, w, lane)
+                skip(g + self.groups * q)

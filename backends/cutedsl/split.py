@@ -78,6 +78,49 @@ class Views(NamedTuple):
     out: cute.Tensor
 
 
+def make_views(ks: KernelStatic, x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, og, nw, na,
+               vrec, kgrec, out, R, slots, x_rs, fa_rs, beta_rs, og_rs, out_rs, state_ss, cs_ss):
+    """The kernels' global tensors (:class:`Views`) over the argument pointers, for ``ks``: every
+    kernel of the family indexes its arguments through these layouts."""
+    T, H, dim = ks.T, ks.H, ks.H * D
+    L = ks.L
+    N_ = R * T
+    v = {}
+    if ks.row_bytes > 2:
+        # every row pitch is a multiple of the rows' alignment (kda.backend.row_bytes)
+        x_rs, fa_rs, og_rs, out_rs = (cute.assume(s, divby=ks.row_bytes // 2)
+                                      for s in (x_rs, fa_rs, og_rs, out_rs))
+    v["x"] = cute.make_tensor(x, cute.make_layout((N_, 3 * dim), stride=(x_rs, 1)))
+    v["cw"] = cute.make_tensor(cw, cute.make_layout((3, 4, dim), stride=(4 * dim, dim, 1)))
+    v["cb"] = cute.make_tensor(cb, cute.make_layout((3 * dim,)))
+    if ks.layout == "SD":
+        v["cs"] = cute.make_tensor(cs, cute.make_layout((slots, 3 * dim, L),
+                                                        stride=(cs_ss, 1, 3 * dim)))
+    else:
+        v["cs"] = cute.make_tensor(cs, cute.make_layout((slots, 3 * dim, L),
+                                                        stride=(cs_ss, L, 1)))
+    v["fa"] = cute.make_tensor(fa, cute.make_layout((N_, D), stride=(fa_rs, 1)))
+    v["fb"] = cute.make_tensor(fb, cute.make_layout((dim, D), stride=(D, 1)))
+    v["beta"] = cute.make_tensor(beta, cute.make_layout((N_, H), stride=(beta_rs, 1)))
+    v["alog"] = cute.make_tensor(alog, cute.make_layout((H,)))
+    v["dtb"] = cute.make_tensor(dtb, cute.make_layout((dim,)))
+    # (the slot stride is a multiple of 16 bytes)
+    v["state"] = cute.make_tensor(state, cute.make_layout(
+        (slots, H, D, D), stride=(cute.assume(state_ss, divby=8 if ks.state_bf16 else 4),
+                                  D * D, D, 1)))
+    v["si"] = cute.make_tensor(si, cute.make_layout((R, T), stride=(T, 1)))
+    v["og"] = cute.make_tensor(og, cute.make_layout((N_, dim), stride=(og_rs, 1)))
+    v["nw"] = cute.make_tensor(nw, cute.make_layout((D,)))
+    v["na"] = cute.make_tensor(na, cute.make_layout((R,)))
+    # record rows: 64-bit slot offsets (slots * H * T * 256 can pass 2**31)
+    v["vrec"] = cute.make_tensor(vrec, cute.make_layout(
+        (slots, H, T, D), stride=(Int64(H * T * D), T * D, D, 1)))
+    v["kgrec"] = cute.make_tensor(kgrec, cute.make_layout(
+        (slots, H, T, 2 * D), stride=(Int64(H * T * 2 * D), T * 2 * D, 2 * D, 1)))
+    v["out"] = cute.make_tensor(out, cute.make_layout((N_, dim), stride=(out_rs, 1)))
+    return Views(**v)
+
+
 class KdaSplit:
     """The split kernel for one :class:`KernelStatic` and cluster size; ``launch`` is what gets
     compiled."""
@@ -95,43 +138,6 @@ class KdaSplit:
         self.H = ks.H
         self.dim = ks.H * D
 
-    # ----------------------------------------------------------------------------- tensors
-    def _views(self, x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, og, nw, na, vrec,
-               kgrec, out, R, slots, x_rs, fa_rs, beta_rs, og_rs, out_rs, state_ss, cs_ss):
-        ks, T, H, dim = self.ks, self.T, self.H, self.dim
-        L = ks.L
-        N_ = R * T
-        v = {}
-        v["x"] = cute.make_tensor(x, cute.make_layout((N_, 3 * dim), stride=(x_rs, 1)))
-        v["cw"] = cute.make_tensor(cw, cute.make_layout((3, 4, dim), stride=(4 * dim, dim, 1)))
-        v["cb"] = cute.make_tensor(cb, cute.make_layout((3 * dim,)))
-        if ks.layout == "SD":
-            v["cs"] = cute.make_tensor(cs, cute.make_layout((slots, 3 * dim, L),
-                                                            stride=(cs_ss, 1, 3 * dim)))
-        else:
-            v["cs"] = cute.make_tensor(cs, cute.make_layout((slots, 3 * dim, L),
-                                                            stride=(cs_ss, L, 1)))
-        v["fa"] = cute.make_tensor(fa, cute.make_layout((N_, D), stride=(fa_rs, 1)))
-        v["fb"] = cute.make_tensor(fb, cute.make_layout((dim, D), stride=(D, 1)))
-        v["beta"] = cute.make_tensor(beta, cute.make_layout((N_, H), stride=(beta_rs, 1)))
-        v["alog"] = cute.make_tensor(alog, cute.make_layout((H,)))
-        v["dtb"] = cute.make_tensor(dtb, cute.make_layout((dim,)))
-        # (the slot stride is a multiple of 16 bytes)
-        v["state"] = cute.make_tensor(state, cute.make_layout(
-            (slots, H, D, D), stride=(cute.assume(state_ss, divby=8 if ks.state_bf16 else 4),
-                                      D * D, D, 1)))
-        v["si"] = cute.make_tensor(si, cute.make_layout((R, T), stride=(T, 1)))
-        v["og"] = cute.make_tensor(og, cute.make_layout((N_, dim), stride=(og_rs, 1)))
-        v["nw"] = cute.make_tensor(nw, cute.make_layout((D,)))
-        v["na"] = cute.make_tensor(na, cute.make_layout((R,)))
-        # record rows: 64-bit slot offsets (slots * H * T * 256 can pass 2**31)
-        v["vrec"] = cute.make_tensor(vrec, cute.make_layout(
-            (slots, H, T, D), stride=(Int64(H * T * D), T * D, D, 1)))
-        v["kgrec"] = cute.make_tensor(kgrec, cute.make_layout(
-            (slots, H, T, 2 * D), stride=(Int64(H * T * 2 * D), T * 2 * D, 2 * D, 1)))
-        v["out"] = cute.make_tensor(out, cute.make_layout((N_, dim), stride=(out_rs, 1)))
-        return Views(**v)
-
     # ------------------------------------------------------------------------------ kernel
     @cute.kernel
     def kernel(self, x: cute.Pointer, cw: cute.Pointer, cb: cute.Pointer, cs: cute.Pointer,
@@ -144,9 +150,8 @@ class KdaSplit:
         ks, T, C, dim = self.ks, self.T, self.C, self.dim
         tid, _, _ = cute.arch.thread_idx()
         rank, h, r = cute.arch.block_idx()
-        g = self._views(x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, og, nw, na, vrec,
-                        kgrec, out, R, slots, x_rs, fa_rs, beta_rs, og_rs, out_rs, state_ss,
-                        cs_ss)
+        g = make_views(ks, x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, og, nw, na, vrec,
+                       kgrec, out, R, slots, x_rs, fa_rs, beta_rs, og_rs, out_rs, state_ss, cs_ss)
 
         smem = cutlass.memory.SmemAllocator()
         st_t = g.state.element_type           # fp32, or bf16 (widened on load)
@@ -527,7 +532,7 @@ class KdaSplit:
                nw: cute.Pointer, na: cute.Pointer, vrec: cute.Pointer, kgrec: cute.Pointer,
                out: cute.Pointer, R: Int32, slots: Int32, x_rs: Int32, fa_rs: Int32,
                beta_rs: Int32, og_rs: Int32, out_rs: Int32, state_ss: Int64, cs_ss: Int64,
-               scale: Float32, eps: Float32, lb: Float32, stream: cuda.CUstream):
+               scale: Float32, eps: Float32, lb: Float32, ctas: Int32, stream: cuda.CUstream):
         self.kernel(x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, og, nw, na, vrec, kgrec,
                     out, R, slots, x_rs, fa_rs, beta_rs, og_rs, out_rs, state_ss, cs_ss, scale,
                     eps, lb).launch(grid=[self.C, self.H, R], block=[NTHREADS, 1, 1],

@@ -105,8 +105,9 @@ class KdaWide:
                nw: cute.Pointer, na: cute.Pointer, vrec: cute.Pointer, kgrec: cute.Pointer,
                out: cute.Pointer, R: Int32, slots: Int32, x_rs: Int32, fa_rs: Int32,
                beta_rs: Int32, og_rs: Int32, out_rs: Int32, state_ss: Int64, cs_ss: Int64,
-               scale: Float32, eps: Float32, lb: Float32, stream: cuda.CUstream):
-        """Host entry: launch R*H CTAs of 256 threads on ``stream``."""
+               scale: Float32, eps: Float32, lb: Float32, ctas: Int32, stream: cuda.CUstream):
+        """Host entry: launch R*H CTAs of 256 threads on ``stream`` (``ctas``: the streamed
+        kernel's grid, unused here)."""
         self.kernel(x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, og, nw, na, vrec,
                     kgrec, out, R, slots, x_rs, fa_rs, beta_rs, og_rs, out_rs, state_ss, cs_ss,
                     scale, eps, lb).launch(

@@ -3,12 +3,12 @@ pages with no math (:mod:`kda.backends.cutedsl.ring`), and its host wrapper.
 
 Same traffic as the ``touch`` peer (:mod:`tools.bench.touch`: read each live item's source
 page, write it to each of its write slots; dead items move nothing), moved the way the
-streamed kernel moves it: persistent CTAs over head-major item ranges, a producer warp
-bulk-copying value-row units into a ring of shared-memory stages, consumer warps taking
-them in order. A consumer moves its unit shared -> registers (a bf16 page widened to fp32,
-as the math does) -> global, 16 rows per pass, each lane 4 rows x 16 key columns (the 8
-lanes of a row cover its 128 columns, so a warp store writes 4 rows x 128 contiguous bytes
-of fp32, or 4 x 64 bytes of bf16); T > 1 writes each pass to the T slots in token order.
+streamed kernel moves it: persistent CTAs over head-major item ranges, each consumer warp
+bulk-copying value-row units into its own shared-memory stages ``depth`` items ahead. A
+warp moves its unit shared -> registers (a bf16 page widened to fp32, as the math does) ->
+global, 16 rows per pass, each lane 4 rows x 16 key columns (the 8 lanes of a row cover
+its 128 columns, so a warp store writes 4 rows x 128 contiguous bytes of fp32, or 4 x 64
+bytes of bf16); T > 1 writes each pass to the T slots in token order.
 
 So its fraction of the floor, against ``touch``'s in the same run, says whether the
 pipeline itself can carry the step's bytes: the streamed kernel's ceiling.
@@ -24,14 +24,14 @@ import torch
 from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.runtime import make_ptr
 
-from kda.backends.cutedsl.ring import RingShape, UnitRing
+from kda.backends.cutedsl.ring import RingShape, WarpRing
 from kda.config import HEAD_DIM as D
 from kda.config import KdaArgs, KdaConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class TouchRingStatic:
-    """What one touch_ring kernel is compiled for."""
+    """What one touch_ring kernel is compiled for (the ring's :class:`RingShape` fields)."""
 
     H: int
     T: int
@@ -50,8 +50,8 @@ class TouchRing:
         self.H = ts.H
         self.st = BFloat16 if ts.state_bf16 else Float32
         self.shape = RingShape(ts.rows, ts.consumers, ts.depth)
-        self.ring = UnitRing(self.shape, ts.T, self.st)
-        self.threads = 32 * (1 + ts.consumers)
+        self.ring = WarpRing(self.shape, ts.T, self.st)
+        self.threads = 32 * ts.consumers
         fields = self.ring.fields()
         self.Storage = cute.struct(type("TouchRingStorage", (), {"__annotations__": fields}))
 
@@ -73,53 +73,42 @@ class TouchRing:
         self.ring.init(storage, tid)
         cute.arch.sync_threads()
         cute.arch.griddepcontrol_wait()
-        if warp == 0:
-            self.ring.produce(storage, g_state, g_si, g_na, R, slots, R * H, block, grid, lane)
-        else:
-            self.consume(storage, g_state, warp - 1, lane, slots)
+        i0, i1 = self.ring.item_range(R * H, block, grid)
+        u = warp % self.ring.units
+
+        def unit(stage, j, h, dst, refill):
+            self._unit(g_state, stage, h, dst, refill, u, lane, slots)
+
+        def skip(j):
+            pass
+
+        self.ring.walk(storage, g_state, g_si, g_na, R, slots, i0, i1, warp, lane, unit, skip)
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def consume(self, storage, g_state, w, lane, slots):
-        """Consumer warp ``w``: its units in order until its end marker."""
-        ts, T = self.ts, self.T
-        data = self.ring.data(storage)
-        meta = self.ring.meta(storage)
-        rows = ts.rows
-        u = w % self.ring.units
+    def _unit(self, g_state, stage, h, dst, refill, u, lane, slots):
+        """One unit: shared -> registers -> the write slots, 16 rows per pass."""
+        rows = self.ts.rows
         grp = lane // 8
         l8 = lane % 8
-        nw = 1 if T == 1 else T
-        k = Int32(w)
-        go = Int32(1)
-        while go != 0:
-            self.ring.wait_full(storage, k)
-            s = k % self.ring.stages
-            h = meta[s, 0]
-            if h < 0:
-                go = Int32(0)
-            else:
-                dst = [meta[s, 1 + t] for t in range(nw)]
-                for p in cutlass.range_constexpr(rows // 16):
-                    S = cute.make_rmem_tensor(cute.make_layout((4, 16), stride=(16, 1)), Float32)
+        for p in cutlass.range_constexpr(rows // 16):
+            S = cute.make_rmem_tensor(cute.make_layout((4, 16), stride=(16, 1)), Float32)
+            for m in cutlass.range_constexpr(4):
+                row = p * 16 + 4 * m + grp
+                for c in cutlass.range_constexpr(4):
+                    raw = cute.make_rmem_tensor(cute.make_layout((4,)), self.st)
+                    cute.autovec_copy(cute.local_tile(stage[row, None], (4,), (l8 + 8 * c,)), raw)
+                    for e in cutlass.range_constexpr(4):
+                        S[m, 4 * c + e] = Float32(raw[e])
+            if p == rows // 16 - 1:
+                refill()
+            for t in cutlass.range_constexpr(len(dst)):
+                if (dst[t] > 0) & (dst[t] < slots):
                     for m in cutlass.range_constexpr(4):
-                        row = p * 16 + 4 * m + grp
+                        row = u * rows + p * 16 + 4 * m + grp
                         for c in cutlass.range_constexpr(4):
-                            src = cute.local_tile(data[s, row, None], (4,), (l8 + 8 * c,))
-                            raw = cute.make_rmem_tensor(cute.make_layout((4,)), self.st)
-                            cute.autovec_copy(src, raw)
-                            for e in cutlass.range_constexpr(4):
-                                S[m, 4 * c + e] = Float32(raw[e])
-                    if p == rows // 16 - 1:
-                        self.ring.release(storage, k, lane)
-                    for t in cutlass.range_constexpr(nw):
-                        if (dst[t] > 0) & (dst[t] < slots):
-                            for m in cutlass.range_constexpr(4):
-                                row = u * rows + p * 16 + 4 * m + grp
-                                for c in cutlass.range_constexpr(4):
-                                    self._put(S, m, c, cute.local_tile(
-                                        g_state[dst[t], h, row, None], (4,), (l8 + 8 * c,)))
-            k += self.ring.consumers
+                            self._put(S, m, c, cute.local_tile(
+                                g_state[dst[t], h, row, None], (4,), (l8 + 8 * c,)))
 
     def _put(self, S, m, c, dst):
         """Registers (fp32) -> ``dst`` (4 elements of the state dtype)."""
@@ -133,6 +122,7 @@ class TouchRing:
                slots: Int32, state_ss: Int64, grid: Int32, stream: cuda.CUstream):
         self.kernel(state, si, na, R, slots, state_ss).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True)
+
 
 _compiled = {}
 
@@ -168,7 +158,7 @@ def make_touch_ring(cfg: KdaConfig, args: KdaArgs, ctas_per_sm: int = 1,
     """
     state = args.state
     bf16 = state.dtype == torch.bfloat16
-    # a 128 KiB ring either way: 8 stages of 16 KiB fp32 units, 16 of 8 KiB bf16 units
+    # 128 KiB of stages either way: one 16 KiB fp32 unit per warp, or two 8 KiB bf16 units
     shape = {"depth": 2 if bf16 else 1, **shape}
     ts = TouchRingStatic(H=cfg.num_heads, T=cfg.T, state_bf16=bf16, **shape)
     fn = compile_touch_ring(ts)

@@ -78,7 +78,10 @@ SPLIT_CASES = [
     ("split4", 0), ("split4", 1), ("split4", 2), ("split4", 6), ("split4", 8),
     ("split2", 0), ("split2", 5), ("split2", 7),
 ]
-CASES = [("wide", i) for i in range(len(CONFIGS))] + SPLIT_CASES
+#: The streamed kernel's cases: T = 1, 2, 5, 8, both layouts, both gates, gate_mode 0/1,
+#: bias, record mode, fp32 conv state, bf16 weights.
+STREAM_CASES = [("stream", 0), ("stream", 1), ("stream", 2), ("stream", 4), ("stream", 7)]
+CASES = [("wide", i) for i in range(len(CONFIGS))] + SPLIT_CASES + STREAM_CASES
 D = 128
 
 
@@ -87,6 +90,33 @@ D = 128
 #: failures of the no-spill check, strict: a case that stops spilling must leave this table.
 def _case_params():
     return [pytest.param(kind, i, id=f"{kind}-{CONFIGS[i].short()}") for kind, i in CASES]
+
+
+def _check_stream_ptx(ptx, cfg):
+    """The streamed kernel: the gate on the tensor cores (each prep warp 2 tiles of 16
+    features x 8 k-steps), the state moved as 32-row units by bulk copies on mbarriers (the
+    first items of each warp, then one refill per unit), a proxy fence before a stage is
+    refilled, state stores per 4-column chunk, pass of 16 rows and token."""
+    assert len(re.findall(MMA, ptx)) == 2 * 8
+    unit = 32 * D * (2 if cfg.state_dtype == bf16 else 4)
+    copies = _bulk_copies(ptx)
+    state = [at for at, n in copies if n == unit]
+    # T <= 7: the head's f_b rows staged in shared memory, one 256-byte row per prep thread
+    fb = [n for _, n in copies if n != unit]
+    assert state and fb == ([2 * D] * len(fb)) and bool(fb) == (cfg.T <= 7), copies
+    assert "fence.proxy.async.shared::cta" in ptx
+    # each role waits for the predecessor (the prep warps after staging f_b, a weight)
+    assert ptx.count("griddepcontrol.wait") == 2
+    assert ptx.count("griddepcontrol.launch_dependents") == 1
+    i_wait = ptx.index("griddepcontrol.wait")
+    assert i_wait < state[0], "the pages are requested before griddepcontrol.wait"
+    stores = 0 if cfg.record else 4 * 4 * 2 * cfg.T      # chunks x rows x passes x tokens
+    if cfg.state_dtype == bf16:
+        assert "st.global.v4" not in ptx
+        assert ptx.count("st.global.v2.b32") == stores
+        assert ptx.count("cvt.rn.bf16x2.f32") == 2 * stores
+    else:
+        assert ptx.count("st.global.v4") == stores
 
 
 def test_cases_cover_every_axis():
@@ -241,6 +271,8 @@ def test_compiles(kind, i):
         pytest.skip("PTX not kept (CuTe DSL was imported before CUTE_DSL_KEEP was set)")
     if kind == "wide":
         _check_wide_ptx(ptx, cfg)
+    elif kind == "stream":
+        _check_stream_ptx(ptx, cfg)
     else:
         _check_split_ptx(ptx, cfg, policy.cluster_of(kind))
     assert "ld.local" not in ptx and "st.local" not in ptx, "local arrays left in the PTX"
@@ -260,7 +292,10 @@ def test_resource_usage(kind, i):
     if kind == "wide":
         assert usage["REG"] <= 128, "must fit 2 CTAs of 256 threads per SM"
         assert usage["STACK"] <= 512, "register spills grew out of bounds"
-    elif any(kind in policy.kernels(T) for T in range(1, 9)):
+    elif kind == "stream":
+        # 384 threads (3 warpgroups): 168 registers at most, none spilled
+        assert usage["REG"] <= 168 and usage["STACK"] == 0 and usage["LOCAL"] == 0, usage
+    elif any(kind in policy.kernels(T, bf) for T in range(1, 9) for bf in (False, True)):
         assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"spills / stack: {usage}"
     else:
         assert usage["STACK"] <= 64 and usage["LOCAL"] == 0, f"spills / stack: {usage}"
@@ -347,6 +382,8 @@ BF16_STATE_CASES = [
     ("split8", KdaConfig(num_heads=12, T=4, window=6, gate_mode=1, state_dtype=bf16)),
     ("split4", KdaConfig(num_heads=32, T=1, window=3, has_conv_bias=True, state_dtype=bf16)),
     ("split4", KdaConfig(num_heads=4, T=5, window=7, record=True, state_dtype=bf16)),
+    ("stream", KdaConfig(num_heads=32, T=1, window=3, state_dtype=bf16)),
+    ("stream", KdaConfig(num_heads=12, T=4, window=6, gate_mode=1, state_dtype=bf16)),
     ("split2", KdaConfig(num_heads=2, T=2, window=4, state_dtype=bf16)),
 ]
 
@@ -363,12 +400,16 @@ def test_bf16_state_builds_compile(kind, cfg):
     compiled, ptx = _compile_build(kind, ks)
     if kind == "wide":
         _check_wide_ptx(ptx, cfg)
+    elif kind == "stream":
+        _check_stream_ptx(ptx, cfg)
     else:
         _check_split_ptx(ptx, cfg, policy.cluster_of(kind))
     usage = _resource_usage(compiled.__cubin__)
     if usage is not None:
         if kind == "wide":
             assert usage["REG"] <= 128 and usage["STACK"] <= 512, usage
+        elif kind == "stream":
+            assert usage["REG"] <= 168 and usage["STACK"] == 0, usage
         elif kind != "split2":
             assert usage["STACK"] == 0 and usage["LOCAL"] == 0, usage
 
@@ -435,12 +476,13 @@ def test_kernel_kinds():
         obj = cache.kernel_object(f"split{C}", ks)
         assert type(obj).__name__ == "KdaSplit" and obj.C == C
         assert policy.cluster_of(f"split{C}") == C
-    assert policy.cluster_of("wide") is None
+    assert policy.cluster_of("wide") is None and policy.cluster_of("stream") is None
     for bad in ("split1", "split3", "split16", "split", "wide2", "Split2"):
         with pytest.raises(ValueError):
             cache.kernel_object(bad, ks)
     names = cache.arg_names("wide")
-    assert all(cache.arg_names(k) == names for k in policy.kernels(2))
+    assert all(cache.arg_names(k) == names for bf in (False, True) for T in (1, 2)
+               for k in policy.kernels(T, bf))
     assert names[-1] == "stream" and "ncta" not in names
 
 
@@ -533,26 +575,35 @@ def test_package_imports_without_dsl_or_gpu():
                                              torch.device("cuda")) if "T=" in r]
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("T", range(1, 9))
-def test_policy_table(T):
-    """KERNEL_BY_ITEMS: per T increasing thresholds, split kernels of 2-8 CTAs, wide above."""
-    rows = policy.table(T)
+def test_policy_table(T, bf16):
+    """KERNEL_BY_ITEMS: per state dtype and T increasing thresholds, split kernels of 2-8 CTAs
+    first, then the streamed and the wide kernel, a catch-all row last."""
+    rows = policy.table(T, bf16)
     most = [m for m, _ in rows[:-1]]
     assert most == sorted(set(most)) and most[0] >= 1
-    assert rows[-1] == (None, "wide")
-    assert all(policy.cluster_of(k) in (2, 4, 8) for _, k in rows[:-1])
-    assert policy.kernels(T) == tuple(k for _, k in rows)
+    assert rows[-1][0] is None and rows[-1][1] in ("stream", "wide")
+    kinds = [k for _, k in rows]
+    assert len(set(kinds)) == len(kinds)
+    splits = [k for k in kinds if policy.cluster_of(k) is not None]
+    assert kinds[:len(splits)] == splits and all(policy.cluster_of(k) in (2, 4, 8) for k in splits)
+    assert set(kinds[len(splits):]) <= {"stream", "wide"}
+    assert policy.kernels(T, bf16) == tuple(kinds)
     for m, kind in rows[:-1]:
-        assert policy.kernel_for(m, T) == kind
-        assert policy.kernel_for(m + 1, T) != kind
-    assert policy.kernel_for(1, T) == rows[0][1]
-    assert policy.kernel_for(10 ** 7, T) == "wide"
+        assert policy.kernel_for(m, T, bf16) == kind
+        assert policy.kernel_for(m + 1, T, bf16) != kind
+    assert policy.kernel_for(1, T, bf16) == rows[0][1]
+    assert policy.kernel_for(10 ** 7, T, bf16) == rows[-1][1]
+    assert policy.table(T) == policy.table(T, False)
 
 
-def test_cutedsl_builds_every_policy_kernel_and_picks_by_items(monkeypatch):
+@pytest.mark.parametrize("T,bf16", [(1, False), (2, False), (1, True), (2, True)],
+                         ids=["T1-fp32", "T2-fp32", "T1-bf16", "T2-bf16"])
+def test_cutedsl_builds_every_policy_kernel_and_picks_by_items(monkeypatch, T, bf16):
     """``cutedsl``'s step: every kernel of the policy built once (the launcher of each kind),
-    each call runs the one :func:`policy.kernel_for` names for R * H items, on both sides of
-    every threshold."""
+    each call runs the one :func:`policy.kernel_for` names for R * H items at the config's T
+    and state dtype, on both sides of every threshold."""
     from types import SimpleNamespace
 
     from kda.backends.cutedsl import backend as be
@@ -565,20 +616,21 @@ def test_cutedsl_builds_every_policy_kernel_and_picks_by_items(monkeypatch):
 
     monkeypatch.setattr(be.KdaBackend, "launcher", staticmethod(fake_launcher))
     H = 16
-    cfg = KdaConfig(num_heads=H, T=2, window=4)
+    cfg = KdaConfig(num_heads=H, T=T, window=T + 2,
+                    state_dtype=torch.bfloat16 if bf16 else torch.float32)
     dev = torch.device("cuda", 0)
     step = be.KdaBackend().build(cfg, dev)
-    kinds = policy.kernels(cfg.T)
+    kinds = policy.kernels(cfg.T, bf16)
     assert sorted(built, key=str) == sorted(((k, cfg, dev) for k in kinds), key=str)
     assert set(step.launchers) == set(kinds)
     batches = {1}
-    for most, _ in policy.table(cfg.T)[:-1]:
+    for most, _ in policy.table(cfg.T, bf16)[:-1]:
         batches |= {max(1, most // H), most // H + 1}
     for R in sorted(batches):
         calls.clear()
         step(SimpleNamespace(state_indices=torch.zeros(R, 2, dtype=torch.int32)))
-        assert calls == [(policy.kernel_for(R * H, cfg.T), R)], (R, calls)
-    ran = {policy.kernel_for(R * H, cfg.T) for R in batches}
+        assert calls == [(policy.kernel_for(R * H, cfg.T, bf16), R)], (R, calls)
+    ran = {policy.kernel_for(R * H, cfg.T, bf16) for R in batches}
     assert ran == set(kinds), "the batches cross every threshold"
     # the wide backend builds the wide kernel only
     built.clear()
@@ -587,7 +639,7 @@ def test_cutedsl_builds_every_policy_kernel_and_picks_by_items(monkeypatch):
     assert built == [("wide", cfg, dev)]
 
 
-@pytest.mark.parametrize("kind", ["wide", "split2"])
+@pytest.mark.parametrize("kind", ["wide", "split2", "stream"])
 def test_launcher_packs_arguments(kind, monkeypatch):
     """The host fast path writes every argument where the compiled launcher reads it."""
     import ctypes
@@ -614,6 +666,7 @@ def test_launcher_packs_arguments(kind, monkeypatch):
             return FakeExe()
 
     monkeypatch.setattr(be, "current_stream_handle", lambda device: 0xABCDEF)
+    monkeypatch.setattr(be, "sm_count", lambda device_index: 10)
     cfg = KdaConfig(num_heads=4, T=2, window=5, conv_layout="DS", lower_bound=-2.0, scale=0.25,
                     norm_eps=1e-4, has_conv_bias=True, record=True)
     launcher = be._Launcher(kind, cfg, torch.device("cuda", 0), FakeCompiled(),
@@ -647,6 +700,7 @@ def test_launcher_packs_arguments(kind, monkeypatch):
     assert u64(idx["state_ss"]) == a.state.stride(0) and u64(idx["cs_ss"]) == a.conv_state.stride(0)
     assert f32(idx["scale"]) == pytest.approx(0.25) and f32(idx["eps"]) == pytest.approx(1e-4)
     assert f32(idx["lb"]) == -2.0
+    assert i32(idx["ctas"]) == 10        # min(SMs, R * H = 12)
     assert u64(idx["stream"]) == 0xABCDEF
     assert packed[-1] == ctypes.addressof(launcher._result)
     seen.clear()

@@ -6,6 +6,9 @@ Skipped without CUDA. On the GPU machine run (from the repository root):
 
 Correctness of the two backends against the reference, CUDA graphs, the public entry points
 and 64-bit slot offsets are the conformance suite's (``tests/conformance``). Here:
+  * the streamed kernel gives the wide kernel's bits and matches the reference on the same
+    configurations and on batches where each CTA walks many items, also over three chained
+    steps;
   * the split kernel on every cluster size C in 2, 4, 8 gives the wide kernel's bits
     (out / state / conv_state / records) and matches the reference, on configurations
     covering T in {1, 2, 5, 8}, both conv layouts, both gates, gate_mode 0/1, conv bias,
@@ -105,16 +108,65 @@ def test_split_bit_identical_to_wide(spec, C, device, require_backend):
     assert not _differs(a_split, a_wide), f"split{C} and wide differ in {_differs(a_split, a_wide)}"
 
 
+#: The streamed kernel beside the wide one: SPECS (at most one item per CTA), and batches
+#: where each CTA walks many items (item slots and stages reused many times, several slot-id
+#: batches of 32 per warp, dead items among live ones, head changes inside a CTA's range).
+STREAM_SPECS = SPECS + [
+    CaseSpec(make_config(32, 1), R=64, seed=21),
+    CaseSpec(make_config(96, 1, lb=-5.0, gm=1), R=96, null_frac=0.2, seed=22),
+    CaseSpec(make_config(12, 4, "DS", bias=True, bf16_state=True), R=200, null_frac=0.1,
+             seed=23),
+    CaseSpec(make_config(24, 8, record=True), R=40, null_frac=0.3, seed=24),
+    CaseSpec(make_config(32, 2, bf16_state=True, beta_act=True), R=90, packed=True, seed=25),
+]
+
+
+@pytest.mark.parametrize("spec", STREAM_SPECS, ids=[s.id for s in STREAM_SPECS])
+def test_stream_bit_identical_to_wide(spec, device, require_backend):
+    """stream == wide bit for bit, and both within the reference's tolerance."""
+    cfg = spec.cfg
+    wide = _launcher("wide", cfg, device, require_backend)
+    stream = _launcher("stream", cfg, device, require_backend)
+    a_stream = make_case(spec, device)
+    a_wide = clone_args(a_stream)
+    before, expected = expected_after(cfg, a_stream)
+    stream(a_stream)
+    wide(a_wide)
+    torch.cuda.synchronize()
+    errors = [f"stream: {e}" for e in compare_step(a_stream, expected, before)]
+    errors += [f"wide: {e}" for e in compare_step(a_wide, expected, before)]
+    assert not errors, "\n".join(errors)
+    assert not _differs(a_stream, a_wide), f"stream and wide differ in {_differs(a_stream, a_wide)}"
+
+
+@pytest.mark.parametrize("T,R", [(1, 40), (5, 9)])
+def test_stream_chained_steps(T, R, device, require_backend):
+    """Three streamed steps back to back on the same buffers (PDL chain) == reference x3."""
+    spec = CaseSpec(make_config(32, T), R=R, seed=31 + T)
+    cfg = spec.cfg
+    stream = _launcher("stream", cfg, device, require_backend)
+    args = make_case(spec, device)
+    before, expected = expected_after(cfg, args, steps=3)
+    for _ in range(3):
+        stream(args)
+    torch.cuda.synchronize()
+    errors = compare_step(args, expected, before)
+    assert not errors, "\n".join(errors)
+
+
 DISPATCH_T = 2
 
 
 def _threshold_batches(H):
-    """(R, kind) on both sides of every threshold of KERNEL_BY_ITEMS (at T=2) for H heads."""
+    """(bf16, R, kind) on both sides of every threshold of KERNEL_BY_ITEMS (at T=2) for H heads,
+    for both state dtypes."""
     out = []
-    for most, _ in policy.table(DISPATCH_T)[:-1]:
-        for R in (most // H, most // H + 1):
-            if R >= 1 and (R, policy.kernel_for(R * H, DISPATCH_T)) not in out:
-                out.append((R, policy.kernel_for(R * H, DISPATCH_T)))
+    for bf in (False, True):
+        for most, _ in policy.table(DISPATCH_T, bf)[:-1]:
+            for R in (most // H, most // H + 1):
+                case = (bf, R, policy.kernel_for(R * H, DISPATCH_T, bf))
+                if R >= 1 and case not in out:
+                    out.append(case)
     return out
 
 
@@ -122,17 +174,18 @@ DISPATCH_H = 16
 DISPATCH = _threshold_batches(DISPATCH_H)
 
 
-@pytest.mark.parametrize("R,kind", DISPATCH, ids=[f"R{r}-{k}" for r, k in DISPATCH])
-def test_cutedsl_runs_the_policy_kernel(R, kind, device, require_backend, monkeypatch):
+@pytest.mark.parametrize("bf16,R,kind", DISPATCH,
+                         ids=[f"{'bf16' if b else 'fp32'}-R{r}-{k}" for b, r, k in DISPATCH])
+def test_cutedsl_runs_the_policy_kernel(bf16, R, kind, device, require_backend, monkeypatch):
     """At R * H items ``cutedsl`` launches the kernel policy.kernel_for names, once, and its
     results are the wide kernel's bits and the reference's values."""
     H = DISPATCH_H
-    items = {r * H for r, _ in DISPATCH}
-    for most, _ in policy.table(DISPATCH_T)[:-1]:
+    items = {r * H for b, r, _ in DISPATCH if b == bf16}
+    for most, _ in policy.table(DISPATCH_T, bf16)[:-1]:
         assert {i for i in items if i <= most} and {i for i in items if i > most}, most
-    cfg = make_config(H, DISPATCH_T, bias=True)
+    cfg = make_config(H, DISPATCH_T, bias=True, bf16_state=bf16)
     step = _step("cutedsl", cfg, device, require_backend)
-    assert set(step.launchers) == set(policy.kernels(DISPATCH_T))
+    assert set(step.launchers) == set(policy.kernels(DISPATCH_T, bf16))
     calls = []
     for k, fn in list(step.launchers.items()):
         def counted(a, k=k, fn=fn):
@@ -156,29 +209,32 @@ CHAIN_H = 32
 
 
 def _chain_cases():
-    """(backend, R, T, kind): ``cutedsl`` at the largest batch of each of its kernels at T = 1
-    and 5 (wide: above the last threshold), ``cutedsl_wide`` at the wide batch."""
+    """(backend, R, T, bf16, kind): ``cutedsl`` at the largest batch of each of its kernels at
+    T = 1 and 5 on both state dtypes (the catch-all kernel: above the last threshold),
+    ``cutedsl_wide`` at the catch-all batch."""
     cases = []
-    for T in (1, 5):
-        prev = 0
-        for most, kind in policy.table(T):
-            R = max(1, most // CHAIN_H) if most is not None else prev // CHAIN_H + 4
-            if kind == "wide" or policy.kernel_for(R * CHAIN_H, T) == kind:
-                cases.append(("cutedsl", R, T, kind))
-            prev = most if most is not None else prev
-        cases.append(("cutedsl_wide", cases[-1][1], T, "wide"))
+    for bf in (False, True):
+        for T in (1, 5):
+            prev = 0
+            for most, kind in policy.table(T, bf):
+                R = max(1, most // CHAIN_H) if most is not None else prev // CHAIN_H + 4
+                if most is None or policy.kernel_for(R * CHAIN_H, T, bf) == kind:
+                    cases.append(("cutedsl", R, T, bf, kind))
+                prev = most if most is not None else prev
+            cases.append(("cutedsl_wide", cases[-1][1], T, bf, "wide"))
     return cases
 
 
 CHAIN = _chain_cases()
 
 
-@pytest.mark.parametrize("name,R,T,kind", CHAIN, ids=[f"{n}-R{r}-T{t}-{k}" for n, r, t, k in CHAIN])
-def test_chained_steps(name, R, T, kind, device, require_backend):
+@pytest.mark.parametrize("name,R,T,bf16,kind", CHAIN,
+                         ids=[f"{n}-R{r}-T{t}-{'bf16' if b else 'fp32'}-{k}" for n, r, t, b, k in CHAIN])
+def test_chained_steps(name, R, T, bf16, kind, device, require_backend):
     """Three steps launched back to back on the same buffers (PDL chain) == reference x3."""
     if name == "cutedsl":
-        assert policy.kernel_for(R * CHAIN_H, T) == kind
-    spec = CaseSpec(make_config(CHAIN_H, T), R=R, seed=11 + T + R)
+        assert policy.kernel_for(R * CHAIN_H, T, bf16) == kind
+    spec = CaseSpec(make_config(CHAIN_H, T, bf16_state=bf16), R=R, seed=11 + T + R)
     cfg = spec.cfg
     step = _step(name, cfg, device, require_backend)
     args = make_case(spec, device)

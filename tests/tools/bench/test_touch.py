@@ -85,20 +85,21 @@ def test_touch_moves_exactly_the_step_pages(name, T, dtype):
     _check_pages(args, state0, T)
 
 
-RING_SHAPES = [dict(), dict(rows=16, consumers=8, depth=2), dict(rows=64, consumers=4, depth=1)]
+RING_SHAPES = [dict(), dict(rows=16, consumers=8, depth=2), dict(rows=64, consumers=4, depth=1),
+               dict(rows=32, consumers=4, depth=3)]
 
 
 @pytest.mark.parametrize("shape", RING_SHAPES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default")
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("grid", [None, 3], ids=["grid_auto", "grid3"])
+@pytest.mark.parametrize("grid", [None, 2], ids=["grid_auto", "grid2"])
 def test_touch_ring_moves_exactly_the_step_pages(shape, T, dtype, grid):
-    """touch_ring (GPU only): one item per CTA, and 3 CTAs walking 45 items each (several
-    slot-id batches of 32, many passes over the ring); T=1 run twice."""
+    """touch_ring (GPU only): one item per CTA, and 2 CTAs walking 90+ items each (several
+    slot-id batches of 32 per warp, many passes over each warp's stages); run twice."""
     if peers.available("touch_ring", DEVICE) is not None:
         pytest.skip(peers.available("touch_ring", DEVICE))
     from tools.bench.touch_ring import make_touch_ring
-    cfg, args, state0 = _pages_case(T, dtype, H=3, R=7 if grid is None else 45)
+    cfg, args, state0 = _pages_case(T, dtype, H=3, R=7 if grid is None else 61)
     step = make_touch_ring(cfg, args, grid=grid, **shape)
     step(args.state_indices, args.num_accepted_tokens)
     torch.cuda.synchronize()

@@ -1,0 +1,749 @@
+"""KdaStream: the persistent, pipelined CuTe DSL kernel of the fused KDA decode step.
+
+One CTA per SM (grid ``ctas``, at most one per item) walks a contiguous head-major range of
+the step's items, with two roles:
+
+* **consumers** (warps 0..7): each keeps its own stages filled with bulk copies of one
+  value-row unit per item, ``depth`` items ahead (:class:`kda.backends.cutedsl.ring.WarpRing`);
+  with 32-row units the 4 warps of a group take the 4 units of one item at once and the two
+  groups take turns by item. A consumer runs the delta rule over its rows for the T tokens
+  straight from the stage (S *= alpha; u = beta (v - S.k); S += u k; o = S.q), stores the
+  state (per token at T > 1) or the record rows, and leaves ``o`` of its rows in the item's
+  slot;
+* **prep** (warps 8..11, one warpgroup): per item, conv + SiLU of its 384 channels (thread
+  ``p``: q, k and v channel ``p``), the window rewrite, the q / k L2 norms, beta, the output
+  gate's sigmoid and the gate projection on the tensor cores with its decay, into one of
+  ``groups + 1`` item slots; ``groups`` items later, once the item's consumers are done, the
+  gated RMSNorm of its ``o`` and ``out`` (dead items: zeros).
+
+Slots of the item ring are reused in turn (item ``j`` of the CTA's walk takes slot
+``j % slots``), guarded by three mbarriers each: *ready* (prep -> consumers, one arrival per
+prep thread), *done* (the item's consumers -> prep, one arrival per lane of each unit warp, for
+a dead item too, so that every warp passes every phase of its slots) and *free* (the epilogue
+-> the next prep of that slot).
+
+Every value is computed in the order of the other kernels of the family (the same conv per
+channel, the same warp-then-quarter sums of the norms, the same per-row reduction, the same
+MMA chains per gate feature, the explicitly rounded arithmetic of
+:mod:`kda.backends.cutedsl.ptx`), so its results are bit-identical to
+:mod:`kda.backends.cutedsl.wide`'s and :mod:`kda.backends.cutedsl.split`'s.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int16, Int32, Int64
+from cutlass.cute.nvgpu import cpasync, warp
+
+from kda.backends.cutedsl import ptx as N
+from kda.backends.cutedsl.ring import RingShape, WarpRing
+from kda.backends.cutedsl.split import make_views
+from kda.backends.cutedsl.static import KernelStatic
+
+D = 128
+CONSUMERS = 8      # consumer warps: 8 + 4 prep warps = 3 warpgroups, 168 registers a thread
+PREP = 128         # prep threads (one warpgroup)
+PREP_BAR = 1       # named barrier of the prep warps
+FB_ROW = D + 8     # padded f_b row in shared memory (bf16): a warp's fragment loads hit 32 banks
+SMEM_MAX = 232448 - 1024   # sm_90: dynamic shared memory a CTA may opt into, less the reserve
+
+
+class KdaStream:
+    """The streamed kernel for one :class:`KernelStatic`; ``launch`` is what gets compiled."""
+
+    def __init__(self, ks: KernelStatic, shape: RingShape = None):
+        self.ks = ks
+        # the item after next into L2, below T = 8 (there its slot-id registers would spill)
+        self.prefetch = ks.T < 8
+        # x of the next item is read ahead into registers where its 3T values fit (at T >= 5
+        # the prep warps' registers are full: x is read where it is used, from L2)
+        self.x_ahead = ks.T <= 4
+        self.T = ks.T
+        self.H = ks.H
+        self.dim = ks.H * D
+        self.st = BFloat16 if ks.state_bf16 else Float32
+        if shape is None:      # a 128 KiB ring: 8 x 16 KiB fp32 units, 16 x 8 KiB bf16 units
+            shape = RingShape(rows=32, consumers=CONSUMERS, depth=2 if ks.state_bf16 else 1)
+        self.shape = shape
+        self.ring = WarpRing(shape, ks.T, self.st)
+        self.units = shape.units
+        self.rows = shape.rows
+        # item slots: the one being prepared and one per consumer group; an item's epilogue
+        # runs LAG items after its prep, once its group is done with it
+        self.LAG = shape.groups
+        self.NI = self.LAG + 1
+        self.prep0 = 32 * shape.consumers      # first prep thread
+        self.threads = self.prep0 + PREP
+        T, NI = ks.T, self.NI
+        fields = dict(self.ring.fields())
+        fields.update({
+            "ready": cute.struct.MemRange[Int64, NI],
+            "done": cute.struct.MemRange[Int64, NI],
+            "free": cute.struct.MemRange[Int64, NI],
+            "q": cute.struct.Align[cute.struct.MemRange[Float32, NI * T * D], 16],
+            "k": cute.struct.Align[cute.struct.MemRange[Float32, NI * T * D], 16],
+            "a": cute.struct.Align[cute.struct.MemRange[Float32, NI * T * D], 16],
+            "v": cute.struct.Align[cute.struct.MemRange[Float32, NI * T * D], 16],
+            "o": cute.struct.Align[cute.struct.MemRange[Float32, NI * T * D], 16],
+            "og": cute.struct.Align[cute.struct.MemRange[Float32, NI * T * D], 16],
+            "beta": cute.struct.Align[cute.struct.MemRange[Float32, NI * 8], 16],
+            "desc": cute.struct.Align[cute.struct.MemRange[Int32, NI * 4], 16],
+            "red": cute.struct.Align[cute.struct.MemRange[Float32, T * 3 * 4], 16],
+            # f_a rows of two items (the gate's B operand; rows T.. stay zero), cp.async-filled
+            "fabar": cute.struct.MemRange[Int64, 2],
+            "fa": cute.struct.Align[cute.struct.MemRange[BFloat16, 2 * 8 * FB_ROW], 16],
+        })
+        self.Storage = cute.struct(type("KdaStreamStorage", (), {"__annotations__": fields}))
+        # the head's f_b rows (the gate's A operand) staged in shared memory when the head
+        # changes, where they fit beside the stages and slots (T <= 7); else read from L2
+        with_fb = dict(fields)
+        with_fb.update({
+            "fbbar": cute.struct.MemRange[Int64, 1],
+            "fb": cute.struct.Align[cute.struct.MemRange[BFloat16, D * FB_ROW], 16],
+        })
+        staged = cute.struct(type("KdaStreamStorage", (), {"__annotations__": with_fb}))
+        self.fb_smem = staged.__sizeof__() <= SMEM_MAX
+        if self.fb_smem:
+            self.Storage = staged
+
+    # ------------------------------------------------------------------------ views
+    def _slots(self, storage, name):
+        """Item-slot vectors ``[NI, T, 128]`` fp32 (q-hat, k-hat, alpha, v, o, output gate)."""
+        T = self.T
+        return getattr(storage, name).get_tensor(cute.make_layout((self.NI, T, D),
+                                                                  stride=(T * D, D, 1)))
+
+    def _descs(self, storage):
+        """Per slot: the item's request, head and liveness (for its epilogue)."""
+        return storage.desc.get_tensor(cute.make_layout((self.NI, 4), stride=(4, 1)))
+
+    def _betas(self, storage):
+        return storage.beta.get_tensor(cute.make_layout((self.NI, 8), stride=(8, 1)))
+
+    # ------------------------------------------------------------------------------ kernel
+    @cute.kernel
+    def kernel(self, x: cute.Pointer, cw: cute.Pointer, cb: cute.Pointer, cs: cute.Pointer,
+               fa: cute.Pointer, fb: cute.Pointer, beta: cute.Pointer, alog: cute.Pointer,
+               dtb: cute.Pointer, state: cute.Pointer, si: cute.Pointer, og: cute.Pointer,
+               nw: cute.Pointer, na: cute.Pointer, vrec: cute.Pointer, kgrec: cute.Pointer,
+               out: cute.Pointer, R: Int32, slots: Int32, x_rs: Int32, fa_rs: Int32,
+               beta_rs: Int32, og_rs: Int32, out_rs: Int32, state_ss: Int64, cs_ss: Int64,
+               scale: Float32, eps: Float32, lb: Float32, ctas: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        block, _, _ = cute.arch.block_idx()
+        warp_i = cute.arch.make_warp_uniform(tid // 32)
+        lane = tid % 32
+        g = make_views(self.ks, x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, og, nw, na,
+                       vrec, kgrec, out, R, slots, x_rs, fa_rs, beta_rs, og_rs, out_rs,
+                       state_ss, cs_ss)
+        storage = cutlass.memory.SmemAllocator().allocate(self.Storage)
+        self.ring.init(storage, tid)
+        if tid == 0:
+            for i in cutlass.range_constexpr(self.NI):
+                # every writer of an item's slot arrives (its own writes are released to the
+                # waiters): the 128 prep threads on *ready*, each unit's 32 lanes on *done*
+                cute.arch.mbarrier_init(storage.ready.data_ptr() + i, PREP)
+                cute.arch.mbarrier_init(storage.done.data_ptr() + i, self.units * 32)
+                cute.arch.mbarrier_init(storage.free.data_ptr() + i, 1)
+            for i in cutlass.range_constexpr(2):
+                cute.arch.mbarrier_init(storage.fabar.data_ptr() + i, PREP)
+            if cutlass.const_expr(self.fb_smem):
+                cute.arch.mbarrier_init(storage.fbbar.data_ptr(), 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        i0, i1 = self.ring.item_range(R * self.H, block, ctas)
+        if tid < self.prep0:
+            # every consumer read (slot ids, pages) may be a predecessor's output
+            cute.arch.griddepcontrol_wait()
+            u = warp_i % self.units
+            stores = self._slot_tensors(storage)
+
+            def unit(stage, j, h, dst, refill):
+                self._unit(g, stores, stage, j, h, dst, refill, u, lane, slots)
+
+            def skip(j):
+                self._skip(stores, j)
+
+            self.ring.walk(storage, g.state, g.si, g.na, R, slots, i0, i1, warp_i, lane, unit,
+                           skip)
+        else:
+            self._prep_loop(storage, g, tid - self.prep0, i0, i1, R, slots, scale, eps, lb)
+        cute.arch.griddepcontrol_launch_dependents()
+
+    # ----------------------------------------------------------------------- f_b staging
+    def _fb(self, storage):
+        """The staged f_b rows of one head, ``[128, 128]`` bf16 in padded rows."""
+        return storage.fb.get_tensor(cute.make_layout((D, D), stride=(FB_ROW, 1)))
+
+    @cute.jit
+    def _stage_fb(self, storage, g, pt, h):
+        """Prep thread ``pt`` bulk-copies f_b row ``h*128 + pt`` into the staged rows (f_b is a
+        model weight: no predecessor writes it); thread 0 arrives with the 32 KiB the copies
+        bring. Every prep thread fences its earlier reads of the rows, then the prep warps
+        sync, then the copies go."""
+        bar = storage.fbbar.data_ptr()
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=PREP)
+        if pt == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, D * D * 2)
+        atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), BFloat16, num_bits_per_copy=D * 16)
+        cute.copy(atom, g.fb[h * D + pt, None], self._fb(storage)[pt, None], mbar_ptr=bar)
+
+    # ------------------------------------------------------------------------ consumers
+    def _slot_tensors(self, storage):
+        """The item slots' tensors the consumers use, with the slots' barriers."""
+        return (self._slots(storage, "q"), self._slots(storage, "k"), self._slots(storage, "a"),
+                self._slots(storage, "v"), self._slots(storage, "o"), self._betas(storage),
+                storage.ready.data_ptr(), storage.done.data_ptr())
+
+    @cute.jit
+    def _skip(self, stores, j):
+        """A dead item of the warp's group: it passes the item's *ready* and arrives *done*
+        (the slot's phases then count every item, so the parity of each later wait holds)."""
+        ready, done = stores[6], stores[7]
+        slot = j % self.NI
+        cute.arch.mbarrier_wait(ready + slot, (j // self.NI) & 1)
+        cute.arch.mbarrier_arrive(done + slot)
+
+    @cute.jit
+    def _unit(self, g, stores, stage, j, h, dst, refill, u, lane, slots):
+        """One unit of item ``j`` (the CTA's ``j``-th; its ``stage`` holds rows ``u*rows ..``):
+        the T tokens over its rows, 16 per pass (lane: 4 rows x 16 key columns), then *done*."""
+        ks, T = self.ks, self.T
+        s_q, s_k, s_a, s_v, s_o, s_b, ready, done = stores
+        grp = lane // 8
+        l8 = lane % 8
+        slot = j % self.NI
+        cute.arch.mbarrier_wait(ready + slot, (j // self.NI) & 1)
+        for p in cutlass.range_constexpr(self.rows // 16):
+            S = cute.make_rmem_tensor(cute.make_layout((4, 16), stride=(16, 1)), Float32)
+            for m in cutlass.range_constexpr(4):
+                row = p * 16 + 4 * m + grp
+                for c in cutlass.range_constexpr(4):
+                    raw = cute.make_rmem_tensor(cute.make_layout((4,)), self.st)
+                    cute.autovec_copy(self._chunk(stage[row, None], l8, c), raw)
+                    for e in cutlass.range_constexpr(4):
+                        S[m, 4 * c + e] = Float32(raw[e])     # bf16: widened exactly
+            if p == self.rows // 16 - 1:
+                refill()
+            base = u * self.rows + p * 16 + grp     # page row of register row m: + 4m
+            for t in cutlass.range_constexpr(T):
+                self._token(g, S, s_q, s_k, s_a, s_v, s_o, s_b, slot, t, base, h, dst[0], l8)
+                if cutlass.const_expr(not ks.record and T > 1):
+                    if (dst[t] > 0) & (dst[t] < slots):
+                        self._store(g, S, dst[t], h, base, l8)
+            if cutlass.const_expr(not ks.record and T == 1):
+                self._store(g, S, dst[0], h, base, l8)
+        cute.arch.mbarrier_arrive(done + slot)
+
+    @cute.jit
+    def _token(self, g, S, s_q, s_k, s_a, s_v, s_o, s_b, slot, t, base, h, cslot, l8):
+        """One token of the delta rule on the 4 register rows (FP32, the family's order):
+        S *= alpha; u = beta (v - S.k-hat); S += u k-hat; o = S.q-hat, rounded to bf16.
+        Row sums: two partials per lane (even / odd components, chunks in order), then the
+        row's 8 lanes (:func:`kda.backends.cutedsl.ptx.row_sum8`)."""
+        b_t = s_b[slot, t]
+        acc = [[Float32(0.0), Float32(0.0)] for _ in range(4)]
+        for c in cutlass.range_constexpr(4):
+            a4 = self._load4(s_a[slot, t, None], l8, c)
+            k4 = self._load4(s_k[slot, t, None], l8, c)
+            for m in cutlass.range_constexpr(4):
+                for e in cutlass.range_constexpr(4):
+                    s_ = N.fmul(S[m, 4 * c + e], a4[e])
+                    S[m, 4 * c + e] = s_
+                    if c == 0 and e < 2:
+                        acc[m][e % 2] = N.fmul(s_, k4[e])
+                    else:
+                        acc[m][e % 2] = N.ffma(s_, k4[e], acc[m][e % 2])
+        uu = []
+        for m in cutlass.range_constexpr(4):
+            uu.append(N.fmul(b_t, N.fsub(s_v[slot, t, base + 4 * m], N.row_sum8(acc[m]))))
+        o = [[Float32(0.0), Float32(0.0)] for _ in range(4)]
+        for c in cutlass.range_constexpr(4):
+            k4 = self._load4(s_k[slot, t, None], l8, c)
+            q4 = self._load4(s_q[slot, t, None], l8, c)
+            for m in cutlass.range_constexpr(4):
+                for e in cutlass.range_constexpr(4):
+                    s_ = N.ffma(uu[m], k4[e], S[m, 4 * c + e])
+                    S[m, 4 * c + e] = s_
+                    if c == 0 and e < 2:
+                        o[m][e % 2] = N.fmul(s_, q4[e])
+                    else:
+                        o[m][e % 2] = N.ffma(s_, q4[e], o[m][e % 2])
+        for m in cutlass.range_constexpr(4):
+            ob = N.bf16_round(N.row_sum8(o[m]))
+            if l8 == 0:
+                s_o[slot, t, base + 4 * m] = ob
+                if cutlass.const_expr(self.ks.record):
+                    g.vrec[cslot, h, t, base + 4 * m] = uu[m]
+
+    @staticmethod
+    def _chunk(row, l8, c):
+        """The 4 key columns 4*(l8 + 8c) .. +3 of a 128-column row."""
+        return cute.local_tile(row, (4,), (l8 + 8 * c,))
+
+    def _load4(self, row, l8, c):
+        """The 4 fp32 of :meth:`_chunk` in registers (one 16-byte load)."""
+        v = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
+        cute.autovec_copy(self._chunk(row, l8, c), v)
+        return v
+
+    def _store(self, g, S, slot, h, base, l8):
+        """The 4 register rows to state[slot, h]: 16 bytes per chunk (fp32), or 8 rounded to
+        bf16 once (nearest even)."""
+        for m in range(4):
+            for c in range(4):
+                dst = self._chunk(g.state[slot, h, base + 4 * m, None], l8, c)
+                if self.ks.state_bf16:
+                    raw = cute.make_rmem_tensor(cute.make_layout((4,)), BFloat16)
+                    for e in range(4):
+                        raw[e] = BFloat16(S[m, 4 * c + e])
+                    cute.autovec_copy(raw, dst)
+                else:
+                    cute.autovec_copy(cute.local_tile(S[m, None], (4,), (c,)), dst)
+
+    # ----------------------------------------------------------------------------- prep
+    @cute.jit
+    def _prep_loop(self, storage, g, pt, i0, i1, R, slots, scale, eps, lb):
+        """The prep warps: item j's prep, then item j-LAG's epilogue; the last LAG epilogues
+        after the loop.
+
+        No global load is used where it is issued: the slot ids of item j+3 (j+2 without the
+        L2 prefetch) are read during item j, item j+1's operands as soon as item j's are used,
+        into the registers they replace, item j+1's f_a rows by cp.async into the other
+        shared-memory stage, a new head's parameters (conv weights and bias, dt_bias, A_log,
+        the staged f_b rows) once the current head's are."""
+        nwv = Float32(g.nw[pt])
+        mma, thr = self._gate_mma(pt)
+        hc, hg = self._head_regs(g)
+        # the head of hp / the staged f_b rows (fbs[0]) and the phase of their copies (fbs[1])
+        fbs = cute.make_rmem_tensor(cute.make_layout((2,)), Int32)
+        fbs[0] = i0 // R
+        fbs[1] = Int32(0)
+        if i0 < i1:
+            # the first item's head: model weights (no predecessor writes them)
+            self._load_head_conv(g, hc, fbs[0], pt)
+            self._load_head_gate(g, thr, hg, fbs[0], pt)
+            if cutlass.const_expr(self.fb_smem):
+                self._stage_fb(storage, g, pt, fbs[0])
+        # every other read (slot ids, windows, activations) may be a predecessor's output
+        cute.arch.griddepcontrol_wait()
+        # slot ids ``ahead`` items ahead, operands one item ahead; with the L2 prefetch, the
+        # rows of the item after next into L2 (their loads then hit L2)
+        ahead = 3 if self.prefetch else 2
+        raw = cute.make_rmem_tensor(cute.make_layout((self.T + 1,)), Int32)
+        dsc = cute.make_rmem_tensor(cute.make_layout((6,)), Int32)
+        dsc2 = cute.make_rmem_tensor(cute.make_layout((6,)), Int32)
+        self._load_si(g, raw, i0, R)
+        if cutlass.const_expr(self.prefetch):
+            raw1 = cute.make_rmem_tensor(cute.make_layout((self.T + 1,)), Int32)
+            self._load_si(g, raw1, i0 + 1, R)
+            self._derive(raw, dsc, i0, i1, R, slots)
+            self._derive(raw1, dsc2, i0 + 1, i1, R, slots)
+        else:
+            self._derive(raw, dsc, i0, i1, R, slots)
+        self._load_si(g, raw, i0 + ahead - 1, R)
+        ops = self._ops_regs(g)
+        self._load_ops(g, dsc, ops, pt)
+        s_fa = self._fa_rows(storage)
+        for st in cutlass.range_constexpr(2):
+            for t in cutlass.range_constexpr(self.T, 8):
+                s_fa[st, t, pt] = BFloat16(0.0)
+        cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=PREP)
+        self._copy_fa(storage, g, dsc, 0, pt)
+        self._prefetch(g, dsc2, pt)
+        for j in cutlass.range(i1 - i0, unroll=1):
+            cur = [dsc[f] for f in range(6)]
+            if cutlass.const_expr(self.prefetch):
+                for f in cutlass.range_constexpr(6):
+                    dsc[f] = dsc2[f]
+                self._derive(raw, dsc2, i0 + j + 2, i1, R, slots)
+            else:
+                self._derive(raw, dsc, i0 + j + 1, i1, R, slots)
+            self._load_si(g, raw, i0 + j + ahead, R)
+            self._prefetch(g, dsc2, pt)
+            self._prep(storage, g, mma, thr, pt, j, cur, dsc, ops, hc, hg, scale, lb, fbs)
+            if j >= self.LAG:
+                self._epilogue(storage, g, pt, j - self.LAG, eps, nwv)
+        first = cutlass.max(i1 - i0 - self.LAG, Int32(0))
+        for j in cutlass.range(first, i1 - i0, unroll=1):
+            self._epilogue(storage, g, pt, j, eps, nwv)
+        # the f_a phase of the item past the range (its arrivals came with the last item)
+        n = i1 - i0
+        cute.arch.mbarrier_wait(storage.fabar.data_ptr() + n % 2, (n // 2) & 1)
+        if cutlass.const_expr(self.fb_smem):
+            if i0 < i1:
+                # no copy into this CTA's shared memory outlives it
+                cute.arch.mbarrier_wait(storage.fbbar.data_ptr(), fbs[1])
+
+    @cute.jit
+    def _load_si(self, g, raw, i, R):
+        """Item ``i``'s slot ids and accepted count (head-major: request ``i mod R``, in
+        bounds for any ``i``) into ``raw``, as they are."""
+        r = i - (i // R) * R
+        for t in cutlass.range_constexpr(self.T):
+            raw[t] = g.si[r, t]
+        if cutlass.const_expr(self.T > 1):
+            raw[self.T] = g.na[r]
+
+    @cute.jit
+    def _derive(self, raw, dsc, i, i1, R, slots):
+        """``dsc`` := (r, h, conv slot, source slot, window offset, live) of item ``i`` from
+        its :meth:`_load_si` values (contract section 2 and the project's liveness rule; an
+        item past ``i1`` is dead)."""
+        T = self.T
+        h = i // R
+        r = i - h * R
+        cslot = raw[0]
+        src = cslot
+        off = Int32(0)
+        if cutlass.const_expr(T > 1):
+            a = cutlass.max(cutlass.min(raw[T], Int32(T)), Int32(1))
+            off = a - 1
+            for t in cutlass.range_constexpr(1, T):
+                if off == t:
+                    src = raw[t]
+        live = (i < i1) & (src > 0) & (src < slots) & (cslot > 0) & (cslot < slots)
+        dsc[0] = r
+        dsc[1] = h
+        dsc[2] = cslot
+        dsc[3] = src
+        dsc[4] = off
+        dsc[5] = Int32(live)
+
+    def _ops_regs(self, g):
+        """Registers for one item's operands, in their memory types (widened where used):
+        the q / k / v window history (3 each), x of the q / k / v channel per token, the
+        output-gate logit per token, beta."""
+        T = self.T
+        return (cute.make_rmem_tensor(cute.make_layout((9,)), g.cs.element_type),
+                cute.make_rmem_tensor(cute.make_layout((3 * T,)), g.x.element_type),
+                cute.make_rmem_tensor(cute.make_layout((T,)), g.og.element_type),
+                cute.make_rmem_tensor(cute.make_layout((1,)), g.beta.element_type))
+
+    @cute.jit
+    def _load_ops(self, g, dsc, ops, pt):
+        """The operands of prep thread ``pt`` for the item in ``dsc`` (if live) into ``ops``."""
+        T, dim = self.T, self.dim
+        hist, xs, ogs, bs = ops
+        if dsc[5] != 0:
+            r, h, cslot, off = dsc[0], dsc[1], dsc[2], dsc[4]
+            n0 = r * T
+            ch = h * D + pt
+            for part in cutlass.range_constexpr(3):
+                for e in cutlass.range_constexpr(3):
+                    hist[3 * part + e] = g.cs[cslot, part * dim + ch, off + e]
+                if cutlass.const_expr(self.x_ahead):
+                    for t in cutlass.range_constexpr(T):
+                        xs[part * T + t] = g.x[n0 + t, part * dim + ch]
+            for t in cutlass.range_constexpr(T):
+                ogs[t] = g.og[n0 + t, ch]
+            bs[0] = g.beta[n0 + pt % T, h]
+
+    @cute.jit
+    def _prefetch(self, g, dsc, pt):
+        """The lines :meth:`_load_ops` and :meth:`_copy_fa` will read for the item in ``dsc``
+        (if live) into L2."""
+        T, dim = self.T, self.dim
+        if cutlass.const_expr(self.prefetch):
+            if dsc[5] != 0:
+                r, h, cslot, off = dsc[0], dsc[1], dsc[2], dsc[4]
+                n0 = r * T
+                ch = h * D + pt
+                for part in cutlass.range_constexpr(3):
+                    for e in cutlass.range_constexpr(3 if self.ks.layout == "SD" else 1):
+                        N.prefetch_l2(cute.domain_offset((cslot, part * dim + ch, off + e), g.cs).iterator)
+                    for t in cutlass.range_constexpr(T):
+                        N.prefetch_l2(cute.domain_offset((n0 + t, part * dim + ch), g.x).iterator)
+                for t in cutlass.range_constexpr(T):
+                    N.prefetch_l2(cute.domain_offset((n0 + t, ch), g.og).iterator)
+                if pt < 2 * T:
+                    N.prefetch_l2(cute.domain_offset((n0 + pt // 2, (pt % 2) * (D // 2)), g.fa).iterator)
+
+    def _head_regs(self, g):
+        """Registers for one head's parameters: the conv weights (4 per part) and bias of the
+        thread's 3 channels; dt_bias of its 8 gate accumulator values and A_log."""
+        return ((cute.make_rmem_tensor(cute.make_layout((12,)), g.cw.element_type),
+                 cute.make_rmem_tensor(cute.make_layout((3,)), g.cb.element_type)),
+                cute.make_rmem_tensor(cute.make_layout((9,)), Float32))
+
+    @cute.jit
+    def _load_head_conv(self, g, hc, h, pt):
+        ch = h * D + pt
+        hw, hb = hc
+        for part in cutlass.range_constexpr(3):
+            for e in cutlass.range_constexpr(4):
+                hw[4 * part + e] = g.cw[part, e, ch]
+            if cutlass.const_expr(self.ks.has_bias):
+                hb[part] = g.cb[part * self.dim + ch]
+
+    @cute.jit
+    def _load_head_gate(self, g, thr, hg, h, pt):
+        pw = pt // 32
+        cC = thr.partition_C(cute.make_identity_tensor((16, 8)))
+        for mi in cutlass.range_constexpr(2):
+            for i in cutlass.range_constexpr(4):
+                f16, _ = cC[i]
+                hg[4 * mi + i] = g.dtb[h * D + 16 * (2 * pw + mi) + f16]
+        hg[8] = g.alog[h]
+
+    @cute.jit
+    def _prep(self, storage, g, mma, thr, pt, j, desc, dn, ops, hc, hg, scale, lb, fbs):
+        """The CTA's ``j``-th item (``desc``: :meth:`_derive`'s fields; ``ops``, ``hc``, ``hg``:
+        its operands and head parameters; its f_a rows in stage ``j % 2``) into slot ``j % NI``: conv,
+        window, norms, beta, output gate, gate and decay; then *ready* (a dead item: *ready*
+        only). Each register set is refilled for the next item (``dn``) once it is used."""
+        ks, T, dim = self.ks, self.T, self.dim
+        slot = j % self.NI
+        r, h, cslot, live = desc[0], desc[1], desc[2], desc[5]
+        # the next live item starts a new head
+        new_head = (dn[5] != 0) & (dn[1] != fbs[0])
+        cute.arch.mbarrier_wait(storage.free.data_ptr() + slot, ((j // self.NI) & 1) ^ 1)
+        s_desc = self._descs(storage)
+        if pt == 0:    # what the item's epilogue needs
+            s_desc[slot, 0] = r
+            s_desc[slot, 1] = h
+            s_desc[slot, 2] = live
+        s_q = self._slots(storage, "q")
+        s_k = self._slots(storage, "k")
+        s_v = self._slots(storage, "v")
+        s_og = self._slots(storage, "og")
+        s_b = self._betas(storage)
+        s_red = storage.red.get_tensor(cute.make_layout((T, 3, 4), stride=(12, 4, 1)))
+        pw = pt // 32
+        lane = pt % 32
+        n0 = r * T
+        ch = h * D + pt
+        hist, xs, ogs, bs = ops
+        if live != 0:
+            hv = [Float32(hist[e]) for e in range(9)]
+            if cutlass.const_expr(self.x_ahead):
+                xv = [Float32(xs[e]) for e in range(3 * T)]
+            else:
+                xv = [Float32(g.x[n0 + e % T, (e // T) * dim + ch]) for e in range(3 * T)]
+            ys = [self._conv(hc, hv[3 * p:3 * p + 3], xv[p * T:(p + 1) * T], p) for p in range(3)]
+            yq, yk, yv = ys
+            # the window: every history value of the item was read above. The values went
+            # through fp32 exactly (a widening), so a bf16 cache gets its bits back as the
+            # high half of the fp32 bits (any NaN payload included), an fp32 cache the fp32
+            cs16 = cute.recast_tensor(g.cs, Int16) if ks.cs_bf16 else None
+            for part in cutlass.range_constexpr(3):
+                new = [hv[3 * part + 1], hv[3 * part + 2]] + xv[part * T:(part + 1) * T]
+                for pos in cutlass.range_constexpr(T + 2):
+                    if cutlass.const_expr(ks.cs_bf16):
+                        cs16[cslot, part * dim + ch, pos] = Int16(N.f32_bits(new[pos]) >> 16)
+                    else:
+                        g.cs[cslot, part * dim + ch, pos] = new[pos]
+            for t in cutlass.range_constexpr(T):
+                # q and k wait for their norms in the slot (fp32, exactly)
+                s_q[slot, t, pt] = yq[t]
+                s_k[slot, t, pt] = yk[t]
+                s_v[slot, t, pt] = yv[t]
+                s_og[slot, t, pt] = N.sigmoid(Float32(ogs[t]))
+                sq = N.warp_sum(N.fmul(yq[t], yq[t]))
+                sk = N.warp_sum(N.fmul(yk[t], yk[t]))
+                if lane == 0:
+                    s_red[t, 0, pw] = sq
+                    s_red[t, 1, pw] = sk
+                if cutlass.const_expr(ks.record):
+                    g.kgrec[cslot, h, t, pt] = BFloat16(yk[t])
+            if pt < T:
+                if cutlass.const_expr(ks.beta_activated):
+                    s_b[slot, pt] = Float32(bs[0])      # the engine's sigmoid(beta), as it is
+                else:
+                    s_b[slot, pt] = N.sigmoid(Float32(bs[0]))
+        self._load_ops(g, dn, ops, pt)
+        if new_head:
+            self._load_head_conv(g, hc, dn[1], pt)
+        # every thread passes every phase of the f_a stages (a dead item's too), so that no
+        # thread's arrival for item j + 2 can land in item j's phase
+        cute.arch.mbarrier_wait(storage.fabar.data_ptr() + j % 2, (j // 2) & 1)
+        if live != 0:
+            if cutlass.const_expr(self.fb_smem):
+                cute.arch.mbarrier_wait(storage.fbbar.data_ptr(), fbs[1])
+            tB = thr.partition_B(self._fa_rows(storage)[j % 2, None, None])
+            rB = mma.make_fragment_B(tB)
+            cute.autovec_copy(tB, rB)
+            self._gate(storage, g, mma, thr, pt, slot, h, cslot, lb, rB, hg)
+        # (every prep thread's reads of stage (j + 1) % 2 were before item j - 1's barriers)
+        self._copy_fa(storage, g, dn, (j + 1) % 2, pt)
+        if new_head:
+            self._load_head_gate(g, thr, hg, dn[1], pt)
+        if live != 0:
+            cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=PREP)
+            for t in cutlass.range_constexpr(T):
+                sq = N.fadd(N.fadd(N.fadd(s_red[t, 0, 0], s_red[t, 0, 1]), s_red[t, 0, 2]), s_red[t, 0, 3])
+                sk = N.fadd(N.fadd(N.fadd(s_red[t, 1, 0], s_red[t, 1, 1]), s_red[t, 1, 2]), s_red[t, 1, 3])
+                iq = N.rsqrt(N.fadd(sq, Float32(1e-6)))
+                ik = N.rsqrt(N.fadd(sk, Float32(1e-6)))
+                s_q[slot, t, pt] = N.fmul(N.fmul(s_q[slot, t, pt], iq), scale)
+                s_k[slot, t, pt] = N.fmul(s_k[slot, t, pt], ik)
+            # every slot write of the item before *ready* (and s_red free for the next use)
+            cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=PREP)
+        cute.arch.mbarrier_arrive(storage.ready.data_ptr() + slot)
+        if new_head:
+            if cutlass.const_expr(self.fb_smem):
+                # the rows staged last have landed (the first staging may not have been
+                # waited for yet) before they are replaced
+                cute.arch.mbarrier_wait(storage.fbbar.data_ptr(), fbs[1])
+                self._stage_fb(storage, g, pt, dn[1])
+                fbs[1] = fbs[1] ^ 1
+            fbs[0] = dn[1]
+
+    def _conv(self, hc, hist, xs, part):
+        """Conv + SiLU of the thread's channel of ``part`` for the T tokens (FP32): acc = bias;
+        acc = fma(s[t+e], w[e], acc) over s = [w0, w1, w2, x_0 ..]; y_t = bf16(silu(acc))."""
+        hw, hb = hc
+        w = [Float32(hw[4 * part + e]) for e in range(4)]
+        bias = Float32(0.0)
+        if self.ks.has_bias:
+            bias = Float32(hb[part])
+        seq = hist + xs
+        ys = []
+        for t in range(self.T):
+            acc = bias
+            for e in range(4):
+                acc = N.ffma(seq[t + e], w[e], acc)
+            ys.append(N.bf16_round(N.fmul(acc, N.sigmoid(acc))))
+        return ys
+
+    def _gate_mma(self, pt):
+        """The gate's MMA and this lane's slice."""
+        mma = cute.make_tiled_mma(warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+        return mma, mma.get_slice(pt % 32)
+
+    def _fa_rows(self, storage):
+        """The f_a rows of two items, ``[2, 8, 128]`` bf16 in padded rows."""
+        return storage.fa.get_tensor(cute.make_layout((2, 8, D), stride=(8 * FB_ROW, FB_ROW, 1)))
+
+    @cute.jit
+    def _copy_fa(self, storage, g, dsc, st, pt):
+        """The f_a rows of the item in ``dsc`` (if live) into stage ``st`` with cp.async (no
+        register waits for them), chunks of the rows' alignment (16 bytes at most; element
+        stores for 2-byte aligned rows); every prep thread then arrives on the stage's
+        barrier once its copies have landed."""
+        T, rb = self.T, min(self.ks.row_bytes, 16)
+        bar = storage.fabar.data_ptr() + st
+        s_fa = self._fa_rows(storage)
+        if cutlass.const_expr(rb >= 4):
+            if dsc[5] != 0:
+                n0 = dsc[0] * T
+                e = rb // 2                      # elements per chunk
+                per_row = D // e
+                atom = cute.make_copy_atom(cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=rb * 8)
+                # the rows as chunks: (row, chunk, element) in global and shared memory
+                g_c = cute.make_tensor(g.fa.iterator, cute.make_layout(
+                    (g.fa.shape[0], per_row, e), stride=(g.fa.stride[0], e, 1)))
+                s_c = cute.make_tensor(s_fa.iterator, cute.make_layout(
+                    (2, 8, per_row, e), stride=(8 * FB_ROW, FB_ROW, e, 1)))
+                for k in cutlass.range_constexpr((T * per_row + PREP - 1) // PREP):
+                    c = pt + PREP * k
+                    if c < T * per_row:
+                        t = c // per_row
+                        ck = c - t * per_row
+                        cute.copy(atom, g_c[n0 + t, ck, None], s_c[st, t, ck, None])
+            cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+        else:
+            if dsc[5] != 0:
+                n0 = dsc[0] * T
+                for t in cutlass.range_constexpr(T):
+                    s_fa[st, t, pt] = g.fa[n0 + t, pt]
+            cute.arch.mbarrier_arrive(bar)
+
+    @cute.jit
+    def _gate(self, storage, g, mma, thr, pt, slot, h, cslot, lb, rB, hg):
+        """Features ``32w .. 32w+31`` of prep warp w (two 16-row MMA tiles, A from the staged
+        f_b rows, B the item's f_a rows ``rB``): rg = bf16(f_b rows . f_a) on the tensor cores
+        (gate_mode 0: one chain over the 8 k-steps; 1: four chains of two, summed
+        ((c0+c1)+c2)+c3), x = rg + dt_bias, the decay into the slot (``hg``: the head's
+        dt_bias values of the thread's accumulators and A_log)."""
+        ks, T = self.ks, self.T
+        s_a = self._slots(storage, "a")
+        pw = pt // 32
+        A = N.fexp(hg[8])
+        zero = Float32(0.0)
+        chains = 1 if ks.gate_mode == 0 else 4
+        for mi in cutlass.range_constexpr(2):
+            mt = 2 * pw + mi
+            if cutlass.const_expr(self.fb_smem):
+                tA = thr.partition_A(cute.local_tile(self._fb(storage), (16, D), (mt, 0)))
+            else:
+                tA = thr.partition_A(cute.local_tile(g.fb, (16, D), (h * (D // 16) + mt, 0)))
+            rA = mma.make_fragment_A(tA)
+            cute.autovec_copy(tA, rA)
+            acc = [mma.make_fragment_C(mma.partition_shape_C((16, 8))) for _ in range(chains)]
+            for q in cutlass.range_constexpr(chains):
+                acc[q].fill(0.0)
+            for s in cutlass.range_constexpr(cute.size(rA, mode=[2])):
+                q = 0 if ks.gate_mode == 0 else s // 2
+                cute.gemm(mma, acc[q], rA[None, None, s], rB[None, None, s], acc[q])
+            cC = thr.partition_C(cute.make_identity_tensor((16, 8)))
+            for i in cutlass.range_constexpr(cute.size(acc[0])):
+                f16, t = cC[i]
+                if t < T:
+                    cval = acc[0][i]
+                    if cutlass.const_expr(ks.gate_mode == 1):
+                        cval = N.fadd(N.fadd(N.fadd(acc[0][i], acc[1][i]), acc[2][i]), acc[3][i])
+                    feat = 16 * mt + f16
+                    rg = N.bf16_round(cval)
+                    xg = N.fadd(rg, hg[4 * mi + i])
+                    if cutlass.const_expr(ks.bounded):
+                        gk = N.fmul(lb, N.sigmoid(N.fmul(A, xg)))
+                    else:
+                        gk = N.fmul(N.fsub(zero, A), N.softplus(xg))
+                    s_a[slot, t, feat] = N.fexp(gk)
+                    if cutlass.const_expr(ks.record):
+                        g.kgrec[cslot, h, t, D + feat] = BFloat16(rg)
+
+    @cute.jit
+    def _epilogue(self, storage, g, pt, j, eps, nwv):
+        """The CTA's ``j``-th item, once its consumers are done: out = bf16(ob *
+        rsqrt(mean(ob^2) + eps) * norm_weight * sigmoid(output gate)) per token (warp sums of
+        ob^2, then the 4 warps in order); a dead item's rows are zeros. Then *free*."""
+        T = self.T
+        slot = j % self.NI
+        cute.arch.mbarrier_wait(storage.done.data_ptr() + slot, (j // self.NI) & 1)
+        s_desc = self._descs(storage)
+        r, h, live = s_desc[slot, 0], s_desc[slot, 1], s_desc[slot, 2]
+        n0 = r * T
+        if live != 0:
+            s_o = self._slots(storage, "o")
+            s_og = self._slots(storage, "og")
+            s_red = storage.red.get_tensor(cute.make_layout((T, 3, 4), stride=(12, 4, 1)))
+            pw = pt // 32
+            lane = pt % 32
+            obs = [s_o[slot, t, pt] for t in range(T)]
+            for t in cutlass.range_constexpr(T):
+                so = N.warp_sum(N.fmul(obs[t], obs[t]))
+                if lane == 0:
+                    s_red[t, 2, pw] = so
+            cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=PREP)
+            for t in cutlass.range_constexpr(T):
+                ss = N.fadd(N.fadd(N.fadd(s_red[t, 2, 0], s_red[t, 2, 1]), s_red[t, 2, 2]), s_red[t, 2, 3])
+                rstd = N.rsqrt(N.fadd(N.fmul(ss, Float32(1.0 / D)), eps))
+                y = N.fmul(N.fmul(N.fmul(obs[t], rstd), nwv), s_og[slot, t, pt])
+                g.out[n0 + t, h * D + pt] = BFloat16(y)
+        else:
+            for t in cutlass.range_constexpr(T):
+                g.out[n0 + t, h * D + pt] = BFloat16(0.0)
+        # every read of the slot (and of s_red) is done before it is handed back
+        cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=PREP)
+        if pt == 0:
+            cute.arch.mbarrier_arrive(storage.free.data_ptr() + slot)
+
+    # -------------------------------------------------------------------------------- host
+    @cute.jit
+    def launch(self, x: cute.Pointer, cw: cute.Pointer, cb: cute.Pointer, cs: cute.Pointer,
+               fa: cute.Pointer, fb: cute.Pointer, beta: cute.Pointer, alog: cute.Pointer,
+               dtb: cute.Pointer, state: cute.Pointer, si: cute.Pointer, og: cute.Pointer,
+               nw: cute.Pointer, na: cute.Pointer, vrec: cute.Pointer, kgrec: cute.Pointer,
+               out: cute.Pointer, R: Int32, slots: Int32, x_rs: Int32, fa_rs: Int32,
+               beta_rs: Int32, og_rs: Int32, out_rs: Int32, state_ss: Int64, cs_ss: Int64,
+               scale: Float32, eps: Float32, lb: Float32, ctas: Int32, stream: cuda.CUstream):
+        """Host entry: ``ctas`` persistent CTAs (at most one per item) on ``stream``."""
+        self.kernel(x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, og, nw, na, vrec, kgrec,
+                    out, R, slots, x_rs, fa_rs, beta_rs, og_rs, out_rs, state_ss, cs_ss, scale,
+                    eps, lb, ctas).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1],
+                                          stream=stream, use_pdl=True, min_blocks_per_mp=1)

@@ -1,0 +1,105 @@
+"""A model of the streamed kernel's item-slot protocol (:mod:`kda.backends.cutedsl.stream`),
+run on the CPU under random interleavings of its warps.
+
+The model is the kernel's synchronization and nothing else: mbarriers with their arrival
+counts and phase-parity waits, the prep warps' order (item j's prep, then item j - LAG's
+epilogue, then the trailing epilogues), and each consumer warp of group g walking the items
+j = g, g + groups, ... (a dead item: its *ready* waited for and *done* arrived, as a live
+one). It takes the kernel's own slot count and lag for each ring shape. It checks that every
+wait passes only once the phase it is meant for has completed (a parity wait passes too when
+the barrier is two phases behind: that is the failure to find), that no barrier receives
+more arrivals than its count, and that nothing deadlocks.
+"""
+
+import random
+
+import pytest
+
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
+
+from kda.backends.cutedsl.ring import RingShape  # noqa: E402
+from kda.backends.cutedsl.static import KernelStatic  # noqa: E402
+from kda.backends.cutedsl.stream import KdaStream  # noqa: E402
+from kda.config import KdaConfig  # noqa: E402
+
+
+class _Bar:
+    """An mbarrier: ``count`` arrivals complete a phase; ``passes(p)`` is try_wait.parity."""
+
+    def __init__(self, count, errors, name):
+        self.count, self.pending, self.phase = count, count, 0
+        self.errors, self.name = errors, name
+
+    def arrive(self, n=1):
+        if n > self.pending:
+            self.errors.append(f"{self.name}: {n} arrivals with {self.pending} pending")
+        self.pending -= n
+        if self.pending <= 0:
+            self.phase += 1
+            self.pending = self.count
+
+    def passes(self, parity):
+        return (self.phase & 1) != parity
+
+
+def _run(kernel, live, seed):
+    """Errors of one random interleaving of one CTA walking ``len(live)`` items."""
+    rnd = random.Random(seed)
+    NI, LAG, units, groups = kernel.NI, kernel.LAG, kernel.units, kernel.shape.groups
+    n = len(live)
+    errors = []
+    ready = [_Bar(1, errors, f"ready{i}") for i in range(NI)]
+    done = [_Bar(units, errors, f"done{i}") for i in range(NI)]
+    free = [_Bar(1, errors, f"free{i}") for i in range(NI)]
+
+    def wait(bar, parity, want, who):
+        while not bar.passes(parity):
+            yield
+        if bar.phase != want:
+            errors.append(f"{who} passed {bar.name} at phase {bar.phase}, meant for {want}")
+
+    def prep():
+        for j in range(n + LAG):
+            if j < n:       # prep(j): waits for the slot, fills it, then ready
+                s, k = j % NI, j // NI
+                yield from wait(free[s], (k & 1) ^ 1, k, f"prep {j}")
+                yield
+                ready[s].arrive()
+            e = j - LAG
+            if 0 <= e and (j < n or e >= max(n - LAG, 0)):      # epilogue(e)
+                s, k = e % NI, e // NI
+                yield from wait(done[s], k & 1, k + 1, f"epilogue {e}")
+                yield
+                free[s].arrive()
+
+    def consumer(g, w):
+        for j in range(g, n, groups):
+            s, k = j % NI, j // NI
+            yield from wait(ready[s], k & 1, k + 1, f"consumer {g}.{w} item {j} (live {live[j]})")
+            for _ in range(rnd.randint(0, 3)):
+                yield
+            done[s].arrive()
+
+    agents = [prep()] + [consumer(g, w) for g in range(groups) for w in range(units)]
+    for _ in range(100000):
+        if not agents:
+            return errors
+        a = rnd.choice(agents)
+        try:
+            next(a)
+        except StopIteration:
+            agents.remove(a)
+    return errors + ["deadlock"]
+
+
+@pytest.mark.parametrize("shape", [RingShape(32, 8, 1), RingShape(16, 8, 2), RingShape(64, 4, 1)],
+                         ids=["rows32", "rows16", "rows64"])
+def test_item_slot_protocol(shape):
+    kernel = KdaStream(KernelStatic.from_config(KdaConfig(num_heads=4, T=1, window=3)), shape)
+    rnd = random.Random(1)
+    for seed in range(400):
+        n = rnd.randint(0, 24)
+        dead = rnd.choice([0.0, 0.3, 0.7])
+        live = [rnd.random() >= dead for _ in range(n)]
+        errors = _run(kernel, live, seed)
+        assert not errors, f"n={n} live={[int(x) for x in live]}: {errors[:3]}"
