@@ -35,39 +35,36 @@ from kda.backend import Backend, StepFn
 from kda.config import KdaArgs, KdaConfig
 from kda.errors import KdaBackendError
 
-#: The measurements the tables come from, per state pool dtype: the reference run's JSON files
-#: (fp32 pools) and the bf16-state run's (its bf16 cells).
+#: The measurements the tables come from, per state pool dtype: the reference run's JSON files.
 SOURCE = {
-    "fp32": ("docs/results/2026-12-01-h200/bench-h200.json",
-             "docs/results/2026-12-01-h200/bench-h200-t5.json"),
-    "bf16": ("docs/results/2026-12-01-h200-bf16/bench-h200.json",),
+    "fp32": ("docs/results/2026-12-02-h200/bench-h200-fp32.json",),
+    "bf16": ("docs/results/2026-12-02-h200/bench-h200-bf16.json",),
 }
 #: state dtype -> T -> R -> our backends, fastest first (median step time at H=32).
 MEASURED: Dict[str, Dict[int, Dict[int, Tuple[str, ...]]]] = {
     "fp32": {
         1: {1: ("cutedsl", "cutedsl_wide", "triton", "cuda"),
             8: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
-            32: ("cuda", "cutedsl", "cutedsl_wide", "triton"),
-            128: ("cuda", "cutedsl_wide", "cutedsl", "triton"),
-            512: ("cuda", "cutedsl_wide", "cutedsl", "triton")},
-        4: {1: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
-            8: ("cutedsl_wide", "cutedsl", "cuda", "triton"),
             32: ("cutedsl", "cuda", "cutedsl_wide", "triton"),
-            128: ("cutedsl_wide", "cutedsl", "cuda", "triton"),
-            512: ("cutedsl", "cutedsl_wide", "cuda", "triton")},
-        5: {1: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
-            8: ("cutedsl_wide", "cutedsl", "cuda", "triton"),
-            32: ("cuda", "cutedsl", "cutedsl_wide", "triton"),
-            128: ("cuda", "cutedsl_wide", "cutedsl", "triton"),
+            128: ("cutedsl", "cuda", "cutedsl_wide", "triton"),
             512: ("cuda", "cutedsl", "cutedsl_wide", "triton")},
+        4: {1: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
+            8: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
+            32: ("cuda", "cutedsl", "cutedsl_wide", "triton"),
+            128: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
+            512: ("cutedsl", "cutedsl_wide", "cuda", "triton")},
     },
     "bf16": {
-        1: {8: ("cutedsl", "triton", "cuda"),
-            128: ("triton", "cuda", "cutedsl"),
-            512: ("triton", "cuda", "cutedsl")},
-        5: {8: ("cutedsl", "cuda", "triton"),
-            128: ("cutedsl", "cuda", "triton"),
-            512: ("cuda", "cutedsl", "triton")},
+        1: {1: ("cutedsl", "cutedsl_wide", "triton", "cuda"),
+            8: ("cutedsl_wide", "cutedsl", "triton", "cuda"),
+            32: ("cutedsl", "triton", "cutedsl_wide", "cuda"),
+            128: ("cutedsl", "triton", "cuda", "cutedsl_wide"),
+            512: ("cutedsl", "triton", "cuda", "cutedsl_wide")},
+        4: {1: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
+            8: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
+            32: ("cutedsl", "triton", "cutedsl_wide", "cuda"),
+            128: ("cutedsl", "cuda", "triton", "cutedsl_wide"),
+            512: ("cutedsl", "cuda", "cutedsl_wide", "triton")},
     },
 }
 #: Heads of the measurement: a call's batch counts as ``R * H / TABLE_HEADS`` requests.
