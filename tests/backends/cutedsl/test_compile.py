@@ -449,6 +449,7 @@ def test_launcher_runs_the_build_of_its_rows(monkeypatch):
         return FakeCompiled(ks.row_bytes)
 
     monkeypatch.setattr(be, "current_stream_handle", lambda device: 0)
+    monkeypatch.setattr(be, "sm_count", lambda device_index: 10)
     monkeypatch.setattr(cache, "get_kernel", get_kernel)
     cfg = make_config(4, 1)
     launcher = be._Launcher("wide", cfg, torch.device("cuda", 0), FakeCompiled(16),
@@ -461,6 +462,9 @@ def test_launcher_runs_the_build_of_its_rows(monkeypatch):
         a = make_case(spec, "cpu")
         want.append(row_bytes(a))
         launcher(a)
+        # the streamed kernel's grid: one CTA per SM, at most one per item
+        ran_by = launcher if want[-1] == 16 else launcher.by_rows[want[-1]]
+        assert ran_by.buf[ran_by.i_ctas] == min(10, spec.R * cfg.num_heads)
     assert want == [16, 8, 2, 8, 2] and ran == want
     assert [ks.row_bytes for _, ks in made] == [8, 2]          # each made once
     assert all(kind == "wide" and ks == dataclasses.replace(launcher.ks, row_bytes=ks.row_bytes)
