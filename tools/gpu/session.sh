@@ -22,9 +22,9 @@
 #   serve    serve runs checked step for step against the reference
 #   bigmem   the GPU-scale cases (2**31 offsets, >65,535 items)
 #   sanitize compute-sanitizer memcheck, racecheck and synccheck on one checked step of the
-#            CuTe DSL kernels (tools/gpu/step_check.py; cutedsl at a split-kernel batch,
-#            cutedsl_wide at T=1) and of cuda's bf16-state builds, each kernel with fp32 and
-#            bf16 state pools
+#            CuTe DSL kernels (tools/gpu/step_check.py; cutedsl at a split-kernel and at a
+#            streamed-kernel batch, cutedsl_wide at T=1) and of cuda's bf16-state builds,
+#            each kernel with fp32 and bf16 state pools
 #   full     the full conformance matrix, per backend in $KDA_FULL_SHARDS shards (default 2),
 #            or the jobs listed in $KDA_FULL_JOBS ("backend:i/n ...", e.g. "cuda:2/3")
 #
@@ -149,6 +149,10 @@ if want sanitize; then
       bg "sanitize-$tool-$sd" compute-sanitizer --tool "$tool" --print-limit 20 --error-exitcode 9 \
          --report-api-errors no \
          python3 -m tools.gpu.step_check cutedsl 4 3 2 $sd
+      # the streamed kernel (160 items at T=2: policy.kernel_for names it for both dtypes)
+      bg "sanitize-$tool-stream-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
+         --error-exitcode 9 --report-api-errors no \
+         python3 -m tools.gpu.step_check cutedsl 8 20 2 $sd
       # the one-CTA-per-item kernel at an odd T (its epilogue's upper half has no last token)
       bg "sanitize-$tool-wide-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
          --error-exitcode 9 --report-api-errors no \
