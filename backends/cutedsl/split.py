@@ -43,9 +43,10 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import cpasync
 
 from kda.backends.cutedsl import ptx as N
+from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile
 from kda.backends.cutedsl.static import KernelStatic
 
 D = 128
@@ -236,8 +237,7 @@ class KdaSplit:
         xv = [g.x[n0 + t, 2 * dim + vch] for t in range(T)]
         ogr = [g.og[n0 + t, ch] for t in range(T)]
         braw = g.beta[n0 + tid % T, h]
-        mma = cute.make_tiled_mma(warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
-        thr = mma.get_slice(lane)
+        mma, thr = gate_mma(lane)
         # B operand: the request's f_a rows, tokens padded to 8 columns (lane: token lane // 4)
         gB = cute.make_tensor(g.fa.iterator + Int64(n0) * g.fa.stride[0],
                               cute.make_layout((8, D), stride=(g.fa.stride[0], 1)))
@@ -487,42 +487,23 @@ class KdaSplit:
         """Features [rank*F, (rank+1)*F): rg = bf16(f_b rows . f_a) on the tensor cores
         (gate_mode 0: one chain over the 8 k-steps; 1: four chains of two, summed
         ((c0+c1)+c2)+c3), then x = rg + dt_bias, the decay, sent to every CTA's s_a."""
-        ks, T, C, F = self.ks, self.T, self.C, self.F
+        ks, C, F = self.ks, self.C, self.F
         A = N.fexp(g.alog[h])
-        zero = Float32(0.0)
         cute.arch.mbarrier_wait(bar_fb, 0)
         cute.arch.cluster_wait()
-        chains = 1 if ks.gate_mode == 0 else 4
         for mt in cutlass.range_constexpr(F // 16):
             tA = thr.partition_A(cute.local_tile(s_fb, (16, D), (mt, 0)))
-            rA = mma.make_fragment_A(tA)
-            cute.autovec_copy(tA, rA)
-            acc = [mma.make_fragment_C(mma.partition_shape_C((16, 8))) for _ in range(chains)]
-            for q in cutlass.range_constexpr(chains):
-                acc[q].fill(0.0)
-            for s in cutlass.range_constexpr(cute.size(rA, mode=[2])):
-                q = 0 if ks.gate_mode == 0 else s // 2
-                cute.gemm(mma, acc[q], rA[None, None, s], rB[None, None, s], acc[q])
-            cC = thr.partition_C(cute.make_identity_tensor((16, 8)))
-            for i in cutlass.range_constexpr(cute.size(acc[0])):
-                f16, t = cC[i]
-                if t < T:
-                    cval = acc[0][i]
-                    if cutlass.const_expr(ks.gate_mode == 1):
-                        cval = N.fadd(N.fadd(N.fadd(acc[0][i], acc[1][i]), acc[2][i]), acc[3][i])
-                    feat = rank * F + 16 * mt + f16
-                    rg = N.bf16_round(cval)
-                    xg = N.fadd(rg, g.dtb[h * D + feat])
-                    if cutlass.const_expr(ks.bounded):
-                        gk = N.fmul(lb, N.sigmoid(N.fmul(A, xg)))
-                    else:
-                        gk = N.fmul(N.fsub(zero, A), N.softplus(xg))
-                    alpha = N.fexp(gk)
-                    if cutlass.const_expr(ks.record):
-                        g.kgrec[cslot, h, t, D + feat] = BFloat16(rg)
-                    for q in cutlass.range_constexpr(C):
-                        cute.arch.store_async_dsmem(s_a.iterator + (t * D + feat),
-                                                    N.f32_bits(alpha), bar_alpha, Int32(q))
+
+            def emit(i, f16, t, rg, mt=mt):
+                feat = rank * F + 16 * mt + f16
+                alpha = decay(ks, A, lb, N.fadd(rg, g.dtb[h * D + feat]))
+                if cutlass.const_expr(ks.record):
+                    g.kgrec[cslot, h, t, D + feat] = BFloat16(rg)
+                for q in cutlass.range_constexpr(C):
+                    cute.arch.store_async_dsmem(s_a.iterator + (t * D + feat),
+                                                N.f32_bits(alpha), bar_alpha, Int32(q))
+
+            gate_tile(ks, mma, thr, tA, rB, emit)
 
     # -------------------------------------------------------------------------------- host
     @cute.jit

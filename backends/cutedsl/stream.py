@@ -35,9 +35,10 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int16, Int32, Int64
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import cpasync
 
 from kda.backends.cutedsl import ptx as N
+from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile
 from kda.backends.cutedsl.ring import RingShape, WarpRing
 from kda.backends.cutedsl.split import make_views
 from kda.backends.cutedsl.static import KernelStatic
@@ -316,7 +317,7 @@ class KdaStream:
         shared-memory stage, a new head's parameters (conv weights and bias, dt_bias, A_log,
         the staged f_b rows) once the current head's are."""
         nwv = Float32(g.nw[pt])
-        mma, thr = self._gate_mma(pt)
+        mma, thr = gate_mma(pt % 32)
         hc, hg = self._head_regs(g)
         # the head of hp / the staged f_b rows (fbs[0]) and the phase of their copies (fbs[1])
         fbs = cute.make_rmem_tensor(cute.make_layout((2,)), Int32)
@@ -609,11 +610,6 @@ class KdaStream:
             ys.append(N.bf16_round(N.fmul(acc, N.sigmoid(acc))))
         return ys
 
-    def _gate_mma(self, pt):
-        """The gate's MMA and this lane's slice."""
-        mma = cute.make_tiled_mma(warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
-        return mma, mma.get_slice(pt % 32)
-
     def _fa_rows(self, storage):
         """The f_a rows of two items, ``[2, 8, 128]`` bf16 in padded rows."""
         return storage.fa.get_tensor(cute.make_layout((2, 8, D), stride=(8 * FB_ROW, FB_ROW, 1)))
@@ -659,43 +655,24 @@ class KdaStream:
         (gate_mode 0: one chain over the 8 k-steps; 1: four chains of two, summed
         ((c0+c1)+c2)+c3), x = rg + dt_bias, the decay into the slot (``hg``: the head's
         dt_bias values of the thread's accumulators and A_log)."""
-        ks, T = self.ks, self.T
+        ks = self.ks
         s_a = self._slots(storage, "a")
         pw = pt // 32
         A = N.fexp(hg[8])
-        zero = Float32(0.0)
-        chains = 1 if ks.gate_mode == 0 else 4
         for mi in cutlass.range_constexpr(2):
             mt = 2 * pw + mi
             if cutlass.const_expr(self.fb_smem):
                 tA = thr.partition_A(cute.local_tile(self._fb(storage), (16, D), (mt, 0)))
             else:
                 tA = thr.partition_A(cute.local_tile(g.fb, (16, D), (h * (D // 16) + mt, 0)))
-            rA = mma.make_fragment_A(tA)
-            cute.autovec_copy(tA, rA)
-            acc = [mma.make_fragment_C(mma.partition_shape_C((16, 8))) for _ in range(chains)]
-            for q in cutlass.range_constexpr(chains):
-                acc[q].fill(0.0)
-            for s in cutlass.range_constexpr(cute.size(rA, mode=[2])):
-                q = 0 if ks.gate_mode == 0 else s // 2
-                cute.gemm(mma, acc[q], rA[None, None, s], rB[None, None, s], acc[q])
-            cC = thr.partition_C(cute.make_identity_tensor((16, 8)))
-            for i in cutlass.range_constexpr(cute.size(acc[0])):
-                f16, t = cC[i]
-                if t < T:
-                    cval = acc[0][i]
-                    if cutlass.const_expr(ks.gate_mode == 1):
-                        cval = N.fadd(N.fadd(N.fadd(acc[0][i], acc[1][i]), acc[2][i]), acc[3][i])
-                    feat = 16 * mt + f16
-                    rg = N.bf16_round(cval)
-                    xg = N.fadd(rg, hg[4 * mi + i])
-                    if cutlass.const_expr(ks.bounded):
-                        gk = N.fmul(lb, N.sigmoid(N.fmul(A, xg)))
-                    else:
-                        gk = N.fmul(N.fsub(zero, A), N.softplus(xg))
-                    s_a[slot, t, feat] = N.fexp(gk)
-                    if cutlass.const_expr(ks.record):
-                        g.kgrec[cslot, h, t, D + feat] = BFloat16(rg)
+
+            def emit(i, f16, t, rg, mt=mt, mi=mi):
+                feat = 16 * mt + f16
+                s_a[slot, t, feat] = decay(ks, A, lb, N.fadd(rg, hg[4 * mi + i]))
+                if cutlass.const_expr(ks.record):
+                    g.kgrec[cslot, h, t, D + feat] = BFloat16(rg)
+
+            gate_tile(ks, mma, thr, tA, rB, emit)
 
     @cute.jit
     def _epilogue(self, storage, g, pt, j, eps, nwv):

@@ -1,0 +1,62 @@
+"""The forget gate of the CuTe DSL family's tensor-core kernels (``split``, ``stream``): the
+low-rank projection of one 16-feature tile on ``mma.sync`` and the decay, in one order for
+both, so that their decays are the same bits.
+
+Contract (``docs/contract.md``, the gate): per token t and feature f, ``rg = bf16(sum_k
+f_b[h*128 + f, k] * f_a[t, k])`` (gate_mode 0: one fp32 chain over the 128 k in order; 1:
+four chains of 32, summed ((c0 + c1) + c2) + c3), ``x = rg + dt_bias[h*128 + f]``, ``g =
+lower_bound * sigmoid(exp(A_log[h]) * x)`` (bounded gate) or ``-exp(A_log[h]) * softplus(x)``
+(softplus gate), ``alpha = exp(g)``.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32
+from cutlass.cute.nvgpu import warp
+
+from kda.backends.cutedsl import ptx as N
+from kda.backends.cutedsl.static import KernelStatic
+
+
+def gate_mma(lane):
+    """The gate's warp MMA (bf16 x bf16 -> fp32, 16x8x16) and lane ``lane``'s slice of it."""
+    mma = cute.make_tiled_mma(warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+    return mma, mma.get_slice(lane)
+
+
+@cute.jit
+def gate_tile(ks: cutlass.Constexpr, mma, thr, tA: cute.Tensor, rB: cute.Tensor,
+              emit: cutlass.Constexpr):
+    """One 16-feature tile: A = ``tA`` (16 f_b rows, this lane's partition, loaded here), B =
+    ``rB`` (the f_a fragment of up to 8 tokens); for each of this lane's accumulator values
+    ``i`` whose token ``t`` is below T, ``emit(i, f16, t, rg)`` with ``f16`` the feature
+    within the tile and ``rg`` the bf16-rounded projection (as fp32)."""
+    rA = mma.make_fragment_A(tA)
+    cute.autovec_copy(tA, rA)
+    chains = 1 if ks.gate_mode == 0 else 4
+    acc = [mma.make_fragment_C(mma.partition_shape_C((16, 8))) for _ in range(chains)]
+    for q in cutlass.range_constexpr(chains):
+        acc[q].fill(0.0)
+    for s in cutlass.range_constexpr(cute.size(rA, mode=[2])):
+        q = 0 if ks.gate_mode == 0 else s // 2
+        cute.gemm(mma, acc[q], rA[None, None, s], rB[None, None, s], acc[q])
+    cC = thr.partition_C(cute.make_identity_tensor((16, 8)))
+    for i in cutlass.range_constexpr(cute.size(acc[0])):
+        f16, t = cC[i]
+        if t < ks.T:
+            cval = acc[0][i]
+            if cutlass.const_expr(ks.gate_mode == 1):
+                cval = N.fadd(N.fadd(N.fadd(acc[0][i], acc[1][i]), acc[2][i]), acc[3][i])
+            emit(i, f16, t, N.bf16_round(cval))
+
+
+def decay(ks: KernelStatic, A, lb, xg):
+    """alpha = exp(g) of gate input ``xg`` (fp32), ``A`` = exp(A_log[h]), ``lb`` the lower
+    bound (bounded gate only)."""
+    if ks.bounded:
+        gk = N.fmul(lb, N.sigmoid(N.fmul(A, xg)))
+    else:
+        gk = N.fmul(N.fsub(Float32(0.0), A), N.softplus(xg))
+    return N.fexp(gk)
