@@ -139,19 +139,23 @@ def test_stream_bit_identical_to_wide(spec, device, require_backend):
     assert not _differs(a_stream, a_wide), f"stream and wide differ in {_differs(a_stream, a_wide)}"
 
 
+def _check_three_steps(step, spec, device):
+    """Three steps launched back to back on the same buffers (a PDL chain) == the reference
+    run three times."""
+    args = make_case(spec, device)
+    before, expected = expected_after(spec.cfg, args, steps=3)
+    for _ in range(3):
+        step(args)
+    torch.cuda.synchronize()
+    errors = compare_step(args, expected, before)
+    assert not errors, "\n".join(errors)
+
+
 @pytest.mark.parametrize("T,R", [(1, 40), (5, 9)])
 def test_stream_chained_steps(T, R, device, require_backend):
     """Three streamed steps back to back on the same buffers (PDL chain) == reference x3."""
     spec = CaseSpec(make_config(32, T), R=R, seed=31 + T)
-    cfg = spec.cfg
-    stream = _launcher("stream", cfg, device, require_backend)
-    args = make_case(spec, device)
-    before, expected = expected_after(cfg, args, steps=3)
-    for _ in range(3):
-        stream(args)
-    torch.cuda.synchronize()
-    errors = compare_step(args, expected, before)
-    assert not errors, "\n".join(errors)
+    _check_three_steps(_launcher("stream", spec.cfg, device, require_backend), spec, device)
 
 
 DISPATCH_T = 2
@@ -235,15 +239,7 @@ def test_chained_steps(name, R, T, bf16, kind, device, require_backend):
     if name == "cutedsl":
         assert policy.kernel_for(R * CHAIN_H, T, bf16) == kind
     spec = CaseSpec(make_config(CHAIN_H, T, bf16_state=bf16), R=R, seed=11 + T + R)
-    cfg = spec.cfg
-    step = _step(name, cfg, device, require_backend)
-    args = make_case(spec, device)
-    before, expected = expected_after(cfg, args, steps=3)
-    for _ in range(3):
-        step(args)
-    torch.cuda.synchronize()
-    errors = compare_step(args, expected, before)
-    assert not errors, "\n".join(errors)
+    _check_three_steps(_step(name, spec.cfg, device, require_backend), spec, device)
 
 
 def test_compile_time_is_recorded(device, require_backend):
