@@ -8,7 +8,8 @@ Correctness of the two backends against the reference, CUDA graphs, the public e
 and 64-bit slot offsets are the conformance suite's (``tests/conformance``). Here:
   * the streamed kernel gives the wide kernel's bits and matches the reference on the same
     configurations and on batches where each CTA walks many items, also over three chained
-    steps;
+    steps, and on hostile slot ids and accepted counts at a batch ``cutedsl`` streams (the
+    conformance suite's CPU-sized cases run on the split kernels);
   * the split kernel on every cluster size C in 2, 4, 8 gives the wide kernel's bits
     (out / state / conv_state / records) and matches the reference, on configurations
     covering T in {1, 2, 5, 8}, both conv layouts, both gates, gate_mode 0/1, conv bias,
@@ -16,7 +17,7 @@ and 64-bit slot offsets are the conformance suite's (``tests/conformance``). Her
     the engine-facing forms (packed projection rows 8-, 4- and 2-byte aligned, rows at odd
     element offsets, an activated fp32 beta), each on the build for its rows;
   * ``cutedsl`` runs the kernel :func:`kda.backends.cutedsl.policy.kernel_for` names, on both
-    sides of every threshold of the policy;
+    sides of every threshold of the policy, for both state dtypes;
   * three chained steps on the same buffers (programmatic dependent launch back to back)
     match three reference steps, for ``cutedsl`` at a batch of each of its kernels and for
     ``cutedsl_wide``;
@@ -137,6 +138,39 @@ def test_stream_bit_identical_to_wide(spec, device, require_backend):
     errors += [f"wide: {e}" for e in compare_step(a_wide, expected, before)]
     assert not errors, "\n".join(errors)
     assert not _differs(a_stream, a_wide), f"stream and wide differ in {_differs(a_stream, a_wide)}"
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_stream_hostile_ids_and_counts(bf16, device, require_backend):
+    """The streamed kernel (``cutedsl`` at 256 items, T=3) on null, padding and out-of-range
+    slot ids at every position of a row and accepted counts outside 1..T: the reference's
+    dead items, skipped writes and clamps, and the wide kernel's bits."""
+    cfg = make_config(32, 3, bf16_state=bf16)
+    assert policy.kernel_for(8 * 32, 3, bf16) == "stream"
+    a = make_case(CaseSpec(cfg, R=8, null_frac=0.0, alias=False, seed=51), device)
+    idx = a.state_indices.cpu()
+    slots = a.state.shape[0]
+    idx[0, 0] = 0           # dead conv slot (the source too at 1 accepted)
+    idx[1, 1] = -1          # dead source (2 accepted)
+    idx[2, 0] = slots       # conv slot past the pool, live-looking source
+    idx[3, 1] = 0           # skipped write of token 1, live
+    idx[4, 2] = -1          # skipped write of token 2, live
+    idx[5, 1] = slots + 7   # skipped write past the pool, live
+    idx[6, 0] = -1          # dead conv slot with a live source (3 accepted)
+    a.state_indices.copy_(idx)
+    a.num_accepted_tokens.copy_(torch.tensor([1, 2, 3, 0, 9, -4, 3, 2], dtype=torch.int32))
+    for sl in idx.flatten().tolist():   # every slot named above holds data
+        if 0 < sl < slots:
+            a.state[sl].normal_()
+            a.conv_state[sl].copy_(torch.randn(a.conv_state[sl].shape).to(a.conv_state.dtype))
+    a_wide = clone_args(a)
+    before, expected = expected_after(cfg, a)
+    _step("cutedsl", cfg, device, require_backend)(a)
+    _launcher("wide", cfg, device, require_backend)(a_wide)
+    torch.cuda.synchronize()
+    errors = compare_step(a, expected, before)
+    assert not errors, "\n".join(errors)
+    assert not _differs(a, a_wide), f"stream and wide differ in {_differs(a, a_wide)}"
 
 
 def _check_three_steps(step, spec, device):
