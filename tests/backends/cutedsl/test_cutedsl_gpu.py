@@ -8,8 +8,9 @@ Correctness of the two backends against the reference, CUDA graphs, the public e
 and 64-bit slot offsets are the conformance suite's (``tests/conformance``). Here:
   * the streamed kernel gives the wide kernel's bits and matches the reference on the same
     configurations and on batches where each CTA walks many items, also over three chained
-    steps, and on hostile slot ids and accepted counts at a batch ``cutedsl`` streams (the
-    conformance suite's CPU-sized cases run on the split kernels);
+    steps, on 3 CTAs walking hundreds of items each, and on hostile slot ids and accepted
+    counts at a batch ``cutedsl`` streams (the conformance suite's CPU-sized cases run on the
+    split kernels);
   * the split kernel on every cluster size C in 2, 4, 8 gives the wide kernel's bits
     (out / state / conv_state / records) and matches the reference, on configurations
     covering T in {1, 2, 5, 8}, both conv layouts, both gates, gate_mode 0/1, conv bias,
@@ -17,7 +18,8 @@ and 64-bit slot offsets are the conformance suite's (``tests/conformance``). Her
     the engine-facing forms (packed projection rows 8-, 4- and 2-byte aligned, rows at odd
     element offsets, an activated fp32 beta), each on the build for its rows;
   * ``cutedsl`` runs the kernel :func:`kda.backends.cutedsl.policy.kernel_for` names, on both
-    sides of every threshold of the policy, for both state dtypes;
+    sides of every threshold of the policy at T = 1, 2, 3 and 5 (a row of each key), for both
+    state dtypes;
   * three chained steps on the same buffers (programmatic dependent launch back to back)
     match three reference steps, for ``cutedsl`` at a batch of each of its kernels and for
     ``cutedsl_wide``;
@@ -68,7 +70,7 @@ def device():
 
 
 def _launcher(kind, cfg, device, require_backend):
-    """The launcher of kernel ``kind`` ("wide" / "splitC") for ``cfg``, built once."""
+    """The launcher of kernel ``kind`` ("wide" / "stream" / "splitC") for ``cfg``, built once."""
     backend = require_backend("cutedsl", cfg, device)
     key = (kind, cfg, str(device))
     if key not in _launchers:
@@ -109,9 +111,9 @@ def test_split_bit_identical_to_wide(spec, C, device, require_backend):
     assert not _differs(a_split, a_wide), f"split{C} and wide differ in {_differs(a_split, a_wide)}"
 
 
-#: The streamed kernel beside the wide one: SPECS (at most one item per CTA), and batches
-#: where each CTA walks many items (item slots and stages reused many times, several slot-id
-#: batches of 32 per warp, dead items among live ones, head changes inside a CTA's range).
+#: The streamed kernel beside the wide one: SPECS (mostly one item per CTA on a full GPU), and
+#: batches where CTAs walk several items (dead items among live ones, head changes inside a
+#: CTA's range); :func:`test_stream_few_ctas` walks them on a few CTAs.
 STREAM_SPECS = SPECS + [
     CaseSpec(make_config(32, 1), R=64, seed=21),
     CaseSpec(make_config(96, 1, lb=-5.0, gm=1), R=96, null_frac=0.2, seed=22),
@@ -148,17 +150,22 @@ def test_stream_hostile_ids_and_counts(bf16, device, require_backend):
     cfg = make_config(32, 3, bf16_state=bf16)
     assert policy.kernel_for(8 * 32, 3, bf16) == "stream"
     a = make_case(CaseSpec(cfg, R=8, null_frac=0.0, alias=False, seed=51), device)
-    idx = a.state_indices.cpu()
     slots = a.state.shape[0]
+    assert slots > 24
+    idx = torch.arange(1, 25, dtype=torch.int32).view(8, 3)   # distinct live slots
+    nacc = torch.tensor([1, 2, 3, 3, 9, -4, 3, 2], dtype=torch.int32)   # clamped to 1..3
     idx[0, 0] = 0           # dead conv slot (the source too at 1 accepted)
     idx[1, 1] = -1          # dead source (2 accepted)
     idx[2, 0] = slots       # conv slot past the pool, live-looking source
     idx[3, 1] = 0           # skipped write of token 1, live
-    idx[4, 2] = -1          # skipped write of token 2, live
-    idx[5, 1] = slots + 7   # skipped write past the pool, live
+    idx[4, 1] = -1          # skipped write of token 1, live, 9 accepted: source at token 2
+    idx[5, 1] = slots + 7   # skipped write past the pool, live, -4 accepted: source at token 0
     idx[6, 0] = -1          # dead conv slot with a live source (3 accepted)
+    src = idx[torch.arange(8), nacc.clamp(1, 3) - 1]
+    live = (src > 0) & (src < slots) & (idx[:, 0] > 0) & (idx[:, 0] < slots)
+    assert live.tolist() == [False, False, False, True, True, True, False, True]
     a.state_indices.copy_(idx)
-    a.num_accepted_tokens.copy_(torch.tensor([1, 2, 3, 0, 9, -4, 3, 2], dtype=torch.int32))
+    a.num_accepted_tokens.copy_(nacc)
     for sl in idx.flatten().tolist():   # every slot named above holds data
         if 0 < sl < slots:
             a.state[sl].normal_()
@@ -171,6 +178,35 @@ def test_stream_hostile_ids_and_counts(bf16, device, require_backend):
     errors = compare_step(a, expected, before)
     assert not errors, "\n".join(errors)
     assert not _differs(a, a_wide), f"stream and wide differ in {_differs(a, a_wide)}"
+
+
+#: Batches each walked by 3 CTAs (hundreds of items each): item slots and stages reused many
+#: times, the consumers' slot-id batches of 32 crossed with their lookahead, on both dtypes.
+FEW_CTAS_SPECS = [
+    CaseSpec(make_config(32, 1), R=24, null_frac=0.2, seed=41),
+    CaseSpec(make_config(12, 4, "DS", lb=-5.0, gm=1, bias=True, bf16_state=True), R=60,
+             null_frac=0.1, seed=42),
+    CaseSpec(make_config(8, 2, record=True, bf16_state=True), R=50, null_frac=0.3, seed=43),
+    CaseSpec(make_config(16, 5, "DS", cs32=True), R=20, null_frac=0.2, seed=44),
+]
+
+
+@pytest.mark.parametrize("spec", FEW_CTAS_SPECS, ids=[s.id for s in FEW_CTAS_SPECS])
+def test_stream_few_ctas(spec, device, require_backend, monkeypatch):
+    """The streamed kernel on 3 persistent CTAs == wide bit for bit, and the reference."""
+    cfg = spec.cfg
+    stream = _launcher("stream", cfg, device, require_backend)
+    monkeypatch.setattr(stream, "sms", 3)       # the grid: min(sms, items)
+    wide = _launcher("wide", cfg, device, require_backend)
+    a_stream = make_case(spec, device)
+    a_wide = clone_args(a_stream)
+    before, expected = expected_after(cfg, a_stream)
+    stream(a_stream)
+    wide(a_wide)
+    torch.cuda.synchronize()
+    errors = compare_step(a_stream, expected, before)
+    assert not errors, "\n".join(errors)
+    assert not _differs(a_stream, a_wide), f"stream and wide differ in {_differs(a_stream, a_wide)}"
 
 
 def _check_three_steps(step, spec, device):
@@ -192,19 +228,21 @@ def test_stream_chained_steps(T, R, device, require_backend):
     _check_three_steps(_launcher("stream", spec.cfg, device, require_backend), spec, device)
 
 
-DISPATCH_T = 2
+#: T of the dispatch tests: a row of each key of KERNEL_BY_ITEMS (T = 3: split8, stream, wide)
+DISPATCH_TS = (1, 2, 3, 5)
 
 
 def _threshold_batches(H):
-    """(bf16, R, kind) on both sides of every threshold of KERNEL_BY_ITEMS (at T=2) for H heads,
-    for both state dtypes."""
+    """(T, bf16, R, kind) on both sides of every threshold of KERNEL_BY_ITEMS for H heads, at
+    each of DISPATCH_TS, for both state dtypes."""
     out = []
-    for bf in (False, True):
-        for most, _ in policy.table(DISPATCH_T, bf)[:-1]:
-            for R in (most // H, most // H + 1):
-                case = (bf, R, policy.kernel_for(R * H, DISPATCH_T, bf))
-                if R >= 1 and case not in out:
-                    out.append(case)
+    for T in DISPATCH_TS:
+        for bf in (False, True):
+            for most, _ in policy.table(T, bf)[:-1]:
+                for R in (most // H, most // H + 1):
+                    case = (T, bf, R, policy.kernel_for(R * H, T, bf))
+                    if R >= 1 and case not in out:
+                        out.append(case)
     return out
 
 
@@ -212,18 +250,18 @@ DISPATCH_H = 16
 DISPATCH = _threshold_batches(DISPATCH_H)
 
 
-@pytest.mark.parametrize("bf16,R,kind", DISPATCH,
-                         ids=[f"{'bf16' if b else 'fp32'}-R{r}-{k}" for b, r, k in DISPATCH])
-def test_cutedsl_runs_the_policy_kernel(bf16, R, kind, device, require_backend, monkeypatch):
+@pytest.mark.parametrize("T,bf16,R,kind", DISPATCH,
+                         ids=[f"T{t}-{'bf16' if b else 'fp32'}-R{r}-{k}" for t, b, r, k in DISPATCH])
+def test_cutedsl_runs_the_policy_kernel(T, bf16, R, kind, device, require_backend, monkeypatch):
     """At R * H items ``cutedsl`` launches the kernel policy.kernel_for names, once, and its
     results are the wide kernel's bits and the reference's values."""
     H = DISPATCH_H
-    items = {r * H for b, r, _ in DISPATCH if b == bf16}
-    for most, _ in policy.table(DISPATCH_T, bf16)[:-1]:
+    items = {r * H for t, b, r, _ in DISPATCH if (t, b) == (T, bf16)}
+    for most, _ in policy.table(T, bf16)[:-1]:
         assert {i for i in items if i <= most} and {i for i in items if i > most}, most
-    cfg = make_config(H, DISPATCH_T, bias=True, bf16_state=bf16)
+    cfg = make_config(H, T, bias=True, bf16_state=bf16)
     step = _step("cutedsl", cfg, device, require_backend)
-    assert set(step.launchers) == set(policy.kernels(DISPATCH_T, bf16))
+    assert set(step.launchers) == set(policy.kernels(T, bf16))
     calls = []
     for k, fn in list(step.launchers.items()):
         def counted(a, k=k, fn=fn):
