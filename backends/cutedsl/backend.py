@@ -5,10 +5,11 @@ kernel launch (nvidia-cutlass-dsl 4.8.1).
 ``cutedsl`` picks by the batch's load, T and the state pool dtype
 (:func:`kda.backends.cutedsl.policy.kernel_for`): at small batches each item runs on a cluster
 of 4 or 8 CTAs (:mod:`kda.backends.cutedsl.split`), above that on persistent CTAs that stream
-the state pages through a shared-memory ring (:mod:`kda.backends.cutedsl.stream`), or, for
-fp32 pages at T > 1 and large batches, one CTA per item. Every kernel computes every value in
-the same order, so the two backends produce bit-identical outputs, states, windows and records. Design:
-``docs/design.md``; compilation and caching: :mod:`kda.backends.cutedsl.cache`.
+the state pages through a shared-memory ring (:mod:`kda.backends.cutedsl.stream`), or one
+CTA per item (fp32 pages at T = 3-4 above 256 items, both dtypes at T >= 5 above 96). Every
+kernel computes every value in the same order, so the two backends produce bit-identical
+outputs, states, windows and records. Design: ``docs/design.md``; compilation and caching:
+:mod:`kda.backends.cutedsl.cache`.
 
 Host path: a built step keeps one ctypes buffer holding every kernel argument (17 pointers,
 the strides, R, the runtime scalars scale / norm_eps / lower_bound, the streamed kernel's
@@ -266,8 +267,8 @@ class _CuteDslBackend(Backend):
 class KdaBackend(_CuteDslBackend):
     """``cutedsl``: the kernel by load, T and state dtype
     (:func:`kda.backends.cutedsl.policy.kernel_for`): each item on a cluster of CTAs at small
-    batches, persistent streaming CTAs above (one CTA per item for fp32 pages at T > 1 and
-    large batches).
+    batches, persistent streaming CTAs above, one CTA per item where the policy measured that
+    faster (fp32 pages at T = 3-4 above 256 items, T >= 5 above 96).
 
     The step reads only the host-side batch size to choose, so a CUDA graph captured at one
     batch size replays the kernel chosen for it; every kernel the policy names is compiled
@@ -278,7 +279,8 @@ class KdaBackend(_CuteDslBackend):
     description = ("CuTe DSL: each (request, head) on a cluster of 4-8 CTAs (value rows split, "
                    "decays and outputs exchanged through distributed shared memory) at small "
                    "batches, persistent CTAs streaming the state pages through a shared-memory "
-                   "ring above (prep warps ahead of consumer warps); mma.sync gate, PDL")
+                   "ring above (prep warps ahead of consumer warps), one CTA per item where "
+                   "that measured faster (T >= 3); mma.sync gate, PDL")
 
     def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:
         bf16 = cfg.state_dtype == torch.bfloat16

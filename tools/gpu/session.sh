@@ -149,10 +149,11 @@ if want sanitize; then
       bg "sanitize-$tool-$sd" compute-sanitizer --tool "$tool" --print-limit 20 --error-exitcode 9 \
          --report-api-errors no \
          python3 -m tools.gpu.step_check cutedsl 4 3 2 $sd
-      # the streamed kernel (160 items at T=2: policy.kernel_for names it for both dtypes)
+      # the streamed kernel (800 items at T=2, about 6 per CTA so that its item slots and
+      # stages are reused: policy.kernel_for names it for both dtypes)
       bg "sanitize-$tool-stream-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
          --error-exitcode 9 --report-api-errors no \
-         python3 -m tools.gpu.step_check cutedsl 8 20 2 $sd
+         python3 -m tools.gpu.step_check cutedsl 8 100 2 $sd
       # the one-CTA-per-item kernel at an odd T (its epilogue's upper half has no last token)
       bg "sanitize-$tool-wide-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
          --error-exitcode 9 --report-api-errors no \
