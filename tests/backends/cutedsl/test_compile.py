@@ -92,6 +92,17 @@ def _case_params():
     return [pytest.param(kind, i, id=f"{kind}-{CONFIGS[i].short()}") for kind, i in CASES]
 
 
+def _check_state_stores(ptx, cfg, stores):
+    """``stores`` state stores in the PTX: 16-byte vectors, or (bf16 pages) 8-byte ones of
+    values rounded by cvt.rn.bf16x2 (nearest even)."""
+    if cfg.state_dtype == bf16:
+        assert "st.global.v4" not in ptx
+        assert ptx.count("st.global.v2.b32") == stores
+        assert ptx.count("cvt.rn.bf16x2.f32") == 2 * stores
+    else:
+        assert ptx.count("st.global.v4") == stores
+
+
 def _check_stream_ptx(ptx, cfg):
     """The streamed kernel: the gate on the tensor cores (each prep warp 2 tiles of 16
     features x 8 k-steps), the state moved as 32-row units by bulk copies on mbarriers (the
@@ -110,13 +121,8 @@ def _check_stream_ptx(ptx, cfg):
     assert ptx.count("griddepcontrol.launch_dependents") == 1
     i_wait = ptx.index("griddepcontrol.wait")
     assert i_wait < state[0], "the pages are requested before griddepcontrol.wait"
-    stores = 0 if cfg.record else 4 * 4 * 2 * cfg.T      # chunks x rows x passes x tokens
-    if cfg.state_dtype == bf16:
-        assert "st.global.v4" not in ptx
-        assert ptx.count("st.global.v2.b32") == stores
-        assert ptx.count("cvt.rn.bf16x2.f32") == 2 * stores
-    else:
-        assert ptx.count("st.global.v4") == stores
+    # state stores: chunks x register rows x passes x tokens
+    _check_state_stores(ptx, cfg, 0 if cfg.record else 4 * 4 * 2 * cfg.T)
 
 
 def test_cases_cover_every_axis():
@@ -252,15 +258,8 @@ def _check_split_ptx(ptx, cfg, C):
     assert i_wait < ptx.index("griddepcontrol.launch_dependents")
     assert i_wait < state[0], "the state rows are requested before griddepcontrol.wait"
     # state stores: one per 4-column chunk (4 per row), pass of 16 rows and token (T = 1: once,
-    # after the token): 16-byte vectors, or (bf16) 8-byte ones of values rounded by
-    # cvt.rn.bf16x2 (nearest even)
-    stores = 0 if cfg.record else 4 * (rows // 16) * cfg.T
-    if cfg.state_dtype == bf16:
-        assert "st.global.v4" not in ptx
-        assert ptx.count("st.global.v2.b32") == stores
-        assert ptx.count("cvt.rn.bf16x2.f32") == 2 * stores
-    else:
-        assert ptx.count("st.global.v4") == stores
+    # after the token)
+    _check_state_stores(ptx, cfg, 0 if cfg.record else 4 * (rows // 16) * cfg.T)
 
 
 @pytest.mark.parametrize("kind,i", _case_params())

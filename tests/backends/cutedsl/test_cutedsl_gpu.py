@@ -90,25 +90,35 @@ def _differs(a, b):
     return [buf for buf in WRITTEN if not bits_equal(getattr(a, buf), getattr(b, buf))]
 
 
+def _check_beside_wide(name, run, cfg, args, device, require_backend, check_wide=False):
+    """``run(args)`` and the wide kernel on a copy of ``args``: ``run``'s results (with
+    ``check_wide`` the wide kernel's too) within the reference's tolerance, and the two bit for
+    bit equal. Returns the wide kernel's launcher."""
+    wide = _launcher("wide", cfg, device, require_backend)
+    a_wide = clone_args(args)
+    before, expected = expected_after(cfg, args)
+    run(args)
+    wide(a_wide)
+    torch.cuda.synchronize()
+    errors = [f"{name}: {e}" for e in compare_step(args, expected, before)]
+    if check_wide:
+        errors += [f"wide: {e}" for e in compare_step(a_wide, expected, before)]
+    assert not errors, "\n".join(errors)
+    assert not _differs(args, a_wide), f"{name} and wide differ in {_differs(args, a_wide)}"
+    return wide
+
+
 @pytest.mark.parametrize("C", CLUSTERS, ids=[f"split{c}" for c in CLUSTERS])
 @pytest.mark.parametrize("spec", SPECS, ids=[s.id for s in SPECS])
 def test_split_bit_identical_to_wide(spec, C, device, require_backend):
     """splitC == wide bit for bit, and both within the reference's tolerance."""
     cfg = spec.cfg
-    wide = _launcher("wide", cfg, device, require_backend)
     split = _launcher(f"split{C}", cfg, device, require_backend)
     a_split = make_case(spec, device)
-    a_wide = clone_args(a_split)
-    before, expected = expected_after(cfg, a_split)
-    split(a_split)
-    wide(a_wide)
-    torch.cuda.synchronize()
+    wide = _check_beside_wide(f"split{C}", split, cfg, a_split, device, require_backend,
+                              check_wide=True)
     rows = row_bytes(a_split)
     assert rows in split.by_rows and rows in wide.by_rows      # the build for the rows ran
-    errors = [f"split{C}: {e}" for e in compare_step(a_split, expected, before)]
-    errors += [f"wide: {e}" for e in compare_step(a_wide, expected, before)]
-    assert not errors, "\n".join(errors)
-    assert not _differs(a_split, a_wide), f"split{C} and wide differ in {_differs(a_split, a_wide)}"
 
 
 #: The streamed kernel beside the wide one: SPECS (mostly one item per CTA on a full GPU), and
@@ -127,19 +137,9 @@ STREAM_SPECS = SPECS + [
 @pytest.mark.parametrize("spec", STREAM_SPECS, ids=[s.id for s in STREAM_SPECS])
 def test_stream_bit_identical_to_wide(spec, device, require_backend):
     """stream == wide bit for bit, and both within the reference's tolerance."""
-    cfg = spec.cfg
-    wide = _launcher("wide", cfg, device, require_backend)
-    stream = _launcher("stream", cfg, device, require_backend)
-    a_stream = make_case(spec, device)
-    a_wide = clone_args(a_stream)
-    before, expected = expected_after(cfg, a_stream)
-    stream(a_stream)
-    wide(a_wide)
-    torch.cuda.synchronize()
-    errors = [f"stream: {e}" for e in compare_step(a_stream, expected, before)]
-    errors += [f"wide: {e}" for e in compare_step(a_wide, expected, before)]
-    assert not errors, "\n".join(errors)
-    assert not _differs(a_stream, a_wide), f"stream and wide differ in {_differs(a_stream, a_wide)}"
+    stream = _launcher("stream", spec.cfg, device, require_backend)
+    _check_beside_wide("stream", stream, spec.cfg, make_case(spec, device), device,
+                       require_backend, check_wide=True)
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
@@ -170,14 +170,8 @@ def test_stream_hostile_ids_and_counts(bf16, device, require_backend):
         if 0 < sl < slots:
             a.state[sl].normal_()
             a.conv_state[sl].copy_(torch.randn(a.conv_state[sl].shape).to(a.conv_state.dtype))
-    a_wide = clone_args(a)
-    before, expected = expected_after(cfg, a)
-    _step("cutedsl", cfg, device, require_backend)(a)
-    _launcher("wide", cfg, device, require_backend)(a_wide)
-    torch.cuda.synchronize()
-    errors = compare_step(a, expected, before)
-    assert not errors, "\n".join(errors)
-    assert not _differs(a, a_wide), f"stream and wide differ in {_differs(a, a_wide)}"
+    _check_beside_wide("stream", _step("cutedsl", cfg, device, require_backend), cfg, a, device,
+                       require_backend)
 
 
 #: Batches each walked by 3 CTAs (hundreds of items each): item slots and stages reused many
@@ -194,19 +188,10 @@ FEW_CTAS_SPECS = [
 @pytest.mark.parametrize("spec", FEW_CTAS_SPECS, ids=[s.id for s in FEW_CTAS_SPECS])
 def test_stream_few_ctas(spec, device, require_backend, monkeypatch):
     """The streamed kernel on 3 persistent CTAs == wide bit for bit, and the reference."""
-    cfg = spec.cfg
-    stream = _launcher("stream", cfg, device, require_backend)
+    stream = _launcher("stream", spec.cfg, device, require_backend)
     monkeypatch.setattr(stream, "sms", 3)       # the grid: min(sms, items)
-    wide = _launcher("wide", cfg, device, require_backend)
-    a_stream = make_case(spec, device)
-    a_wide = clone_args(a_stream)
-    before, expected = expected_after(cfg, a_stream)
-    stream(a_stream)
-    wide(a_wide)
-    torch.cuda.synchronize()
-    errors = compare_step(a_stream, expected, before)
-    assert not errors, "\n".join(errors)
-    assert not _differs(a_stream, a_wide), f"stream and wide differ in {_differs(a_stream, a_wide)}"
+    _check_beside_wide("stream", stream, spec.cfg, make_case(spec, device), device,
+                       require_backend)
 
 
 def _check_three_steps(step, spec, device):
@@ -268,17 +253,13 @@ def test_cutedsl_runs_the_policy_kernel(T, bf16, R, kind, device, require_backen
             calls.append(k)
             fn(a)
         monkeypatch.setitem(step.launchers, k, counted)
-    spec = CaseSpec(cfg, R=R, seed=40 + R)
-    args = make_case(spec, device)
-    wide_args = clone_args(args)
-    before, expected = expected_after(cfg, args)
-    step(args)
-    assert calls == [kind], f"R={R} ({R * H} items): ran {calls}, policy names {kind}"
-    _launcher("wide", cfg, device, require_backend)(wide_args)
-    torch.cuda.synchronize()
-    errors = compare_step(args, expected, before)
-    assert not errors, "\n".join(errors)
-    assert not _differs(args, wide_args), f"{kind} and wide differ in {_differs(args, wide_args)}"
+
+    def run(a):
+        step(a)
+        assert calls == [kind], f"R={R} ({R * H} items): ran {calls}, policy names {kind}"
+
+    _check_beside_wide(kind, run, cfg, make_case(CaseSpec(cfg, R=R, seed=40 + R), device), device,
+                       require_backend)
 
 
 CHAIN_H = 32
