@@ -14,8 +14,8 @@ from typing import Optional
 #: items, kernel): ``splitC`` runs each item on a cluster of C CTAs
 #: (:mod:`kda.backends.cutedsl.split`), ``stream`` on the persistent CTAs
 #: (:mod:`kda.backends.cutedsl.stream`), ``wide`` on one CTA (:mod:`kda.backends.cutedsl.wide`).
-#: Step times: every kernel of the family at the rows' edges in one run (``docs/design.md``);
-#: the split rows of T = 5 and above are the wide kernel's older comparison.
+#: Step times: every kernel of the family at the rows' edges in one run (``docs/design.md``),
+#: and for the split rows of T = 5 and above the split-against-wide comparison at T = 4.
 KERNEL_BY_ITEMS = {
     "fp32": {
         1: ((32, "split8"),    # H=32 R=1: 3.7 us against 4.3 split4, 5.2 stream
@@ -25,8 +25,8 @@ KERNEL_BY_ITEMS = {
         3: ((48, "split8"),     # T=4 H=12 R=4: 8.7 us against 9.4 split4, 13.0 stream
             (256, "stream"),    # T=4 H=12 R=8: 13.4 us against 14.9 split4; H=32 R=8 28.3 = wide
             (None, "wide")),    # T=4 H=32 R=64: 198.5 us against 202.9 stream
-        5: ((48, "split8"),
-            (96, "split4"),
+        5: ((48, "split8"),     # T=4 H=12 R=1: 5.1 us against 11.7 wide
+            (96, "split4"),     # T=4 H=96 R=1: 14.9 us against 16.1 wide
             (None, "wide")),    # T=8 H=32 R=32: 184.0 us against 199.3 stream
     },
     "bf16": {
