@@ -23,7 +23,7 @@ KERNEL_BY_ITEMS = {
         2: ((48, "split8"),
             (None, "stream")),  # T=2 H=32 R=128: 236.9 us against 242.1 wide
         3: ((48, "split8"),     # T=4 H=12 R=4: 8.7 us against 9.4 split4, 13.0 stream
-            (256, "stream"),    # T=4 H=12 R=8: 13.4 us against 14.9 split4; H=32 R=8 28.3 = wide
+            (384, "stream"),    # T=4 H=12 R=8: 13.4 us against 14.9 split4; H=12 R=32 38.9 against 46.2 wide
             (None, "wide")),    # T=4 H=32 R=64: 198.5 us against 202.9 stream
         5: ((48, "split8"),     # T=4 H=12 R=1: 5.1 us against 11.7 wide
             (96, "split4"),     # T=4 H=96 R=1: 14.9 us against 16.1 wide

@@ -63,6 +63,11 @@ class KdaStream:
         self.x_ahead = ks.T <= 4
         self.T = ks.T
         self.H = ks.H
+        # bf16 pages at T > 1: the consumers' passes and tokens run as loops, one copy of a
+        # token's code, since the unrolled body misses the instruction cache (ncu: a third of
+        # the consumers' samples without an instruction); on fp32 pages the loops' registers
+        # spill and the unrolled body is faster
+        self.token_loop = ks.state_bf16 and ks.T > 1
         self.dim = ks.H * D
         self.st = BFloat16 if ks.state_bf16 else Float32
         if shape is None:      # a 128 KiB ring: 8 x 16 KiB fp32 units, 16 x 8 KiB bf16 units
@@ -211,33 +216,55 @@ class KdaStream:
     @cute.jit
     def _unit(self, g, stores, stage, j, h, dst, refill, u, lane, slots):
         """One unit of item ``j`` (the CTA's ``j``-th; its ``stage`` holds rows ``u*rows ..``):
-        the T tokens over its rows, 16 per pass (lane: 4 rows x 16 key columns), then *done*."""
-        ks, T = self.ks, self.T
-        s_q, s_k, s_a, s_v, s_o, s_b, ready, done = stores
+        its passes of 16 rows (:meth:`_pass`), then *done*."""
+        ready, done = stores[6], stores[7]
         grp = lane // 8
         l8 = lane % 8
         slot = j % self.NI
         cute.arch.mbarrier_wait(ready + slot, (j // self.NI) & 1)
-        for p in cutlass.range_constexpr(self.rows // 16):
-            S = cute.make_rmem_tensor(cute.make_layout((4, 16), stride=(16, 1)), Float32)
-            for m in cutlass.range_constexpr(4):
-                row = p * 16 + 4 * m + grp
-                for c in cutlass.range_constexpr(4):
-                    raw = cute.make_rmem_tensor(cute.make_layout((4,)), self.st)
-                    cute.autovec_copy(self._chunk(stage[row, None], l8, c), raw)
-                    for e in cutlass.range_constexpr(4):
-                        S[m, 4 * c + e] = Float32(raw[e])     # bf16: widened exactly
-            if p == self.rows // 16 - 1:
-                refill()
-            base = u * self.rows + p * 16 + grp     # page row of register row m: + 4m
+        if cutlass.const_expr(self.token_loop):
+            for p in cutlass.range(self.rows // 16, unroll=1):
+                self._pass(g, stores, stage, p, slot, h, dst, refill, u, grp, l8, slots)
+        else:
+            for p in cutlass.range_constexpr(self.rows // 16):
+                self._pass(g, stores, stage, p, slot, h, dst, refill, u, grp, l8, slots)
+        cute.arch.mbarrier_arrive(done + slot)
+
+    @cute.jit
+    def _pass(self, g, stores, stage, p, slot, h, dst, refill, u, grp, l8, slots):
+        """Pass ``p`` of a unit: its 16 rows from the stage into registers (lane: 4 rows x 16
+        key columns), the stage refilled after the last pass's read, then the T tokens, each
+        token's state stored at T > 1 (at T = 1 once, after the token)."""
+        ks, T = self.ks, self.T
+        s_q, s_k, s_a, s_v, s_o, s_b = stores[:6]
+        S = cute.make_rmem_tensor(cute.make_layout((4, 16), stride=(16, 1)), Float32)
+        for m in cutlass.range_constexpr(4):
+            row = p * 16 + 4 * m + grp
+            for c in cutlass.range_constexpr(4):
+                raw = cute.make_rmem_tensor(cute.make_layout((4,)), self.st)
+                cute.autovec_copy(self._chunk(stage[row, None], l8, c), raw)
+                for e in cutlass.range_constexpr(4):
+                    S[m, 4 * c + e] = Float32(raw[e])     # bf16: widened exactly
+        if p == self.rows // 16 - 1:
+            refill()
+        base = u * self.rows + p * 16 + grp     # page row of register row m: + 4m
+        if cutlass.const_expr(self.token_loop):
+            for t in cutlass.range(T, unroll=1):
+                self._token(g, S, s_q, s_k, s_a, s_v, s_o, s_b, slot, t, base, h, dst[0], l8)
+                if cutlass.const_expr(not ks.record):
+                    d = dst[0]             # dst[t], selected (a register list has no run-time index)
+                    for tt in cutlass.range_constexpr(1, T):
+                        d = Int32(cutlass.select_(t == tt, dst[tt], d))
+                    if (d > 0) & (d < slots):
+                        self._store(g, S, d, h, base, l8)
+        else:
             for t in cutlass.range_constexpr(T):
                 self._token(g, S, s_q, s_k, s_a, s_v, s_o, s_b, slot, t, base, h, dst[0], l8)
                 if cutlass.const_expr(not ks.record and T > 1):
                     if (dst[t] > 0) & (dst[t] < slots):
                         self._store(g, S, dst[t], h, base, l8)
-            if cutlass.const_expr(not ks.record and T == 1):
-                self._store(g, S, dst[0], h, base, l8)
-        cute.arch.mbarrier_arrive(done + slot)
+        if cutlass.const_expr(not ks.record and T == 1):
+            self._store(g, S, dst[0], h, base, l8)
 
     @cute.jit
     def _token(self, g, S, s_q, s_k, s_a, s_v, s_o, s_b, slot, t, base, h, cslot, l8):
