@@ -386,6 +386,8 @@ BF16_STATE_CASES = [
     ("stream", KdaConfig(num_heads=32, T=1, window=3, state_dtype=bf16)),
     ("stream", KdaConfig(num_heads=12, T=4, window=6, gate_mode=1, state_dtype=bf16)),
     ("stream", KdaConfig(num_heads=8, T=3, window=5, record=True, state_dtype=bf16)),
+    ("stream", KdaConfig(num_heads=32, T=2, window=4, state_dtype=bf16)),
+    ("stream", KdaConfig(num_heads=32, T=8, window=10, state_dtype=bf16)),
     ("split2", KdaConfig(num_heads=2, T=2, window=4, state_dtype=bf16)),
 ]
 
