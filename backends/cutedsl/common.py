@@ -672,9 +672,11 @@ def load_norm_weight(ks: KernelStatic, nw_ptr, tid):
     return P.gld_nc_f32(nw_ptr + v)
 
 
-def make_params(ks: KernelStatic, sb, tid, **values) -> SimpleNamespace:
-    """The SimpleNamespace of runtime values the ItemMath methods read."""
-    p = SimpleNamespace(sb=sb, **thread_coords(tid), **values)
+def make_params(ks: KernelStatic, sb, tid, a) -> SimpleNamespace:
+    """The SimpleNamespace of runtime values the ItemMath methods read: the kernel's arguments
+    ``a`` (:class:`kda.backends.cutedsl.args.KernelArgs`), the shared-memory base ``sb`` and
+    the thread's coordinates."""
+    p = SimpleNamespace(sb=sb, **thread_coords(tid), **a._asdict())
     p.nwv = load_norm_weight(ks, p.nw, tid)
     return p
 

@@ -46,6 +46,7 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
 from kda.backends.cutedsl import ptx as N
+from kda.backends.cutedsl.args import KernelArgs, Launch
 from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile
 from kda.backends.cutedsl.static import KernelStatic
 
@@ -79,10 +80,10 @@ class Views(NamedTuple):
     out: cute.Tensor
 
 
-def make_views(ks: KernelStatic, x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, og, nw, na,
-               vrec, kgrec, out, R, slots, x_rs, fa_rs, beta_rs, og_rs, out_rs, state_ss, cs_ss):
-    """The kernels' global tensors (:class:`Views`) over the argument pointers, for ``ks``: every
-    kernel of the family indexes its arguments through these layouts."""
+def make_views(ks: KernelStatic, a: KernelArgs):
+    """The kernels' global tensors (:class:`Views`) over the argument pointers of ``a``, for
+    ``ks``: every kernel of the family indexes its arguments through these layouts."""
+    R, slots = a.R, a.slots
     T, H, dim = ks.T, ks.H, ks.H * D
     L = ks.L
     N_ = R * T
@@ -90,39 +91,41 @@ def make_views(ks: KernelStatic, x, cw, cb, cs, fa, fb, beta, alog, dtb, state, 
     if ks.row_bytes > 2:
         # every row pitch is a multiple of the rows' alignment (kda.backend.row_bytes)
         x_rs, fa_rs, og_rs, out_rs = (cute.assume(s, divby=ks.row_bytes // 2)
-                                      for s in (x_rs, fa_rs, og_rs, out_rs))
-    v["x"] = cute.make_tensor(x, cute.make_layout((N_, 3 * dim), stride=(x_rs, 1)))
-    v["cw"] = cute.make_tensor(cw, cute.make_layout((3, 4, dim), stride=(4 * dim, dim, 1)))
-    v["cb"] = cute.make_tensor(cb, cute.make_layout((3 * dim,)))
-    if ks.layout == "SD":
-        v["cs"] = cute.make_tensor(cs, cute.make_layout((slots, 3 * dim, L),
-                                                        stride=(cs_ss, 1, 3 * dim)))
+                                      for s in (a.x_rs, a.fa_rs, a.og_rs, a.out_rs))
     else:
-        v["cs"] = cute.make_tensor(cs, cute.make_layout((slots, 3 * dim, L),
-                                                        stride=(cs_ss, L, 1)))
-    v["fa"] = cute.make_tensor(fa, cute.make_layout((N_, D), stride=(fa_rs, 1)))
-    v["fb"] = cute.make_tensor(fb, cute.make_layout((dim, D), stride=(D, 1)))
-    v["beta"] = cute.make_tensor(beta, cute.make_layout((N_, H), stride=(beta_rs, 1)))
-    v["alog"] = cute.make_tensor(alog, cute.make_layout((H,)))
-    v["dtb"] = cute.make_tensor(dtb, cute.make_layout((dim,)))
+        x_rs, fa_rs, og_rs, out_rs = a.x_rs, a.fa_rs, a.og_rs, a.out_rs
+    v["x"] = cute.make_tensor(a.x, cute.make_layout((N_, 3 * dim), stride=(x_rs, 1)))
+    v["cw"] = cute.make_tensor(a.cw, cute.make_layout((3, 4, dim), stride=(4 * dim, dim, 1)))
+    v["cb"] = cute.make_tensor(a.cb, cute.make_layout((3 * dim,)))
+    if ks.layout == "SD":
+        v["cs"] = cute.make_tensor(a.cs, cute.make_layout((slots, 3 * dim, L),
+                                                        stride=(a.cs_ss, 1, 3 * dim)))
+    else:
+        v["cs"] = cute.make_tensor(a.cs, cute.make_layout((slots, 3 * dim, L),
+                                                        stride=(a.cs_ss, L, 1)))
+    v["fa"] = cute.make_tensor(a.fa, cute.make_layout((N_, D), stride=(fa_rs, 1)))
+    v["fb"] = cute.make_tensor(a.fb, cute.make_layout((dim, D), stride=(D, 1)))
+    v["beta"] = cute.make_tensor(a.beta, cute.make_layout((N_, H), stride=(a.beta_rs, 1)))
+    v["alog"] = cute.make_tensor(a.alog, cute.make_layout((H,)))
+    v["dtb"] = cute.make_tensor(a.dtb, cute.make_layout((dim,)))
     # (the slot stride is a multiple of 16 bytes)
-    v["state"] = cute.make_tensor(state, cute.make_layout(
-        (slots, H, D, D), stride=(cute.assume(state_ss, divby=8 if ks.state_bf16 else 4),
+    v["state"] = cute.make_tensor(a.state, cute.make_layout(
+        (slots, H, D, D), stride=(cute.assume(a.state_ss, divby=8 if ks.state_bf16 else 4),
                                   D * D, D, 1)))
-    v["si"] = cute.make_tensor(si, cute.make_layout((R, T), stride=(T, 1)))
-    v["og"] = cute.make_tensor(og, cute.make_layout((N_, dim), stride=(og_rs, 1)))
-    v["nw"] = cute.make_tensor(nw, cute.make_layout((D,)))
-    v["na"] = cute.make_tensor(na, cute.make_layout((R,)))
+    v["si"] = cute.make_tensor(a.si, cute.make_layout((R, T), stride=(T, 1)))
+    v["og"] = cute.make_tensor(a.og, cute.make_layout((N_, dim), stride=(og_rs, 1)))
+    v["nw"] = cute.make_tensor(a.nw, cute.make_layout((D,)))
+    v["na"] = cute.make_tensor(a.na, cute.make_layout((R,)))
     # record rows: 64-bit slot offsets (slots * H * T * 256 can pass 2**31)
-    v["vrec"] = cute.make_tensor(vrec, cute.make_layout(
+    v["vrec"] = cute.make_tensor(a.vrec, cute.make_layout(
         (slots, H, T, D), stride=(Int64(H * T * D), T * D, D, 1)))
-    v["kgrec"] = cute.make_tensor(kgrec, cute.make_layout(
+    v["kgrec"] = cute.make_tensor(a.kgrec, cute.make_layout(
         (slots, H, T, 2 * D), stride=(Int64(H * T * 2 * D), T * 2 * D, 2 * D, 1)))
-    v["out"] = cute.make_tensor(out, cute.make_layout((N_, dim), stride=(out_rs, 1)))
+    v["out"] = cute.make_tensor(a.out, cute.make_layout((N_, dim), stride=(out_rs, 1)))
     return Views(**v)
 
 
-class KdaSplit:
+class KdaSplit(Launch):
     """The split kernel for one :class:`KernelStatic` and cluster size; ``launch`` is what gets
     compiled."""
 
@@ -141,18 +144,12 @@ class KdaSplit:
 
     # ------------------------------------------------------------------------------ kernel
     @cute.kernel
-    def kernel(self, x: cute.Pointer, cw: cute.Pointer, cb: cute.Pointer, cs: cute.Pointer,
-               fa: cute.Pointer, fb: cute.Pointer, beta: cute.Pointer, alog: cute.Pointer,
-               dtb: cute.Pointer, state: cute.Pointer, si: cute.Pointer, og: cute.Pointer,
-               nw: cute.Pointer, na: cute.Pointer, vrec: cute.Pointer, kgrec: cute.Pointer,
-               out: cute.Pointer, R: Int32, slots: Int32, x_rs: Int32, fa_rs: Int32,
-               beta_rs: Int32, og_rs: Int32, out_rs: Int32, state_ss: Int64, cs_ss: Int64,
-               scale: Float32, eps: Float32, lb: Float32):
+    def kernel(self, a: KernelArgs):
         ks, T, C, dim = self.ks, self.T, self.C, self.dim
         tid, _, _ = cute.arch.thread_idx()
         rank, h, r = cute.arch.block_idx()
-        g = make_views(ks, x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, og, nw, na, vrec,
-                       kgrec, out, R, slots, x_rs, fa_rs, beta_rs, og_rs, out_rs, state_ss, cs_ss)
+        g = make_views(ks, a)
+        R, slots, scale, eps, lb = a.R, a.slots, a.scale, a.eps, a.lb
 
         smem = cutlass.memory.SmemAllocator()
         st_t = g.state.element_type           # fp32, or bf16 (widened on load)
@@ -506,16 +503,8 @@ class KdaSplit:
             gate_tile(ks, mma, thr, tA, rB, emit)
 
     # -------------------------------------------------------------------------------- host
-    @cute.jit
-    def launch(self, x: cute.Pointer, cw: cute.Pointer, cb: cute.Pointer, cs: cute.Pointer,
-               fa: cute.Pointer, fb: cute.Pointer, beta: cute.Pointer, alog: cute.Pointer,
-               dtb: cute.Pointer, state: cute.Pointer, si: cute.Pointer, og: cute.Pointer,
-               nw: cute.Pointer, na: cute.Pointer, vrec: cute.Pointer, kgrec: cute.Pointer,
-               out: cute.Pointer, R: Int32, slots: Int32, x_rs: Int32, fa_rs: Int32,
-               beta_rs: Int32, og_rs: Int32, out_rs: Int32, state_ss: Int64, cs_ss: Int64,
-               scale: Float32, eps: Float32, lb: Float32, ctas: Int32, stream: cuda.CUstream):
-        self.kernel(x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, og, nw, na, vrec, kgrec,
-                    out, R, slots, x_rs, fa_rs, beta_rs, og_rs, out_rs, state_ss, cs_ss, scale,
-                    eps, lb).launch(grid=[self.C, self.H, R], block=[NTHREADS, 1, 1],
-                                    cluster=[self.C, 1, 1], stream=stream, use_pdl=True)
+    def _launch(self, a: KernelArgs, stream):
+        """C x H x R CTAs in clusters of C on ``stream``."""
+        self.kernel(a).launch(grid=[self.C, self.H, a.R], block=[NTHREADS, 1, 1],
+                              cluster=[self.C, 1, 1], stream=stream, use_pdl=True)
 

@@ -38,6 +38,7 @@ from cutlass import BFloat16, Float32, Int16, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
 from kda.backends.cutedsl import ptx as N
+from kda.backends.cutedsl.args import KernelArgs, Launch
 from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile
 from kda.backends.cutedsl.ring import RingShape, WarpRing
 from kda.backends.cutedsl.split import make_views
@@ -51,7 +52,7 @@ FB_ROW = D + 8     # padded f_b row in shared memory (bf16): a warp's fragment l
 SMEM_MAX = 232448 - 1024   # sm_90: dynamic shared memory a CTA may opt into, less the reserve
 
 
-class KdaStream:
+class KdaStream(Launch):
     """The streamed kernel for one :class:`KernelStatic`; ``launch`` is what gets compiled."""
 
     def __init__(self, ks: KernelStatic, shape: RingShape = None):
@@ -130,20 +131,13 @@ class KdaStream:
 
     # ------------------------------------------------------------------------------ kernel
     @cute.kernel
-    def kernel(self, x: cute.Pointer, cw: cute.Pointer, cb: cute.Pointer, cs: cute.Pointer,
-               fa: cute.Pointer, fb: cute.Pointer, beta: cute.Pointer, alog: cute.Pointer,
-               dtb: cute.Pointer, state: cute.Pointer, si: cute.Pointer, og: cute.Pointer,
-               nw: cute.Pointer, na: cute.Pointer, vrec: cute.Pointer, kgrec: cute.Pointer,
-               out: cute.Pointer, R: Int32, slots: Int32, x_rs: Int32, fa_rs: Int32,
-               beta_rs: Int32, og_rs: Int32, out_rs: Int32, state_ss: Int64, cs_ss: Int64,
-               scale: Float32, eps: Float32, lb: Float32, ctas: Int32):
+    def kernel(self, a: KernelArgs):
         tid, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
         warp_i = cute.arch.make_warp_uniform(tid // 32)
         lane = tid % 32
-        g = make_views(self.ks, x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, og, nw, na,
-                       vrec, kgrec, out, R, slots, x_rs, fa_rs, beta_rs, og_rs, out_rs,
-                       state_ss, cs_ss)
+        g = make_views(self.ks, a)
+        R, slots, scale, eps, lb, ctas = a.R, a.slots, a.scale, a.eps, a.lb, a.ctas
         storage = cutlass.memory.SmemAllocator().allocate(self.Storage)
         self.ring.init(storage, tid)
         if tid == 0:
@@ -738,16 +732,7 @@ class KdaStream:
             cute.arch.mbarrier_arrive(storage.free.data_ptr() + slot)
 
     # -------------------------------------------------------------------------------- host
-    @cute.jit
-    def launch(self, x: cute.Pointer, cw: cute.Pointer, cb: cute.Pointer, cs: cute.Pointer,
-               fa: cute.Pointer, fb: cute.Pointer, beta: cute.Pointer, alog: cute.Pointer,
-               dtb: cute.Pointer, state: cute.Pointer, si: cute.Pointer, og: cute.Pointer,
-               nw: cute.Pointer, na: cute.Pointer, vrec: cute.Pointer, kgrec: cute.Pointer,
-               out: cute.Pointer, R: Int32, slots: Int32, x_rs: Int32, fa_rs: Int32,
-               beta_rs: Int32, og_rs: Int32, out_rs: Int32, state_ss: Int64, cs_ss: Int64,
-               scale: Float32, eps: Float32, lb: Float32, ctas: Int32, stream: cuda.CUstream):
-        """Host entry: ``ctas`` persistent CTAs (at most one per item) on ``stream``."""
-        self.kernel(x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, og, nw, na, vrec, kgrec,
-                    out, R, slots, x_rs, fa_rs, beta_rs, og_rs, out_rs, state_ss, cs_ss, scale,
-                    eps, lb, ctas).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1],
-                                          stream=stream, use_pdl=True, min_blocks_per_mp=1)
+    def _launch(self, a: KernelArgs, stream):
+        """``a.ctas`` persistent CTAs (at most one per item) on ``stream``."""
+        self.kernel(a).launch(grid=[a.ctas, 1, 1], block=[self.threads, 1, 1], stream=stream,
+                              use_pdl=True, min_blocks_per_mp=1)

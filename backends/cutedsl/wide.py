@@ -28,11 +28,12 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from kda.backends.cutedsl import ptx as P
+from kda.backends.cutedsl.args import KernelArgs, Launch
 from kda.backends.cutedsl.common import NTHREADS, ItemMath, make_params
 from kda.backends.cutedsl.static import KernelStatic, SmemPlan, carveout_percent
 
 
-class KdaWide:
+class KdaWide(Launch):
     """The wide kernel for one :class:`KernelStatic`; ``launch`` is what gets compiled."""
 
     kind = "wide"
@@ -43,23 +44,13 @@ class KdaWide:
         self.plan = SmemPlan(ks.T)
 
     @cute.kernel
-    def kernel(self, x: cute.Pointer, cw: cute.Pointer, cb: cute.Pointer, cs: cute.Pointer,
-               fa: cute.Pointer, fb: cute.Pointer, beta: cute.Pointer, alog: cute.Pointer,
-               dtb: cute.Pointer, state: cute.Pointer, si: cute.Pointer, og: cute.Pointer,
-               nw: cute.Pointer, na: cute.Pointer, vrec: cute.Pointer, kgrec: cute.Pointer,
-               out: cute.Pointer, R: Int32, slots: Int32, x_rs: Int32, fa_rs: Int32,
-               beta_rs: Int32, og_rs: Int32, out_rs: Int32, state_ss: Int64, cs_ss: Int64,
-               scale: Float32, eps: Float32, lb: Float32):
+    def kernel(self, a: KernelArgs):
         """Device code: CTA ``blockIdx.x`` processes item ``blockIdx.x`` (see the module docstring)."""
         tid, _, _ = cute.arch.thread_idx()
         item, _, _ = cute.arch.block_idx()
         smem = SmemAllocator()
         buf = smem.allocate(self.plan.total, byte_alignment=128)
-        p = make_params(self.ks, Int32(buf.toint()), Int32(tid), x=x, cw=cw, cb=cb, cs=cs, fa=fa,
-                        fb=fb, beta=beta, alog=alog, dtb=dtb, state=state, si=si, na=na, og=og,
-                        nw=nw, out=out, vrec=vrec, kgrec=kgrec, slots=slots, x_rs=x_rs,
-                        fa_rs=fa_rs, beta_rs=beta_rs, og_rs=og_rs, out_rs=out_rs,
-                        state_ss=state_ss, cs_ss=cs_ss, scale=scale, eps=eps, lb=lb)
+        p = make_params(self.ks, Int32(buf.toint()), Int32(tid), a)
         desc = cute.make_rmem_tensor(cute.make_layout((8,)), Int32)
         wreg = cute.make_rmem_tensor(cute.make_layout((8,)), Int32)
         S = cute.make_rmem_tensor(cute.make_layout((64,)), Float32)
@@ -98,19 +89,10 @@ class KdaWide:
         P.bar_sync()
         P.griddep_launch()
 
-    @cute.jit
-    def launch(self, x: cute.Pointer, cw: cute.Pointer, cb: cute.Pointer, cs: cute.Pointer,
-               fa: cute.Pointer, fb: cute.Pointer, beta: cute.Pointer, alog: cute.Pointer,
-               dtb: cute.Pointer, state: cute.Pointer, si: cute.Pointer, og: cute.Pointer,
-               nw: cute.Pointer, na: cute.Pointer, vrec: cute.Pointer, kgrec: cute.Pointer,
-               out: cute.Pointer, R: Int32, slots: Int32, x_rs: Int32, fa_rs: Int32,
-               beta_rs: Int32, og_rs: Int32, out_rs: Int32, state_ss: Int64, cs_ss: Int64,
-               scale: Float32, eps: Float32, lb: Float32, ctas: Int32, stream: cuda.CUstream):
-        """Host entry: launch R*H CTAs of 256 threads on ``stream`` (``ctas``: the streamed
-        kernel's grid, unused here)."""
-        self.kernel(x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, og, nw, na, vrec,
-                    kgrec, out, R, slots, x_rs, fa_rs, beta_rs, og_rs, out_rs, state_ss, cs_ss,
-                    scale, eps, lb).launch(
-            grid=[R * self.ks.H, 1, 1], block=[NTHREADS, 1, 1], stream=stream,
+    def _launch(self, a: KernelArgs, stream):
+        """R*H CTAs of 256 threads on ``stream`` (``a.ctas``: the streamed kernel's grid,
+        unused here)."""
+        self.kernel(a).launch(
+            grid=[a.R * self.ks.H, 1, 1], block=[NTHREADS, 1, 1], stream=stream,
             use_pdl=True, min_blocks_per_mp=2,
             preferred_smem_carveout=carveout_percent(self.plan.total))

@@ -889,23 +889,23 @@ _loaded = None
 
 
 def load_kernels():
-    """The wide kernel's modules (common, wide) loaded against the emulator."""
+    """The wide kernel's modules (args, common, wide) loaded against the emulator."""
     global _loaded
     if _loaded is not None:
         return _loaded
     import kda.backends.cutedsl as pkg
 
     fakes = _make_fake_modules()
-    names = list(fakes) + ["kda.backends.cutedsl.ptx", "kda.backends.cutedsl.common",
-                           "kda.backends.cutedsl.wide"]
+    names = list(fakes) + ["kda.backends.cutedsl.ptx", "kda.backends.cutedsl.args",
+                           "kda.backends.cutedsl.common", "kda.backends.cutedsl.wide"]
     saved_mods = {n: sys.modules.get(n) for n in names}
-    saved_attrs = {n: getattr(pkg, n, None) for n in ("ptx", "common", "wide")}
+    saved_attrs = {n: getattr(pkg, n, None) for n in ("ptx", "args", "common", "wide")}
     mods = {}
     try:
         sys.modules.update(fakes)
         sys.modules["kda.backends.cutedsl.ptx"] = P
         pkg.ptx = P
-        for name in ("common", "wide"):
+        for name in ("args", "common", "wide"):
             spec = importlib.util.spec_from_file_location(f"kda.backends.cutedsl.{name}",
                                                           os.path.join(_SRC, f"{name}.py"))
             mod = importlib.util.module_from_spec(spec)
@@ -998,7 +998,7 @@ def run(cfg, args, page_last: bool = None, row_bytes: int = None) -> dict:
         _State.cta.check_races(plan.ST, plan.CQ)          # state page, x / og rows, window
         _State.active = [np.ones(NT, bool)]
         with np.errstate(all="ignore"):     # garbage lanes (t >= T etc.) may hold NaN
-            obj.kernel(*ptrs, *scalars)
+            obj.kernel(mods["args"].KernelArgs(*ptrs, *scalars, Int32(grid)))
         if _State.cta.queue:
             _State.cta.wait_all()
         total_bar += _State.cta.barriers

@@ -714,3 +714,13 @@ def test_launcher_packs_arguments(kind, monkeypatch):
     seen.clear()
     launcher(a._replace(state_indices=a.state_indices[:0]))
     assert not seen, "an empty batch launches nothing"
+
+
+def test_kernel_args_follow_the_launch_order():
+    """The kernels' argument record has the launcher's arguments, in its order."""
+    from kda.backends.cutedsl.args import KernelArgs
+    assert list(KernelArgs._fields) == cache.arg_names("stream")[:-1]
+    from kda.backends.cutedsl.args import Launch
+    for kind in ("wide", "split4", "stream"):
+        obj = cache.kernel_object(kind, kernel_static(kind, KdaConfig(num_heads=4, T=1, window=3)))
+        assert isinstance(obj, Launch) and callable(obj._launch), kind
