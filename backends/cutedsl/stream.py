@@ -445,44 +445,54 @@ class KdaStream(Launch):
                 cute.make_rmem_tensor(cute.make_layout((T,)), g.og.element_type),
                 cute.make_rmem_tensor(cute.make_layout((1,)), g.beta.element_type))
 
+    def _op_coords(self, dsc, pt):
+        """Prep thread ``pt``'s operand coordinates for the item in ``dsc``: the window history
+        in ``conv_state`` ([part][position]), x ([part][token]) and the output gate
+        ([token]), as :meth:`_load_ops` reads them and :meth:`_prefetch` brings them to L2."""
+        T, dim = self.T, self.dim
+        r, h, cslot, off = dsc[0], dsc[1], dsc[2], dsc[4]
+        n0 = r * T
+        ch = h * D + pt
+        hist = [[(cslot, part * dim + ch, off + e) for e in range(3)] for part in range(3)]
+        xs = [[(n0 + t, part * dim + ch) for t in range(T)] for part in range(3)]
+        ogs = [(n0 + t, ch) for t in range(T)]
+        return hist, xs, ogs
+
     @cute.jit
     def _load_ops(self, g, dsc, ops, pt):
         """The operands of prep thread ``pt`` for the item in ``dsc`` (if live) into ``ops``."""
-        T, dim = self.T, self.dim
+        T = self.T
         hist, xs, ogs, bs = ops
         if dsc[5] != 0:
-            r, h, cslot, off = dsc[0], dsc[1], dsc[2], dsc[4]
-            n0 = r * T
-            ch = h * D + pt
+            c_hist, c_x, c_og = self._op_coords(dsc, pt)
             for part in cutlass.range_constexpr(3):
                 for e in cutlass.range_constexpr(3):
-                    hist[3 * part + e] = g.cs[cslot, part * dim + ch, off + e]
+                    hist[3 * part + e] = g.cs[c_hist[part][e]]
                 if cutlass.const_expr(self.x_ahead):
                     for t in cutlass.range_constexpr(T):
-                        xs[part * T + t] = g.x[n0 + t, part * dim + ch]
+                        xs[part * T + t] = g.x[c_x[part][t]]
             for t in cutlass.range_constexpr(T):
-                ogs[t] = g.og[n0 + t, ch]
-            bs[0] = g.beta[n0 + pt % T, h]
+                ogs[t] = g.og[c_og[t]]
+            bs[0] = g.beta[dsc[0] * T + pt % T, dsc[1]]
 
     @cute.jit
     def _prefetch(self, g, dsc, pt):
         """The lines :meth:`_load_ops` and :meth:`_copy_fa` will read for the item in ``dsc``
-        (if live) into L2."""
-        T, dim = self.T, self.dim
+        (if live) into L2 (in the DS layout one line holds a channel's window)."""
+        T = self.T
         if cutlass.const_expr(self.prefetch):
             if dsc[5] != 0:
-                r, h, cslot, off = dsc[0], dsc[1], dsc[2], dsc[4]
-                n0 = r * T
-                ch = h * D + pt
+                c_hist, c_x, c_og = self._op_coords(dsc, pt)
                 for part in cutlass.range_constexpr(3):
                     for e in cutlass.range_constexpr(3 if self.ks.layout == "SD" else 1):
-                        N.prefetch_l2(cute.domain_offset((cslot, part * dim + ch, off + e), g.cs).iterator)
+                        N.prefetch_l2(cute.domain_offset(c_hist[part][e], g.cs).iterator)
                     for t in cutlass.range_constexpr(T):
-                        N.prefetch_l2(cute.domain_offset((n0 + t, part * dim + ch), g.x).iterator)
+                        N.prefetch_l2(cute.domain_offset(c_x[part][t], g.x).iterator)
                 for t in cutlass.range_constexpr(T):
-                    N.prefetch_l2(cute.domain_offset((n0 + t, ch), g.og).iterator)
+                    N.prefetch_l2(cute.domain_offset(c_og[t], g.og).iterator)
                 if pt < 2 * T:
-                    N.prefetch_l2(cute.domain_offset((n0 + pt // 2, (pt % 2) * (D // 2)), g.fa).iterator)
+                    N.prefetch_l2(cute.domain_offset((dsc[0] * T + pt // 2, (pt % 2) * (D // 2)),
+                                                     g.fa).iterator)
 
     def _head_regs(self, g):
         """Registers for one head's parameters: the conv weights (4 per part) and bias of the
