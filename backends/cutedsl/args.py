@@ -64,6 +64,9 @@ class Launch:
                beta_rs: Int32, og_rs: Int32, out_rs: Int32, state_ss: Int64, cs_ss: Int64,
                scale: Float32, eps: Float32, lb: Float32, ctas: Int32, stream: cuda.CUstream):
         """Host entry (what gets compiled): the kernel on ``stream``."""
-        self._launch(KernelArgs(x, cw, cb, cs, fa, fb, beta, alog, dtb, state, si, og, nw, na,
-                                vrec, kgrec, out, R, slots, x_rs, fa_rs, beta_rs, og_rs, out_rs,
-                                state_ss, cs_ss, scale, eps, lb, ctas), stream)
+        # by name: a swap of two same-typed values here would pass every type check
+        self._launch(KernelArgs(
+            x=x, cw=cw, cb=cb, cs=cs, fa=fa, fb=fb, beta=beta, alog=alog, dtb=dtb, state=state,
+            si=si, og=og, nw=nw, na=na, vrec=vrec, kgrec=kgrec, out=out, R=R, slots=slots,
+            x_rs=x_rs, fa_rs=fa_rs, beta_rs=beta_rs, og_rs=og_rs, out_rs=out_rs,
+            state_ss=state_ss, cs_ss=cs_ss, scale=scale, eps=eps, lb=lb, ctas=ctas), stream)
