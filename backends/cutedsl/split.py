@@ -125,6 +125,31 @@ def make_views(ks: KernelStatic, a: KernelArgs):
     return Views(**v)
 
 
+def chunk(row, l8, c):
+    """The 4 key columns 4*(l8 + 8c) .. +3 of a 128-column row: a state row's 8 lanes are
+    consecutive, so one warp instruction moves 4 rows x 128 contiguous bytes."""
+    return cute.local_tile(row, (4,), (l8 + 8 * c,))
+
+
+def load4(row, l8, c):
+    """The 4 fp32 of :func:`chunk` in registers (one 16-byte load)."""
+    v = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
+    cute.autovec_copy(chunk(row, l8, c), v)
+    return v
+
+
+def store4(v, dst, bf16: bool):
+    """The 4 fp32 of ``v`` into the state chunk ``dst``: 16 bytes, or (``bf16``) 8 bytes of
+    values rounded once to nearest even."""
+    if bf16:
+        raw = cute.make_rmem_tensor(cute.make_layout((4,)), BFloat16)
+        for e in range(4):
+            raw[e] = BFloat16(v[e])
+        cute.autovec_copy(raw, dst)
+    else:
+        cute.autovec_copy(v, dst)
+
+
 class KdaSplit(Launch):
     """The split kernel for one :class:`KernelStatic` and cluster size; ``launch`` is what gets
     compiled."""
@@ -401,17 +426,17 @@ class KdaSplit(Launch):
                 for c in cutlass.range_constexpr(4):
                     if cutlass.const_expr(ks.state_bf16):   # widened to fp32 (exactly)
                         raw = cute.make_rmem_tensor(cute.make_layout((4,)), BFloat16)
-                        cute.autovec_copy(self._chunk(s_state[row, None], l8, c), raw)
+                        cute.autovec_copy(chunk(s_state[row, None], l8, c), raw)
                         for e in cutlass.range_constexpr(4):
                             S[c, e, w] = Float32(raw[e])
                     else:
-                        cute.autovec_copy(self._chunk(s_state[row, None], l8, c), S[c, None, w])
+                        cute.autovec_copy(chunk(s_state[row, None], l8, c), S[c, None, w])
             for t in cutlass.range_constexpr(T):
                 b_t = s_b[t]
                 acc = [[Float32(0.0), Float32(0.0)] for _ in range(W)]
                 for c in cutlass.range_constexpr(4):
-                    a4 = self._load4(s_a[t, None], l8, c)
-                    k4 = self._load4(s_k[t, None], l8, c)
+                    a4 = load4(s_a[t, None], l8, c)
+                    k4 = load4(s_k[t, None], l8, c)
                     for e in cutlass.range_constexpr(4):
                         for w in cutlass.range_constexpr(W):
                             s_ = N.fmul(S[c, e, w], a4[e])
@@ -426,8 +451,8 @@ class KdaSplit(Launch):
                     u.append(N.fmul(b_t, N.fsub(s_v[t, row], N.row_sum8(acc[w]))))
                 o = [[Float32(0.0), Float32(0.0)] for _ in range(W)]
                 for c in cutlass.range_constexpr(4):
-                    k4 = self._load4(s_k[t, None], l8, c)
-                    q4 = self._load4(s_q[t, None], l8, c)
+                    k4 = load4(s_k[t, None], l8, c)
+                    q4 = load4(s_q[t, None], l8, c)
                     for e in cutlass.range_constexpr(4):
                         for w in cutlass.range_constexpr(W):
                             s_ = N.ffma(u[w], k4[e], S[c, e, w])
@@ -452,31 +477,14 @@ class KdaSplit(Launch):
             if cutlass.const_expr(not ks.record and T == 1):
                 self._store_rows(g, src, h, rank, w0, grp, l8, S)
 
-    @staticmethod
-    def _chunk(row, l8, c):
-        """The 4 key columns 4*(l8 + 8c) .. +3 of a 128-column row."""
-        return cute.local_tile(row, (4,), (l8 + 8 * c,))
-
-    def _load4(self, row, l8, c):
-        """The 4 fp32 of :meth:`_chunk` in registers (one 16-byte load)."""
-        v = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
-        cute.autovec_copy(self._chunk(row, l8, c), v)
-        return v
-
     def _store_rows(self, g, slot, h, rank, w0, grp, l8, S):
         """Stores of the wave's rows to state[slot, h]: 16 bytes per chunk (fp32), or 8 rounded
         to bf16 once (nearest even)."""
         for w in range(self.wave):
             row = rank * self.rows + (w0 + w) * GROUPS + grp
             for c in range(4):
-                dst = self._chunk(g.state[slot, h, row, None], l8, c)
-                if self.ks.state_bf16:
-                    raw = cute.make_rmem_tensor(cute.make_layout((4,)), BFloat16)
-                    for e in range(4):
-                        raw[e] = BFloat16(S[c, e, w])
-                    cute.autovec_copy(raw, dst)
-                else:
-                    cute.autovec_copy(S[c, None, w], dst)
+                store4(S[c, None, w], chunk(g.state[slot, h, row, None], l8, c),
+                       self.ks.state_bf16)
 
     # --------------------------------------------------------------------------- gate warp
     @cute.jit

@@ -41,7 +41,7 @@ from kda.backends.cutedsl import ptx as N
 from kda.backends.cutedsl.args import KernelArgs, Launch
 from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile
 from kda.backends.cutedsl.ring import RingShape, WarpRing
-from kda.backends.cutedsl.split import make_views
+from kda.backends.cutedsl.split import chunk, load4, make_views, store4
 from kda.backends.cutedsl.static import KernelStatic
 
 D = 128
@@ -236,7 +236,7 @@ class KdaStream(Launch):
             row = p * 16 + 4 * m + grp
             for c in cutlass.range_constexpr(4):
                 raw = cute.make_rmem_tensor(cute.make_layout((4,)), self.st)
-                cute.autovec_copy(self._chunk(stage[row, None], l8, c), raw)
+                cute.autovec_copy(chunk(stage[row, None], l8, c), raw)
                 for e in cutlass.range_constexpr(4):
                     S[m, 4 * c + e] = Float32(raw[e])     # bf16: widened exactly
         if p == self.rows // 16 - 1:
@@ -269,8 +269,8 @@ class KdaStream(Launch):
         b_t = s_b[slot, t]
         acc = [[Float32(0.0), Float32(0.0)] for _ in range(4)]
         for c in cutlass.range_constexpr(4):
-            a4 = self._load4(s_a[slot, t, None], l8, c)
-            k4 = self._load4(s_k[slot, t, None], l8, c)
+            a4 = load4(s_a[slot, t, None], l8, c)
+            k4 = load4(s_k[slot, t, None], l8, c)
             for m in cutlass.range_constexpr(4):
                 for e in cutlass.range_constexpr(4):
                     s_ = N.fmul(S[m, 4 * c + e], a4[e])
@@ -284,8 +284,8 @@ class KdaStream(Launch):
             uu.append(N.fmul(b_t, N.fsub(s_v[slot, t, base + 4 * m], N.row_sum8(acc[m]))))
         o = [[Float32(0.0), Float32(0.0)] for _ in range(4)]
         for c in cutlass.range_constexpr(4):
-            k4 = self._load4(s_k[slot, t, None], l8, c)
-            q4 = self._load4(s_q[slot, t, None], l8, c)
+            k4 = load4(s_k[slot, t, None], l8, c)
+            q4 = load4(s_q[slot, t, None], l8, c)
             for m in cutlass.range_constexpr(4):
                 for e in cutlass.range_constexpr(4):
                     s_ = N.ffma(uu[m], k4[e], S[m, 4 * c + e])
@@ -301,30 +301,13 @@ class KdaStream(Launch):
                 if cutlass.const_expr(self.ks.record):
                     g.vrec[cslot, h, t, base + 4 * m] = uu[m]
 
-    @staticmethod
-    def _chunk(row, l8, c):
-        """The 4 key columns 4*(l8 + 8c) .. +3 of a 128-column row."""
-        return cute.local_tile(row, (4,), (l8 + 8 * c,))
-
-    def _load4(self, row, l8, c):
-        """The 4 fp32 of :meth:`_chunk` in registers (one 16-byte load)."""
-        v = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
-        cute.autovec_copy(self._chunk(row, l8, c), v)
-        return v
-
     def _store(self, g, S, slot, h, base, l8):
         """The 4 register rows to state[slot, h]: 16 bytes per chunk (fp32), or 8 rounded to
         bf16 once (nearest even)."""
         for m in range(4):
             for c in range(4):
-                dst = self._chunk(g.state[slot, h, base + 4 * m, None], l8, c)
-                if self.ks.state_bf16:
-                    raw = cute.make_rmem_tensor(cute.make_layout((4,)), BFloat16)
-                    for e in range(4):
-                        raw[e] = BFloat16(S[m, 4 * c + e])
-                    cute.autovec_copy(raw, dst)
-                else:
-                    cute.autovec_copy(cute.local_tile(S[m, None], (4,), (c,)), dst)
+                store4(cute.local_tile(S[m, None], (4,), (c,)),
+                       chunk(g.state[slot, h, base + 4 * m, None], l8, c), self.ks.state_bf16)
 
     # ----------------------------------------------------------------------------- prep
     @cute.jit
