@@ -15,9 +15,9 @@ from typing import Optional
 #: (:mod:`kda.backends.cutedsl.split`), ``stream`` on the persistent CTAs
 #: (:mod:`kda.backends.cutedsl.stream`), ``wide`` on one CTA (:mod:`kda.backends.cutedsl.wide`).
 #: Step times: every kernel of the family at the rows' edges in one run (``docs/design.md``;
-#: the 384-item cell from a later run of the same kernels), and for the split rows of T = 5
+#: the 384-item cell in a run of its own, same kernels), and for the split rows of T = 5
 #: and above the split-against-wide comparison at T = 4. The bf16 stream figures at T > 1
-#: are of its unrolled consumers; the loops it now runs there are faster (``docs/design.md``).
+#: are of unrolled consumers; the looped ones it runs there are faster (``docs/design.md``).
 KERNEL_BY_ITEMS = {
     "fp32": {
         1: ((32, "split8"),    # H=32 R=1: 3.7 us against 4.3 split4, 5.2 stream
