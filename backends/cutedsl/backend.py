@@ -6,7 +6,7 @@ kernel launch (nvidia-cutlass-dsl 4.8.1).
 (:func:`kda.backends.cutedsl.policy.kernel_for`): at small batches each item runs on a cluster
 of 4 or 8 CTAs (:mod:`kda.backends.cutedsl.split`), above that on persistent CTAs that stream
 the state pages through a shared-memory ring (:mod:`kda.backends.cutedsl.stream`), or one
-CTA per item (fp32 pages at T = 3-4 above 384 items, both dtypes at T >= 5 above 96). Every
+CTA per item (fp32 pages: at T = 3-4 above 384 items, at T >= 5 above 96). Every
 kernel computes every value in the same order, so the two backends produce bit-identical
 outputs, states, windows and records. Design: ``docs/design.md``; compilation and caching:
 :mod:`kda.backends.cutedsl.cache`.
@@ -268,7 +268,7 @@ class KdaBackend(_CuteDslBackend):
     """``cutedsl``: the kernel by load, T and state dtype
     (:func:`kda.backends.cutedsl.policy.kernel_for`): each item on a cluster of CTAs at small
     batches, persistent streaming CTAs above, one CTA per item where the policy measured that
-    faster (fp32 pages at T = 3-4 above 384 items, T >= 5 above 96).
+    faster (fp32 pages: at T = 3-4 above 384 items, at T >= 5 above 96).
 
     The step reads only the host-side batch size to choose, so a CUDA graph captured at one
     batch size replays the kernel chosen for it; every kernel the policy names is compiled

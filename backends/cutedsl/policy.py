@@ -15,9 +15,10 @@ from typing import Optional
 #: (:mod:`kda.backends.cutedsl.split`), ``stream`` on the persistent CTAs
 #: (:mod:`kda.backends.cutedsl.stream`), ``wide`` on one CTA (:mod:`kda.backends.cutedsl.wide`).
 #: Step times: every kernel of the family at the rows' edges in one run (``docs/design.md``;
-#: the 384-item cell in a run of its own, same kernels), and for the split rows of T = 5
-#: and above the split-against-wide comparison at T = 4. The bf16 stream figures at T > 1
-#: are of unrolled consumers; the looped ones it runs there are faster (``docs/design.md``).
+#: the 384-item cell and the bf16 rows of T >= 5 in runs of their own, same kernels), and for
+#: the fp32 split rows of T = 5 and above the split-against-wide comparison at T = 4. The
+#: bf16 figures of T = 2-4 are of unrolled consumers; the looped ones it runs there are faster
+#: (``docs/design.md``).
 KERNEL_BY_ITEMS = {
     "fp32": {
         1: ((32, "split8"),    # H=32 R=1: 3.7 us against 4.3 split4, 5.2 stream
@@ -39,8 +40,8 @@ KERNEL_BY_ITEMS = {
             (96, "split4"),     # T=4 H=12 R=4: 7.6 us against 8.3 split8; H=12 R=8 10.4 against 11.5
             (None, "stream")),  # T=4 H=32 R=8: 19.6 us against 23.0 wide; R=128 263.3 against 312.9
         5: ((48, "split8"),
-            (96, "split4"),
-            (None, "wide")),    # T=8 H=32 R=32: 135.1 us against 189.6 stream
+            (96, "split4"),     # T=5 H=12 R=8: 12.1 us against 13.6 stream, 14.4 wide
+            (None, "stream")),  # T=6 H=12 R=16: 22.1 us against 25.4 wide; T=8 H=32 R=128 405.4 against 533.9
     },
 }
 
