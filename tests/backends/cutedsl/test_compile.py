@@ -388,6 +388,8 @@ BF16_STATE_CASES = [
     ("stream", KdaConfig(num_heads=8, T=3, window=5, record=True, state_dtype=bf16)),
     ("stream", KdaConfig(num_heads=32, T=2, window=4, state_dtype=bf16)),
     ("stream", KdaConfig(num_heads=32, T=8, window=10, state_dtype=bf16)),
+    ("stream", KdaConfig(num_heads=12, T=6, window=9, conv_layout="DS", record=True,
+                         state_dtype=bf16)),
     ("split2", KdaConfig(num_heads=2, T=2, window=4, state_dtype=bf16)),
 ]
 
