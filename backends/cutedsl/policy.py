@@ -39,7 +39,7 @@ KERNEL_BY_ITEMS = {
         2: ((32, "split8"),     # T=4 H=12 R=1: 5.1 us against 6.5 split4
             (96, "split4"),     # T=4 H=12 R=4: 7.6 us against 8.3 split8; H=12 R=8 10.4 against 11.5
             (None, "stream")),  # T=4 H=32 R=8: 19.6 us against 23.0 wide; R=128 263.3 against 312.9
-        5: ((48, "split8"),
+        5: ((32, "split8"),     # as at T = 2-4 (T=4 H=12 R=4: split4 ahead of split8)
             (96, "split4"),     # T=5 H=12 R=8: 12.1 us against 13.6 stream, 14.4 wide
             (None, "stream")),  # T=6 H=12 R=16: 22.1 us against 25.4 wide; T=8 H=32 R=128 405.4 against 533.9
     },
