@@ -39,7 +39,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
@@ -174,7 +173,7 @@ class KdaSplit(Launch):
         tid, _, _ = cute.arch.thread_idx()
         rank, h, r = cute.arch.block_idx()
         g = make_views(ks, a)
-        R, slots, scale, eps, lb = a.R, a.slots, a.scale, a.eps, a.lb
+        slots, scale, eps, lb = a.slots, a.scale, a.eps, a.lb
 
         smem = cutlass.memory.SmemAllocator()
         st_t = g.state.element_type           # fp32, or bf16 (widened on load)

@@ -31,7 +31,6 @@ MMA chains per gate feature, the explicitly rounded arithmetic of
 
 from __future__ import annotations
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int16, Int32, Int64

@@ -21,10 +21,9 @@ bit-identical results.
 
 from __future__ import annotations
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from kda.backends.cutedsl import ptx as P
