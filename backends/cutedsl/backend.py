@@ -226,7 +226,7 @@ class _Launcher:
                              [2 * vals[i] for i in _ROW_STRIDES] if R * self.T > 1 else ())
         launcher = self if rows == self.ks.row_bytes else self.for_rows(rows)
         launcher.buf[0:len(vals)] = vals
-        launcher.buf[launcher.i_ctas] = min(self.sms, R * self.H)
+        launcher.buf[launcher.i_ctas] = policy.ctas(self.kind, R * self.H, self.sms)
         launcher.buf[launcher.i_stream] = current_stream_handle(self.device)
         launcher._launch()
 

@@ -153,7 +153,8 @@ def compile_args(kind: str, ks: KernelStatic) -> list:
 
 def kernel_object(kind: str, ks: KernelStatic):
     """The kernel object of ``kind``: "wide" (:class:`KdaWide`), "splitC" (:class:`KdaSplit`
-    on clusters of C CTAs) or "stream" (:class:`KdaStream`, persistent).
+    on clusters of C CTAs), "stream" (:class:`KdaStream`, persistent) or "streamC"
+    (:class:`KdaStream` on CTAs of C items in blocks of C requests, C in 2, 4, 8, 16).
 
     Raises:
       ValueError: an unknown kind.
@@ -164,10 +165,14 @@ def kernel_object(kind: str, ks: KernelStatic):
     if kind == "stream":
         from kda.backends.cutedsl.stream import KdaStream
         return KdaStream(ks)
+    if kind.startswith("stream") and kind[6:] in ("2", "4", "8", "16"):
+        from kda.backends.cutedsl.stream import KdaStream
+        return KdaStream(ks, block=int(kind[6:]))
     if kind.startswith("split") and kind[5:].isdigit():
         from kda.backends.cutedsl.split import KdaSplit
         return KdaSplit(ks, int(kind[5:]))
-    raise ValueError(f"kind: expected 'wide', 'stream' or 'splitC' (C in 2, 4, 8), got {kind!r}")
+    raise ValueError(f"kind: expected 'wide', 'stream', 'streamC' (C in 2, 4, 8, 16) or 'splitC' "
+                     f"(C in 2, 4, 8), got {kind!r}")
 
 
 def compile_kernel(kind: str, ks: KernelStatic, options: Optional[str] = None):

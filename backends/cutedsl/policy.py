@@ -13,16 +13,23 @@ from typing import Optional
 #: by state pool dtype and T (a T takes the row of the largest key not above it), first match of (most
 #: items, kernel): ``splitC`` runs each item on a cluster of C CTAs
 #: (:mod:`kda.backends.cutedsl.split`), ``stream`` on the persistent CTAs
-#: (:mod:`kda.backends.cutedsl.stream`), ``wide`` on one CTA (:mod:`kda.backends.cutedsl.wide`).
+#: (:mod:`kda.backends.cutedsl.stream`), ``streamC`` on CTAs of C items (one head, C requests;
+#: the CTAs in flight then stream the contiguous pages of a few requests), ``wide`` on one CTA
+#: (:mod:`kda.backends.cutedsl.wide`).
 #: Step times: every kernel of the family at the rows' edges in one run (``docs/design.md``;
 #: the 384-item cell and the bf16 rows of T >= 5 in runs of their own, same kernels), and for
 #: the fp32 split rows of T = 5 and above the split-against-wide comparison at T = 4. The
 #: bf16 figures of T = 2-4 are of unrolled consumers; the looped ones it runs there are faster
 #: (``docs/design.md``).
+#: fp32 pages at T=1: the blocks of 4 requests from this many items (H=32 R=32: 1.116 of
+#: touch against 1.155 stream; H=12 R=32, 384 items: 1.244 against 1.213)
+STREAM4_FROM = 1024
+
 KERNEL_BY_ITEMS = {
     "fp32": {
         1: ((32, "split8"),    # H=32 R=1: 3.7 us against 4.3 split4, 5.2 stream
-            (None, "stream")),  # H=32 R=2: 5.9 us against 6.2 split8, 6.5 split4, 6.8 wide
+            (STREAM4_FROM - 1, "stream"),  # H=32 R=2: 5.9 us against 6.2 split8, 6.5 split4, 6.8 wide
+            (None, "stream4")),  # ratio to touch, H=32 R=512 1.060 against 1.112 stream
         2: ((48, "split8"),
             (None, "stream")),  # T=2 H=32 R=128: 236.9 us against 242.1 wide
         3: ((48, "split8"),     # T=4 H=12 R=4: 8.7 us against 9.4 split4, 13.0 stream
@@ -87,5 +94,18 @@ def page_last(T: int) -> bool:
 
 
 def cluster_of(kind: str) -> Optional[int]:
-    """C of a ``splitC`` kernel name, None for ``wide`` and ``stream``."""
+    """C of a ``splitC`` kernel name, None for the others."""
     return int(kind[5:]) if kind.startswith("split") else None
+
+
+def block_of(kind: str) -> Optional[int]:
+    """C of a ``streamC`` kernel name (CTAs of C items), None for the others."""
+    return int(kind[6:]) if kind.startswith("stream") and kind[6:].isdigit() else None
+
+
+def ctas(kind: str, items: int, sms: int) -> int:
+    """The grid of kernel ``kind`` for ``items`` items on ``sms`` multiprocessors: one CTA
+    per C items for ``streamC``, else one per SM and at most one per item (the persistent
+    streamed kernel's grid; the wide and split kernels do not read it)."""
+    block = block_of(kind)
+    return min(sms, items) if block is None else -(-items // block)

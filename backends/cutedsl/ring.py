@@ -3,9 +3,11 @@ each keep their own small ring of shared-memory stages filled by bulk copies of 
 *units* of the items' state pages.
 
 Work: the step's ``R * H`` items (request r, head h) are walked head-major (``item = h * R +
-r``), so that consecutive items of a CTA share the head's parameters; CTA ``b`` of ``G``
-takes the contiguous range ``[b * n // G, (b + 1) * n // G)`` (:meth:`WarpRing.item_range`);
-``j`` below is an item's position in its CTA's walk. A live item's page ``state[src, h]``
+r``), or with ``block = C`` in blocks of C requests, head-major inside a block (``item =
+(r // C) * H * C + h * C + r % C``; the last block holds the R % C requests left), so that
+consecutive items of a CTA share the head's parameters; CTA ``b`` of ``G`` takes the
+contiguous range ``[b * n // G, (b + 1) * n // G)`` (:meth:`WarpRing.item_range`). ``j``
+below is an item's position in its CTA's walk. A live item's page ``state[src, h]``
 ([128 value rows, 128 key columns], each slot contiguous) is cut into ``units = 128 // rows``
 blocks of ``rows`` value rows; a block is one contiguous run of ``rows * 128`` elements,
 moved by one ``cp.async.bulk`` completing on the stage's mbarrier. The rows of a page are
@@ -80,8 +82,11 @@ class WarpRing:
     """Device code of the consumers' stages for one :class:`RingShape`, T tokens and a state
     dtype. ``storage`` is the kernel's shared-memory struct, which holds :meth:`fields`."""
 
-    def __init__(self, shape: RingShape, T: int, st_dtype):
+    def __init__(self, shape: RingShape, T: int, st_dtype, H: int = 1, block: int = 0):
         self.shape = shape
+        #: 0: items head-major; C: in blocks of C requests, head-major inside (H heads)
+        self.block = block
+        self.H = H
         self.T = T
         self.st_dtype = st_dtype
         self.rows = shape.rows
@@ -105,6 +110,26 @@ class WarpRing:
         """The stages' data, ``[stages, rows, 128]`` (warp w's are ``w * depth ..``)."""
         return storage.data.get_tensor(cute.make_layout(
             (self.shape.stages, self.rows, D), stride=(self.rows * D, D, 1)))
+
+    def split_item(self, i, R):
+        """(request, head) of item ``i`` in the walk's order; the request is in [0, R) for
+        any ``i`` >= 0 (a lookahead past the last item loads in bounds)."""
+        if self.block == 0:
+            h = i // R
+            return i - h * R, h
+        C, H = self.block, self.H
+        full = (R // C) * C                 # requests in whole blocks
+        b = i // (H * C)
+        rem = i - b * (H * C)
+        h = rem // C
+        r = b * C + rem - h * C
+        # the last block's R - full requests, head-major
+        cl = cutlass.max(R - full, Int32(1))
+        j = cutlass.max(i - full * H, Int32(0))
+        h2 = j // cl
+        tail = i >= full * H
+        r = cutlass.min(Int32(cutlass.select_(tail, full + j - h2 * cl, r)), R - 1)
+        return r, Int32(cutlass.select_(tail, h2, h))
 
     @staticmethod
     def item_range(n, block, grid):
@@ -131,8 +156,7 @@ class WarpRing:
         j = g + self.groups * (32 * b + lane)
         i = i0 + j
         ok = i < i1
-        h = i // R
-        r = i - h * R          # in [0, R) for every lane: its loads stay in bounds
+        r, h = self.split_item(i, R)     # r in [0, R) for every lane: its loads stay in bounds
         ids = [si[r, t] for t in range(T)]
         cslot = ids[0]
         src = cslot

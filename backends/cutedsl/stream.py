@@ -1,7 +1,10 @@
 """KdaStream: the persistent, pipelined CuTe DSL kernel of the fused KDA decode step.
 
 One CTA per SM (grid ``ctas``, at most one per item) walks a contiguous head-major range of
-the step's items, with two roles:
+the step's items; or, built with ``block = C``, each CTA of a grid of ``ceil(items / C)``
+takes C items in blocks of C requests, head-major inside (one head, C requests), and the
+hardware starts the next CTA on an SM when one exits, so the CTAs in flight cover all heads
+of a few consecutive requests (:class:`kda.backends.cutedsl.ring.WarpRing`). Two roles:
 
 * **consumers** (warps 0..7): each keeps its own stages filled with bulk copies of one
   value-row unit per item, ``depth`` items ahead (:class:`kda.backends.cutedsl.ring.WarpRing`);
@@ -54,8 +57,9 @@ SMEM_MAX = 232448 - 1024   # sm_90: dynamic shared memory a CTA may opt into, le
 class KdaStream(Launch):
     """The streamed kernel for one :class:`KernelStatic`; ``launch`` is what gets compiled."""
 
-    def __init__(self, ks: KernelStatic, shape: RingShape = None):
+    def __init__(self, ks: KernelStatic, shape: RingShape = None, block: int = 0):
         self.ks = ks
+        self.block = block
         # the item after next into L2, below T = 8 (there its slot-id registers would spill)
         self.prefetch = ks.T < 8
         # x of the next item is read ahead into registers where its 3T values fit (at T >= 5
@@ -73,7 +77,7 @@ class KdaStream(Launch):
         if shape is None:      # a 128 KiB ring: 8 x 16 KiB fp32 units, 16 x 8 KiB bf16 units
             shape = RingShape(rows=32, consumers=CONSUMERS, depth=2 if ks.state_bf16 else 1)
         self.shape = shape
-        self.ring = WarpRing(shape, ks.T, self.st)
+        self.ring = WarpRing(shape, ks.T, self.st, ks.H, block)
         self.units = shape.units
         self.rows = shape.rows
         # item slots: the one being prepared and one per consumer group; an item's epilogue
@@ -324,7 +328,7 @@ class KdaStream(Launch):
         hc, hg = self._head_regs(g)
         # the head of hp / the staged f_b rows (fbs[0]) and the phase of their copies (fbs[1])
         fbs = cute.make_rmem_tensor(cute.make_layout((2,)), Int32)
-        fbs[0] = i0 // R
+        fbs[0] = self.ring.split_item(i0, R)[1]
         fbs[1] = Int32(0)
         if i0 < i1:
             # the first item's head: model weights (no predecessor writes them)
@@ -384,9 +388,9 @@ class KdaStream(Launch):
 
     @cute.jit
     def _load_si(self, g, raw, i, R):
-        """Item ``i``'s slot ids and accepted count (head-major: request ``i mod R``, in
-        bounds for any ``i``) into ``raw``, as they are."""
-        r = i - (i // R) * R
+        """Item ``i``'s slot ids and accepted count (its request is in bounds for any ``i``)
+        into ``raw``, as they are."""
+        r = self.ring.split_item(i, R)[0]
         for t in cutlass.range_constexpr(self.T):
             raw[t] = g.si[r, t]
         if cutlass.const_expr(self.T > 1):
@@ -398,8 +402,7 @@ class KdaStream(Launch):
         its :meth:`_load_si` values (contract section 2 and the project's liveness rule; an
         item past ``i1`` is dead)."""
         T = self.T
-        h = i // R
-        r = i - h * R
+        r, h = self.ring.split_item(i, R)
         cslot = raw[0]
         src = cslot
         off = Int32(0)
@@ -725,6 +728,7 @@ class KdaStream(Launch):
 
     # -------------------------------------------------------------------------------- host
     def _launch(self, a: KernelArgs, stream):
-        """``a.ctas`` persistent CTAs (at most one per item) on ``stream``."""
+        """``a.ctas`` CTAs on ``stream`` (persistent: at most one per SM and per item; in
+        blocks: one per C items)."""
         self.kernel(a).launch(grid=[a.ctas, 1, 1], block=[self.threads, 1, 1], stream=stream,
                               use_pdl=True, min_blocks_per_mp=1)

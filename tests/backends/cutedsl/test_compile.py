@@ -79,8 +79,9 @@ SPLIT_CASES = [
     ("split2", 0), ("split2", 5), ("split2", 7),
 ]
 #: The streamed kernel's cases: T = 1, 2, 5, 8, both layouts, both gates, gate_mode 0/1,
-#: bias, record mode, fp32 conv state, bf16 weights.
-STREAM_CASES = [("stream", 0), ("stream", 1), ("stream", 2), ("stream", 4), ("stream", 7)]
+#: bias, record mode, fp32 conv state, bf16 weights; in blocks of 4 requests at T = 1 and 2.
+STREAM_CASES = [("stream", 0), ("stream", 1), ("stream", 2), ("stream", 4), ("stream", 7),
+                ("stream4", 0), ("stream4", 6), ("stream4", 7)]
 CASES = [("wide", i) for i in range(len(CONFIGS))] + SPLIT_CASES + STREAM_CASES
 D = 128
 
@@ -272,7 +273,7 @@ def test_compiles(kind, i):
         pytest.skip("PTX not kept (CuTe DSL was imported before CUTE_DSL_KEEP was set)")
     if kind == "wide":
         _check_wide_ptx(ptx, cfg)
-    elif kind == "stream":
+    elif kind.startswith("stream"):
         _check_stream_ptx(ptx, cfg)
     else:
         _check_split_ptx(ptx, cfg, policy.cluster_of(kind))
@@ -293,7 +294,7 @@ def test_resource_usage(kind, i):
     if kind == "wide":
         assert usage["REG"] <= 128, "must fit 2 CTAs of 256 threads per SM"
         assert usage["STACK"] <= 512, "register spills grew out of bounds"
-    elif kind == "stream":
+    elif kind.startswith("stream"):
         # 384 threads (3 warpgroups): 168 registers at most, none spilled
         assert usage["REG"] <= 168 and usage["STACK"] == 0 and usage["LOCAL"] == 0, usage
     elif any(kind in policy.kernels(T, bf) for T in range(1, 9) for bf in (False, True)):
@@ -406,7 +407,7 @@ def test_bf16_state_builds_compile(kind, cfg):
     compiled, ptx = _compile_build(kind, ks)
     if kind == "wide":
         _check_wide_ptx(ptx, cfg)
-    elif kind == "stream":
+    elif kind.startswith("stream"):
         _check_stream_ptx(ptx, cfg)
     else:
         _check_split_ptx(ptx, cfg, policy.cluster_of(kind))
@@ -487,7 +488,15 @@ def test_kernel_kinds():
         assert type(obj).__name__ == "KdaSplit" and obj.C == C
         assert policy.cluster_of(f"split{C}") == C
     assert policy.cluster_of("wide") is None and policy.cluster_of("stream") is None
-    for bad in ("split1", "split3", "split16", "split", "wide2", "Split2"):
+    for C in (2, 4, 8, 16):
+        obj = cache.kernel_object(f"stream{C}", ks)
+        assert type(obj).__name__ == "KdaStream" and obj.block == C
+        assert policy.block_of(f"stream{C}") == C and policy.cluster_of(f"stream{C}") is None
+    assert cache.kernel_object("stream", ks).block == 0 and policy.block_of("stream") is None
+    assert policy.ctas("stream", 12, 10) == 10 and policy.ctas("stream", 7, 10) == 7
+    assert policy.ctas("stream4", 12, 10) == 3 and policy.ctas("stream4", 13, 10) == 4
+    for bad in ("split1", "split3", "split16", "split", "wide2", "Split2", "stream3",
+                "stream0", "stream32", "streams"):
         with pytest.raises(ValueError):
             cache.kernel_object(bad, ks)
     names = cache.arg_names("wide")
@@ -593,12 +602,12 @@ def test_policy_table(T, bf16):
     rows = policy.table(T, bf16)
     most = [m for m, _ in rows[:-1]]
     assert most == sorted(set(most)) and most[0] >= 1
-    assert rows[-1][0] is None and rows[-1][1] in ("stream", "wide")
+    assert rows[-1][0] is None and rows[-1][1] in ("stream", "stream4", "wide")
     kinds = [k for _, k in rows]
     assert len(set(kinds)) == len(kinds)
     splits = [k for k in kinds if policy.cluster_of(k) is not None]
     assert kinds[:len(splits)] == splits and all(policy.cluster_of(k) in (2, 4, 8) for k in splits)
-    assert set(kinds[len(splits):]) <= {"stream", "wide"}
+    assert set(kinds[len(splits):]) <= {"stream", "stream4", "wide"}
     assert policy.kernels(T, bf16) == tuple(kinds)
     for m, kind in rows[:-1]:
         assert policy.kernel_for(m, T, bf16) == kind
@@ -649,7 +658,7 @@ def test_cutedsl_builds_every_policy_kernel_and_picks_by_items(monkeypatch, T, b
     assert built == [("wide", cfg, dev)]
 
 
-@pytest.mark.parametrize("kind", ["wide", "split2", "stream"])
+@pytest.mark.parametrize("kind", ["wide", "split2", "stream", "stream4"])
 def test_launcher_packs_arguments(kind, monkeypatch):
     """The host fast path writes every argument where the compiled launcher reads it."""
     import ctypes
@@ -710,7 +719,8 @@ def test_launcher_packs_arguments(kind, monkeypatch):
     assert u64(idx["state_ss"]) == a.state.stride(0) and u64(idx["cs_ss"]) == a.conv_state.stride(0)
     assert f32(idx["scale"]) == pytest.approx(0.25) and f32(idx["eps"]) == pytest.approx(1e-4)
     assert f32(idx["lb"]) == -2.0
-    assert i32(idx["ctas"]) == 10        # min(SMs, R * H = 12)
+    # min(SMs, R * H = 12); stream4: one CTA per 4 items
+    assert i32(idx["ctas"]) == (3 if kind == "stream4" else 10)
     assert u64(idx["stream"]) == 0xABCDEF
     assert packed[-1] == ctypes.addressof(launcher._result)
     seen.clear()
