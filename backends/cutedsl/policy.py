@@ -21,15 +21,16 @@ from typing import Optional
 #: the fp32 split rows of T = 5 and above the split-against-wide comparison at T = 4. The
 #: bf16 figures of T = 2-4 are of unrolled consumers; the looped ones it runs there are faster
 #: (``docs/design.md``).
-#: fp32 pages at T=1: the blocks of 4 requests from this many items (H=32 R=32: 1.116 of
-#: touch against 1.155 stream; H=12 R=32, 384 items: 1.244 against 1.213)
+#: fp32 pages at T=1: CTAs of 4 items in blocks of 4 requests from this many items (ratio to
+#: touch, H=32 R=32: 1.111 against 1.155 stream; 768 items, H=12 R=64: 1.265 against 1.169,
+#: where 192 CTAs leave the second wave part full)
 STREAM4_FROM = 1024
 
 KERNEL_BY_ITEMS = {
     "fp32": {
         1: ((32, "split8"),    # H=32 R=1: 3.7 us against 4.3 split4, 5.2 stream
             (STREAM4_FROM - 1, "stream"),  # H=32 R=2: 5.9 us against 6.2 split8, 6.5 split4, 6.8 wide
-            (None, "stream4")),  # ratio to touch, H=32 R=512 1.060 against 1.112 stream
+            (None, "stream4")),  # ratio to touch, H=32 R=512 1.060 against 1.114 stream
         2: ((48, "split8"),
             (None, "stream")),  # T=2 H=32 R=128: 236.9 us against 242.1 wide
         3: ((48, "split8"),     # T=4 H=12 R=4: 8.7 us against 9.4 split4, 13.0 stream
