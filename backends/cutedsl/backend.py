@@ -5,8 +5,9 @@ kernel launch (nvidia-cutlass-dsl 4.8.1).
 ``cutedsl`` picks by the batch's load, T and the state pool dtype
 (:func:`kda.backends.cutedsl.policy.kernel_for`): at small batches each item runs on a cluster
 of 4 or 8 CTAs (:mod:`kda.backends.cutedsl.split`), above that on persistent CTAs that stream
-the state pages through a shared-memory ring (:mod:`kda.backends.cutedsl.stream`), or one
-CTA per item (fp32 pages: at T = 3-4 above 384 items, at T >= 5 above 96). Every
+the state pages through a shared-memory ring (:mod:`kda.backends.cutedsl.stream`; fp32 pages
+at T=1 from 1024 items: the same kernel on one CTA per 4 items of one head), or one CTA per
+item (fp32 pages: at T = 3-4 above 384 items, at T >= 5 above 96). Every
 kernel computes every value in the same order, so the two backends produce bit-identical
 outputs, states, windows and records. Design: ``docs/design.md``; compilation and caching:
 :mod:`kda.backends.cutedsl.cache`.
@@ -165,7 +166,7 @@ class _Launcher:
         self.i_scalars = idx["R"]
         self.i_stream = idx["stream"]
         self.i_ctas = idx["ctas"]
-        # the streamed kernel's persistent grid: one CTA per SM, at most one per item
+        # the multiprocessors, for the streamed kernel's grid (policy.ctas)
         self.sms = sm_count(self.device_index)
         lb = cfg.lower_bound if cfg.lower_bound is not None else 0.0
         self.buf[idx["scale"]] = _f32_bits(cfg.scale)
