@@ -6,7 +6,8 @@ kernel launch (nvidia-cutlass-dsl 4.8.1).
 (:func:`kda.backends.cutedsl.policy.kernel_for`): at small batches each item runs on a cluster
 of 4 or 8 CTAs (:mod:`kda.backends.cutedsl.split`), above that on persistent CTAs that stream
 the state pages through a shared-memory ring (:mod:`kda.backends.cutedsl.stream`; fp32 pages
-at T=1 from 1024 items: the same kernel on one CTA per 4 items of one head), or one CTA per
+at T=1 from 1024 items: the same kernel on one CTA per 4 items, in blocks of 4 requests of
+one head), or one CTA per
 item (fp32 pages: at T = 3-4 above 384 items, at T >= 5 above 96). Every
 kernel computes every value in the same order, so the two backends produce bit-identical
 outputs, states, windows and records. Design: ``docs/design.md``; compilation and caching:
@@ -84,7 +85,7 @@ def import_cutedsl() -> Optional[str]:
 
 
 def kernel_static(kind: str, cfg: KdaConfig, row_bytes: int = 16) -> KernelStatic:
-    """What kernel ``kind`` ("wide" / "stream" / "splitC") is compiled for to serve ``cfg`` on rows of
+    """What kernel ``kind`` ("wide" / "stream" / "streamC" / "splitC") is compiled for to serve ``cfg`` on rows of
     ``row_bytes`` alignment."""
     if kind == "wide":
         return KernelStatic.from_config(cfg, page_last=policy.page_last(cfg.T),
@@ -143,7 +144,7 @@ class _Launcher:
     alignment).
 
     Args (constructor):
-      kind: "wide", "stream" or "splitC". cfg: the config. device: a CUDA device. compiled: the
+      kind: "wide", "stream", "streamC" or "splitC". cfg: the config. device: a CUDA device. compiled: the
       CuTe DSL ``JitCompiledFunction`` from :func:`kda.backends.cutedsl.cache.get_kernel`. ks: its
       :class:`kda.backends.cutedsl.static.KernelStatic`.
     """
@@ -268,8 +269,9 @@ class _CuteDslBackend(Backend):
 class KdaBackend(_CuteDslBackend):
     """``cutedsl``: the kernel by load, T and state dtype
     (:func:`kda.backends.cutedsl.policy.kernel_for`): each item on a cluster of CTAs at small
-    batches, persistent streaming CTAs above, one CTA per item where the policy measured that
-    faster (fp32 pages: at T = 3-4 above 384 items, at T >= 5 above 96).
+    batches, persistent streaming CTAs above (fp32 pages at T=1 from 1024 items: the same
+    kernel on one CTA per 4 items, in blocks of 4 requests), one CTA per item where the policy
+    measured that faster (fp32 pages: at T = 3-4 above 384 items, at T >= 5 above 96).
 
     The step reads only the host-side batch size to choose, so a CUDA graph captured at one
     batch size replays the kernel chosen for it; every kernel the policy names is compiled
@@ -280,7 +282,8 @@ class KdaBackend(_CuteDslBackend):
     description = ("CuTe DSL: each (request, head) on a cluster of 4-8 CTAs (value rows split, "
                    "decays and outputs exchanged through distributed shared memory) at small "
                    "batches, persistent CTAs streaming the state pages through a shared-memory "
-                   "ring above (prep warps ahead of consumer warps), one CTA per item where "
+                   "ring above (prep warps ahead of consumer warps; the same kernel on one "
+                   "CTA per 4 items in blocks of 4 requests at T=1), one CTA per item where "
                    "that measured faster (T >= 3); mma.sync gate, PDL")
 
     def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:

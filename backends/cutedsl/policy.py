@@ -22,7 +22,7 @@ from typing import Optional
 #: bf16 figures of T = 2-4 are of unrolled consumers; the looped ones it runs there are faster
 #: (``docs/design.md``).
 #: fp32 pages at T=1: CTAs of 4 items in blocks of 4 requests from this many items (ratio to
-#: touch, H=32 R=32: 1.111 against 1.155 stream; 768 items, H=12 R=64: 1.265 against 1.169,
+#: touch, H=32 R=32: 1.116 against 1.155 stream; 768 items, H=12 R=64: 1.265 against 1.169,
 #: where 192 CTAs leave the second wave part full)
 STREAM4_FROM = 1024
 

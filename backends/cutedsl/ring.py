@@ -4,7 +4,8 @@ each keep their own small ring of shared-memory stages filled by bulk copies of 
 
 Work: the step's ``R * H`` items (request r, head h) are walked head-major (``item = h * R +
 r``), or with ``block = C`` in blocks of C requests, head-major inside a block (``item =
-(r // C) * H * C + h * C + r % C``; the last block holds the R % C requests left), so that
+(r // C) * H * C + h * C + r % C`` for the whole blocks; the last block holds the R % C
+requests left, head-major), so that
 consecutive items of a CTA share the head's parameters; CTA ``b`` of ``G`` takes the
 contiguous range ``[b * n // G, (b + 1) * n // G)`` (:meth:`WarpRing.item_range`). ``j``
 below is an item's position in its CTA's walk. A live item's page ``state[src, h]``

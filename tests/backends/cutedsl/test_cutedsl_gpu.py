@@ -206,6 +206,7 @@ BLOCK_SPECS = [
     CaseSpec(make_config(4, 1, beta_act=True), R=7, packed=True, seed=64),
     CaseSpec(make_config(12, 1, bf16_state=True), R=30, null_frac=0.1, seed=65),
     CaseSpec(make_config(32, 2, bf16_state=True, beta_act=True), R=22, packed=True, seed=66),
+    CaseSpec(make_config(5, 1, lb=-5.0), R=41, null_frac=0.2, seed=71),  # 205 items, CTAs of 3-4
 ]
 
 
