@@ -7,10 +7,9 @@ kernel launch (nvidia-cutlass-dsl 4.8.1).
 of 4 or 8 CTAs (:mod:`kda.backends.cutedsl.split`), above that on persistent CTAs that stream
 the state pages through a shared-memory ring (:mod:`kda.backends.cutedsl.stream`; fp32 pages
 at T=1 from 1024 items: the same kernel on one CTA per 4 items, in blocks of 4 requests of
-one head), or one CTA per
-item (fp32 pages: at T = 3-4 above 384 items, at T >= 5 above 96). Every
-kernel computes every value in the same order, so the two backends produce bit-identical
-outputs, states, windows and records. Design: ``docs/design.md``; compilation and caching:
+one head), or one CTA per item (fp32 pages: at T = 3-4 above 384 items, at T >= 5 above 96).
+Every kernel computes every value in the same order, so the two backends produce
+bit-identical outputs, states, windows and records. Design: ``docs/design.md``; compilation and caching:
 :mod:`kda.backends.cutedsl.cache`.
 
 Host path: a built step keeps one ctypes buffer holding every kernel argument (17 pointers,

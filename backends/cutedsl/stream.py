@@ -55,7 +55,14 @@ SMEM_MAX = 232448 - 1024   # sm_90: dynamic shared memory a CTA may opt into, le
 
 
 class KdaStream(Launch):
-    """The streamed kernel for one :class:`KernelStatic`; ``launch`` is what gets compiled."""
+    """The streamed kernel for one :class:`KernelStatic`; ``launch`` is what gets compiled.
+
+    Args:
+      ks: the static configuration. shape: the consumers' stages (default: a 128 KiB ring).
+      block: 0 for the persistent head-major walk (the launcher's grid: one CTA per SM);
+        C for items in blocks of C requests, the launcher's grid one CTA per C items
+        (:func:`kda.backends.cutedsl.policy.ctas`).
+    """
 
     def __init__(self, ks: KernelStatic, shape: RingShape = None, block: int = 0):
         self.ks = ks
