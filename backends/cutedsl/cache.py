@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
+from kda.backends.cutedsl import policy
 from kda.backends.cutedsl.static import KernelStatic, default_cache_dir
 from kda.config import KdaArgs
 
@@ -165,9 +166,10 @@ def kernel_object(kind: str, ks: KernelStatic):
     if kind == "stream":
         from kda.backends.cutedsl.stream import KdaStream
         return KdaStream(ks)
-    if kind.startswith("stream") and kind[6:] in ("2", "4", "8", "16"):
+    block = policy.block_of(kind)
+    if block in policy.STREAM_BLOCKS and kind == f"stream{block}":
         from kda.backends.cutedsl.stream import KdaStream
-        return KdaStream(ks, block=int(kind[6:]))
+        return KdaStream(ks, block=block)
     if kind.startswith("split") and kind[5:].isdigit():
         from kda.backends.cutedsl.split import KdaSplit
         return KdaSplit(ks, int(kind[5:]))

@@ -99,6 +99,10 @@ def cluster_of(kind: str) -> Optional[int]:
     return int(kind[5:]) if kind.startswith("split") else None
 
 
+#: C of the ``streamC`` kernels that build (CTAs of C items in blocks of C requests)
+STREAM_BLOCKS = (2, 4, 8, 16)
+
+
 def block_of(kind: str) -> Optional[int]:
     """C of a ``streamC`` kernel name (CTAs of C items), None for the others."""
     return int(kind[6:]) if kind.startswith("stream") and kind[6:].isdigit() else None
