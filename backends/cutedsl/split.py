@@ -44,8 +44,9 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
-from kda.backends.cutedsl import ptx as N
+from kda.backends.cutedsl import delta, ptx as N
 from kda.backends.cutedsl.args import KernelArgs, Launch
+from kda.backends.cutedsl.delta import chunk, state_regs, store4
 from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile
 from kda.backends.cutedsl.static import KernelStatic
 
@@ -122,31 +123,6 @@ def make_views(ks: KernelStatic, a: KernelArgs):
         (slots, H, T, 2 * D), stride=(Int64(H * T * 2 * D), T * 2 * D, 2 * D, 1)))
     v["out"] = cute.make_tensor(a.out, cute.make_layout((N_, dim), stride=(out_rs, 1)))
     return Views(**v)
-
-
-def chunk(row, l8, c):
-    """The 4 key columns 4*(l8 + 8c) .. +3 of a 128-column row: a state row's 8 lanes are
-    consecutive, so one warp instruction moves 4 rows x 128 contiguous bytes."""
-    return cute.local_tile(row, (4,), (l8 + 8 * c,))
-
-
-def load4(row, l8, c):
-    """The 4 fp32 of :func:`chunk` in registers (one 16-byte load)."""
-    v = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
-    cute.autovec_copy(chunk(row, l8, c), v)
-    return v
-
-
-def store4(v, dst, bf16: bool):
-    """The 4 fp32 of ``v`` into the state chunk ``dst``: 16 bytes, or (``bf16``) 8 bytes of
-    values rounded once to nearest even."""
-    if bf16:
-        raw = cute.make_rmem_tensor(cute.make_layout((4,)), BFloat16)
-        for e in range(4):
-            raw[e] = BFloat16(v[e])
-        cute.autovec_copy(raw, dst)
-    else:
-        cute.autovec_copy(v, dst)
 
 
 class KdaSplit(Launch):
@@ -408,18 +384,16 @@ class KdaSplit(Launch):
                     s_v, s_b, bars):
         """The recurrence of the CTA's rows, in waves of ``wave`` passes of 16 rows.
 
-        Thread (group, l8) holds, of each row ``pass*16 + group``, the key columns
-        4*(l8 + 8c) .. +3 (c = 0..3): the 8 lanes of a row are consecutive, so one warp
-        instruction moves 4 rows x 128 contiguous bytes. Per token (FP32): S *= alpha;
-        u = beta (v - S.k); S += u k; o = S.q, the row sums by
-        :func:`kda.backends.cutedsl.ptx.row_sum8`.
+        Thread (group, l8) holds, of each row ``pass*16 + group`` of a wave, the key columns
+        4*(l8 + 8c) .. +3 (c = 0..3); per token :func:`kda.backends.cutedsl.delta.token`,
+        each row's ``o`` sent to the CTA that owns the token.
         """
         ks, T, C = self.ks, self.T, self.C
         grp = tid // LANES
         l8 = tid % LANES
         W = self.wave
         for w0 in cutlass.range_constexpr(0, self.passes, W):
-            S = cute.make_rmem_tensor(cute.make_layout((4, 4, W), stride=(4, 1, 16)), Float32)
+            S = state_regs(W)
             for w in cutlass.range_constexpr(W):
                 row = (w0 + w) * GROUPS + grp
                 for c in cutlass.range_constexpr(4):
@@ -427,48 +401,21 @@ class KdaSplit(Launch):
                         raw = cute.make_rmem_tensor(cute.make_layout((4,)), BFloat16)
                         cute.autovec_copy(chunk(s_state[row, None], l8, c), raw)
                         for e in cutlass.range_constexpr(4):
-                            S[c, e, w] = Float32(raw[e])
+                            S[w, 4 * c + e] = Float32(raw[e])
                     else:
-                        cute.autovec_copy(chunk(s_state[row, None], l8, c), S[c, None, w])
+                        cute.autovec_copy(chunk(s_state[row, None], l8, c),
+                                          cute.local_tile(S[w, None], (4,), (c,)))
             for t in cutlass.range_constexpr(T):
+                def emit(w, u, ob, t=t, w0=w0):
+                    grow = rank * self.rows + (w0 + w) * GROUPS + grp
+                    cute.arch.store_async_dsmem(s_o.iterator + (t * D + grow), N.f32_bits(ob),
+                                                bars + 2 + t, Int32(t % C))
+                    if cutlass.const_expr(ks.record):
+                        g.vrec[cslot, h, t, grow] = u
+
                 b_t = s_b[t]
-                acc = [[Float32(0.0), Float32(0.0)] for _ in range(W)]
-                for c in cutlass.range_constexpr(4):
-                    a4 = load4(s_a[t, None], l8, c)
-                    k4 = load4(s_k[t, None], l8, c)
-                    for e in cutlass.range_constexpr(4):
-                        for w in cutlass.range_constexpr(W):
-                            s_ = N.fmul(S[c, e, w], a4[e])
-                            S[c, e, w] = s_
-                            if c == 0 and e < 2:
-                                acc[w][e % 2] = N.fmul(s_, k4[e])
-                            else:
-                                acc[w][e % 2] = N.ffma(s_, k4[e], acc[w][e % 2])
-                u = []
-                for w in cutlass.range_constexpr(W):
-                    row = (w0 + w) * GROUPS + grp
-                    u.append(N.fmul(b_t, N.fsub(s_v[t, row], N.row_sum8(acc[w]))))
-                o = [[Float32(0.0), Float32(0.0)] for _ in range(W)]
-                for c in cutlass.range_constexpr(4):
-                    k4 = load4(s_k[t, None], l8, c)
-                    q4 = load4(s_q[t, None], l8, c)
-                    for e in cutlass.range_constexpr(4):
-                        for w in cutlass.range_constexpr(W):
-                            s_ = N.ffma(u[w], k4[e], S[c, e, w])
-                            S[c, e, w] = s_
-                            if c == 0 and e < 2:
-                                o[w][e % 2] = N.fmul(s_, q4[e])
-                            else:
-                                o[w][e % 2] = N.ffma(s_, q4[e], o[w][e % 2])
-                for w in cutlass.range_constexpr(W):
-                    row = (w0 + w) * GROUPS + grp
-                    ob = N.bf16_round(N.row_sum8(o[w]))
-                    if l8 == 0:
-                        grow = rank * self.rows + row
-                        cute.arch.store_async_dsmem(s_o.iterator + (t * D + grow), N.f32_bits(ob),
-                                                    bars + 2 + t, Int32(t % C))
-                        if cutlass.const_expr(ks.record):
-                            g.vrec[cslot, h, t, grow] = u[w]
+                delta.token(S, s_a[t, None], s_k[t, None], s_q[t, None], b_t,
+                            lambda w, t=t, w0=w0: s_v[t, (w0 + w) * GROUPS + grp], l8, emit)
                 if cutlass.const_expr(not ks.record and T > 1):
                     dst = g.si[r, t]
                     if (dst > 0) & (dst < slots):
@@ -482,8 +429,8 @@ class KdaSplit(Launch):
         for w in range(self.wave):
             row = rank * self.rows + (w0 + w) * GROUPS + grp
             for c in range(4):
-                store4(S[c, None, w], chunk(g.state[slot, h, row, None], l8, c),
-                       self.ks.state_bf16)
+                store4(cute.local_tile(S[w, None], (4,), (c,)),
+                       chunk(g.state[slot, h, row, None], l8, c), self.ks.state_bf16)
 
     # --------------------------------------------------------------------------- gate warp
     @cute.jit

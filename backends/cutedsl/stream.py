@@ -39,11 +39,12 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int16, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
-from kda.backends.cutedsl import ptx as N
+from kda.backends.cutedsl import delta, ptx as N
 from kda.backends.cutedsl.args import KernelArgs, Launch
 from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile
 from kda.backends.cutedsl.ring import RingShape, WarpRing
-from kda.backends.cutedsl.split import chunk, load4, make_views, store4
+from kda.backends.cutedsl.delta import chunk, state_regs, store4
+from kda.backends.cutedsl.split import make_views
 from kda.backends.cutedsl.static import KernelStatic
 
 D = 128
@@ -241,7 +242,7 @@ class KdaStream(Launch):
         token's state stored at T > 1 (at T = 1 once, after the token)."""
         ks, T = self.ks, self.T
         s_q, s_k, s_a, s_v, s_o, s_b = stores[:6]
-        S = cute.make_rmem_tensor(cute.make_layout((4, 16), stride=(16, 1)), Float32)
+        S = state_regs(4)
         for m in cutlass.range_constexpr(4):
             row = p * 16 + 4 * m + grp
             for c in cutlass.range_constexpr(4):
@@ -272,44 +273,17 @@ class KdaStream(Launch):
 
     @cute.jit
     def _token(self, g, S, s_q, s_k, s_a, s_v, s_o, s_b, slot, t, base, h, cslot, l8):
-        """One token of the delta rule on the 4 register rows (FP32, the family's order):
-        S *= alpha; u = beta (v - S.k-hat); S += u k-hat; o = S.q-hat, rounded to bf16.
-        Row sums: two partials per lane (even / odd components, chunks in order), then the
-        row's 8 lanes (:func:`kda.backends.cutedsl.ptx.row_sum8`)."""
+        """Token ``t`` of the delta rule (:func:`kda.backends.cutedsl.delta.token`) on the 4
+        register rows (page rows ``base + 4m``): ``o`` into the item's slot, ``u`` to the
+        record."""
+        def emit(m, u, ob):
+            s_o[slot, t, base + 4 * m] = ob
+            if cutlass.const_expr(self.ks.record):
+                g.vrec[cslot, h, t, base + 4 * m] = u
+
         b_t = s_b[slot, t]
-        acc = [[Float32(0.0), Float32(0.0)] for _ in range(4)]
-        for c in cutlass.range_constexpr(4):
-            a4 = load4(s_a[slot, t, None], l8, c)
-            k4 = load4(s_k[slot, t, None], l8, c)
-            for m in cutlass.range_constexpr(4):
-                for e in cutlass.range_constexpr(4):
-                    s_ = N.fmul(S[m, 4 * c + e], a4[e])
-                    S[m, 4 * c + e] = s_
-                    if c == 0 and e < 2:
-                        acc[m][e % 2] = N.fmul(s_, k4[e])
-                    else:
-                        acc[m][e % 2] = N.ffma(s_, k4[e], acc[m][e % 2])
-        uu = []
-        for m in cutlass.range_constexpr(4):
-            uu.append(N.fmul(b_t, N.fsub(s_v[slot, t, base + 4 * m], N.row_sum8(acc[m]))))
-        o = [[Float32(0.0), Float32(0.0)] for _ in range(4)]
-        for c in cutlass.range_constexpr(4):
-            k4 = load4(s_k[slot, t, None], l8, c)
-            q4 = load4(s_q[slot, t, None], l8, c)
-            for m in cutlass.range_constexpr(4):
-                for e in cutlass.range_constexpr(4):
-                    s_ = N.ffma(uu[m], k4[e], S[m, 4 * c + e])
-                    S[m, 4 * c + e] = s_
-                    if c == 0 and e < 2:
-                        o[m][e % 2] = N.fmul(s_, q4[e])
-                    else:
-                        o[m][e % 2] = N.ffma(s_, q4[e], o[m][e % 2])
-        for m in cutlass.range_constexpr(4):
-            ob = N.bf16_round(N.row_sum8(o[m]))
-            if l8 == 0:
-                s_o[slot, t, base + 4 * m] = ob
-                if cutlass.const_expr(self.ks.record):
-                    g.vrec[cslot, h, t, base + 4 * m] = uu[m]
+        delta.token(S, s_a[slot, t, None], s_k[slot, t, None], s_q[slot, t, None], b_t,
+                    lambda m: s_v[slot, t, base + 4 * m], l8, emit)
 
     def _store(self, g, S, slot, h, base, l8):
         """The 4 register rows to state[slot, h]: 16 bytes per chunk (fp32), or 8 rounded to

@@ -1,0 +1,100 @@
+"""The delta rule on state rows held in registers: the one definition of the recurrence's
+arithmetic for the kernels of the family that keep rows in registers (``split``, ``stream``),
+so that their bit-identity is structural.
+
+A thread holds ``n`` rows of 16 key columns, ``S[m, 4c + e]`` = key column ``4*(l8 + 8c) + e``
+of its row ``m`` (chunk ``c`` of lane ``l8``): the 8 lanes of a row are consecutive, so one
+warp instruction moves 4 rows x 128 contiguous bytes. Per token (FP32, contract section 4):
+
+    S *= alpha (per key column);  u = beta * (v - S.k-hat);  S += u k-hat;  o = S.q-hat
+
+with each row sum as two partials per lane (even / odd components, chunks in order), then the
+row's 8 lanes (:func:`kda.backends.cutedsl.ptx.row_sum8`), and ``o`` rounded to bf16. The wide
+kernel (:meth:`kda.backends.cutedsl.common.ItemMath.phase_b`) writes the same operations in the
+same order in :mod:`kda.backends.cutedsl.ptx`'s vocabulary, which the CPU emulator of the tests
+runs.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32
+
+from kda.backends.cutedsl import ptx as N
+
+
+def chunk(row, l8, c):
+    """The 4 key columns 4*(l8 + 8c) .. +3 of a 128-column row."""
+    return cute.local_tile(row, (4,), (l8 + 8 * c,))
+
+
+def load4(row, l8, c):
+    """The 4 fp32 of :func:`chunk` in registers (one 16-byte load)."""
+    v = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
+    cute.autovec_copy(chunk(row, l8, c), v)
+    return v
+
+
+def store4(v, dst, bf16: bool):
+    """The 4 fp32 of ``v`` into the state chunk ``dst``: 16 bytes, or (``bf16``) 8 bytes of
+    values rounded once to nearest even."""
+    if bf16:
+        raw = cute.make_rmem_tensor(cute.make_layout((4,)), BFloat16)
+        for e in range(4):
+            raw[e] = BFloat16(v[e])
+        cute.autovec_copy(raw, dst)
+    else:
+        cute.autovec_copy(v, dst)
+
+
+def state_regs(n: int):
+    """Registers for ``n`` rows of a thread: ``S[m, 4c + e]``, fp32."""
+    return cute.make_rmem_tensor(cute.make_layout((n, 16), stride=(16, 1)), Float32)
+
+
+@cute.jit
+def token(S, a, k, q, beta, v_of, l8, emit):
+    """One token of the delta rule on the thread's rows ``S`` (:func:`state_regs`), in place.
+
+    Args:
+      S: the rows, ``[n, 16]`` fp32 registers.
+      a, k, q: the token's decay alpha, k-hat and q-hat, ``[128]`` fp32 (shared memory).
+      beta: the token's beta (fp32 scalar).
+      v_of: ``v_of(m)``, the value v of row ``m`` (fp32 scalar).
+      l8: the thread's lane within its rows (0..7).
+      emit: ``emit(m, u, ob)`` on lane 0 of each row, in row order: the row's ``u`` (the record
+        mode's value) and ``o`` rounded to bf16 (fp32 holding a bf16 value).
+    """
+    n = cute.size(S, mode=[0])
+    acc = [[Float32(0.0), Float32(0.0)] for _ in range(n)]
+    for c in cutlass.range_constexpr(4):
+        a4 = load4(a, l8, c)
+        k4 = load4(k, l8, c)
+        for m in cutlass.range_constexpr(n):
+            for e in cutlass.range_constexpr(4):
+                s_ = N.fmul(S[m, 4 * c + e], a4[e])
+                S[m, 4 * c + e] = s_
+                if c == 0 and e < 2:
+                    acc[m][e % 2] = N.fmul(s_, k4[e])
+                else:
+                    acc[m][e % 2] = N.ffma(s_, k4[e], acc[m][e % 2])
+    u = []
+    for m in cutlass.range_constexpr(n):
+        u.append(N.fmul(beta, N.fsub(v_of(m), N.row_sum8(acc[m]))))
+    o = [[Float32(0.0), Float32(0.0)] for _ in range(n)]
+    for c in cutlass.range_constexpr(4):
+        k4 = load4(k, l8, c)
+        q4 = load4(q, l8, c)
+        for m in cutlass.range_constexpr(n):
+            for e in cutlass.range_constexpr(4):
+                s_ = N.ffma(u[m], k4[e], S[m, 4 * c + e])
+                S[m, 4 * c + e] = s_
+                if c == 0 and e < 2:
+                    o[m][e % 2] = N.fmul(s_, q4[e])
+                else:
+                    o[m][e % 2] = N.ffma(s_, q4[e], o[m][e % 2])
+    for m in cutlass.range_constexpr(n):
+        ob = N.bf16_round(N.row_sum8(o[m]))
+        if l8 == 0:
+            emit(m, u[m], ob)
