@@ -25,15 +25,15 @@ an item in these phases (the contract: ``docs/contract.md``):
   value rows ``tid//8 + 32m`` (m = 0..3) and key columns ``4*(tid%8 + 8c) .. +3`` (c = 0..3).
   A row's 8 lanes are consecutive, so one warp instruction of the page's loads / stores covers
   4 rows x 128 contiguous bytes (whole L2 lines).
-* :meth:`ItemMath.phase_b`: the delta-rule recurrence per token (decay, S.k, u, rank-1
-  update, S.q) with row sums reduced in a fixed order (two partial accumulators per row, even
-  and odd components, chunks in order; then the eight lanes of the row by butterfly
-  shuffles xor 1, 2, 4), o rounded to bf16, the state stores
-  (per token for T > 1) or the record rows, and the gated RMSNorm epilogue.
+* :meth:`ItemMath.phase_b`: the delta-rule recurrence per token,
+  :func:`kda.backends.cutedsl.delta.token` (decay, S.k, u, rank-1 update, S.q, row sums in a
+  fixed order, o rounded to bf16), the state stores (per token for T > 1) or the record rows,
+  and the gated RMSNorm epilogue.
 
-The split kernel (:mod:`kda.backends.cutedsl.split`) computes every value in the same order
-(the same conv per channel, warp-then-quarter norm sums, per-row reductions, MMA chains), so
-the two are bit-identical. All arithmetic that feeds a rounding point is written with explicit
+The split and streamed kernels (:mod:`kda.backends.cutedsl.split`,
+:mod:`kda.backends.cutedsl.stream`) run the same recurrence and compute every other value in
+the same order (the same conv per channel, warp-then-quarter norm sums, MMA chains), so the
+family is bit-identical. All arithmetic that feeds a rounding point is written with explicit
 ``mul.rn`` / ``add.rn`` / ``fma.rn`` so no compiler-chosen contraction can make them differ.
 
 Numerics (contract section 3): FP32 everywhere, bf16 rounding of y (conv output), rg (gate
@@ -50,7 +50,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from kda.backends.cutedsl import ptx as P
+from kda.backends.cutedsl import delta, ptx as P
 from kda.backends.cutedsl.static import KernelStatic, SmemPlan
 
 D = 128
@@ -470,10 +470,11 @@ class ItemMath:
                 s0, s1, s2, s3 = P.sld_bf16x4(p.sb + (self.plan.ST + j * 2048) + p.tid * 8)
             else:
                 s0, s1, s2, s3 = P.sld_v4(p.sb + (self.plan.ST + j * 4096) + p.tid * 16)
-            S[4 * j + 0] = s0
-            S[4 * j + 1] = s1
-            S[4 * j + 2] = s2
-            S[4 * j + 3] = s3
+            m, c = j // 4, j % 4
+            S[m, 4 * c + 0] = s0
+            S[m, 4 * c + 1] = s1
+            S[m, 4 * c + 2] = s2
+            S[m, 4 * c + 3] = s3
 
     @cute.jit
     def _phase_a_conv(self, p, desc, wreg, hp):
@@ -546,67 +547,39 @@ class ItemMath:
         chunk (fp32), or 8 rounded to bf16 once (nearest even)."""
         base = p.state + (Int64(slot) * p.state_ss + Int64(h * (D * D) + p.row0 * D + 4 * p.l8))
         for j in range(16):
+            x = [S[j // 4, 4 * (j % 4) + e] for e in range(4)]
             if self.ks.state_bf16:
-                P.gst_bf16x4_off(base, _chunk_offset(j) // 2, S[4 * j], S[4 * j + 1],
-                                 S[4 * j + 2], S[4 * j + 3], ok)
+                P.gst_bf16x4_off(base, _chunk_offset(j) // 2, *x, ok)
             else:
-                P.gst_v4_f32_off(base, _chunk_offset(j), S[4 * j], S[4 * j + 1], S[4 * j + 2],
-                                 S[4 * j + 3], ok)
+                P.gst_v4_f32_off(base, _chunk_offset(j), *x, ok)
 
     def phase_b(self, p, desc, q, S, ogr):
         """The recurrence over the T tokens, state stores / records, and the epilogue.
 
-        Per token (FP32): S *= alpha (key columns); u = beta * (v - S.k-hat);
-        S += u k-hat^T; o = S.q-hat; o rounded to bf16. Then out = bf16(ob * rsqrt(mean(ob^2)
+        Per token :func:`kda.backends.cutedsl.delta.token` on the thread's rows ``row0 + 32m``
+        (``S``: :func:`kda.backends.cutedsl.delta.state_regs` of 4 rows). Then out = bf16(ob * rsqrt(mean(ob^2)
         + eps) * norm_weight * sigmoid(gate)). Contains two block barriers.
         """
         ks, T, pl = self.ks, self.T, self.plan
         r, h, src, cslot = desc[0], desc[1], desc[2], desc[3]
         sb = p.sb
-        colb = p.l8 * 16                      # byte offset of this thread's first column chunk
         lane_l0 = Int32(p.l8 == 0)
         rec_base = (Int64(cslot) * self.H + Int64(h)) * (T * D)
         for t in range(T):
             tb = t * D * 4
-            beta = P.sld_f32(sb + pl.CB + 4 * t)
-            vv = [P.sld_f32(sb + pl.CV + tb + (p.row0 + 32 * m) * 4) for m in range(4)]
-            # S *= alpha; S.k (per row m: partials of the even / odd components, chunks in order)
-            acc = [[None, None] for _ in range(4)]
-            for c in range(4):
-                a4 = P.sld_v4(sb + (pl.CA + tb + 128 * c) + colb)
-                k4 = P.sld_v4(sb + (pl.CK + tb + 128 * c) + colb)
-                for m in range(4):
-                    for e in range(4):
-                        i = 16 * m + 4 * c + e
-                        s_ = P.fmul(S[i], a4[e])
-                        S[i] = s_
-                        if (c == 0 and e < 2):
-                            acc[m][e % 2] = P.fmul(s_, k4[e])
-                        else:
-                            acc[m][e % 2] = P.ffma(s_, k4[e], acc[m][e % 2])
-            u = [P.fmul(beta, P.fsub(vv[m], P.row_sum8(acc[m]))) for m in range(4)]
-            # S += u k^T; S.q
-            o = [[None, None] for _ in range(4)]
-            for c in range(4):
-                k4 = P.sld_v4(sb + (pl.CK + tb + 128 * c) + colb)
-                q4 = P.sld_v4(sb + (pl.CQ + tb + 128 * c) + colb)
-                for m in range(4):
-                    for e in range(4):
-                        i = 16 * m + 4 * c + e
-                        s_ = P.ffma(u[m], k4[e], S[i])
-                        S[i] = s_
-                        if (c == 0 and e < 2):
-                            o[m][e % 2] = P.fmul(s_, q4[e])
-                        else:
-                            o[m][e % 2] = P.ffma(s_, q4[e], o[m][e % 2])
-            for m in range(4):
-                ob = P.bf16_round(P.row_sum8(o[m]))
+
+            def emit(m, u, ob, tb=tb, t=t):     # on every lane: stores predicated on lane 0
                 P.sst_f32(sb + pl.CO + tb + (p.row0 + 32 * m) * 4, ob, lane_l0)
-            if (ks.record):
-                for m in range(4):
-                    P.gst_f32(p.vrec + (rec_base + Int64(t * D) + Int64(p.row0 + 32 * m)), u[m],
+                if ks.record:
+                    P.gst_f32(p.vrec + (rec_base + Int64(t * D) + Int64(p.row0 + 32 * m)), u,
                               lane_l0)
-            elif (T > 1):
+
+            beta = P.sld_f32(sb + pl.CB + 4 * t)
+            delta.token(S, _smem_row(sb + pl.CA + tb), _smem_row(sb + pl.CK + tb),
+                        _smem_row(sb + pl.CQ + tb), beta,
+                        lambda m, tb=tb: P.sld_f32(sb + pl.CV + tb + (p.row0 + 32 * m) * 4),
+                        p.l8, emit, lane0_only=False)
+            if T > 1 and not ks.record:
                 dst = P.sld_b32(sb + pl.SL + q * 64 + 4 * t)
                 ok = Int32(dst > 0) & Int32(dst < p.slots)
                 self._store_state(p, dst, h, S, ok)
@@ -650,6 +623,12 @@ class ItemMath:
             else:
                 ok = Int32(t < T)
             P.gst_b16(gp, P.bf16_bits(y), ok)
+
+
+def _smem_row(addr):
+    """The 128 fp32 at shared-memory byte address ``addr`` as a tensor."""
+    return cute.make_tensor(cute.make_ptr(Float32, addr, cute.AddressSpace.smem, assumed_align=16),
+                            cute.make_layout((D,)))
 
 
 def thread_coords(tid):

@@ -1,18 +1,18 @@
 """The delta rule on state rows held in registers: the one definition of the recurrence's
-arithmetic for the kernels of the family that keep rows in registers (``split``, ``stream``),
-so that their bit-identity is structural.
+arithmetic for every kernel of the family (``wide``, ``split``, ``stream``), so that their
+bit-identity in it is structural.
 
 A thread holds ``n`` rows of 16 key columns, ``S[m, 4c + e]`` = key column ``4*(l8 + 8c) + e``
 of its row ``m`` (chunk ``c`` of lane ``l8``): the 8 lanes of a row are consecutive, so one
-warp instruction moves 4 rows x 128 contiguous bytes. Per token (FP32, contract section 4):
+warp instruction moves 4 rows x 128 contiguous bytes. Per token (FP32; ``docs/contract.md``
+section 2, "Recurrence"):
 
     S *= alpha (per key column);  u = beta * (v - S.k-hat);  S += u k-hat;  o = S.q-hat
 
 with each row sum as two partials per lane (even / odd components, chunks in order), then the
-row's 8 lanes (:func:`kda.backends.cutedsl.ptx.row_sum8`), and ``o`` rounded to bf16. The wide
-kernel (:meth:`kda.backends.cutedsl.common.ItemMath.phase_b`) writes the same operations in the
-same order in :mod:`kda.backends.cutedsl.ptx`'s vocabulary, which the CPU emulator of the tests
-runs.
+row's 8 lanes (:func:`kda.backends.cutedsl.ptx.row_sum8`), and ``o`` rounded to bf16. The tests'
+CPU emulator of the wide kernel runs this module too (its CuTe stand-ins cover the register
+tensors, fp32 shared-memory rows, ``local_tile`` and ``autovec_copy`` used here).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def state_regs(n: int):
 
 
 @cute.jit
-def token(S, a, k, q, beta, v_of, l8, emit):
+def token(S, a, k, q, beta, v_of, l8, emit, lane0_only=True):
     """One token of the delta rule on the thread's rows ``S`` (:func:`state_regs`), in place.
 
     Args:
@@ -63,8 +63,11 @@ def token(S, a, k, q, beta, v_of, l8, emit):
       beta: the token's beta (fp32 scalar).
       v_of: ``v_of(m)``, the value v of row ``m`` (fp32 scalar).
       l8: the thread's lane within its rows (0..7).
-      emit: ``emit(m, u, ob)`` on lane 0 of each row, in row order: the row's ``u`` (the record
-        mode's value) and ``o`` rounded to bf16 (fp32 holding a bf16 value).
+      emit: ``emit(m, u, ob)`` for each row in order: the row's ``u`` (the record mode's
+        value) and ``o`` rounded to bf16 (fp32 holding a bf16 value).
+      lane0_only: ``emit`` only on lane 0 of each row (``l8 == 0``); else on every lane (the
+        row sums are butterflies: each of a row's 8 lanes holds them), for an ``emit`` of
+        predicated stores.
     """
     n = cute.size(S, mode=[0])
     acc = [[Float32(0.0), Float32(0.0)] for _ in range(n)]
@@ -96,5 +99,8 @@ def token(S, a, k, q, beta, v_of, l8, emit):
                     o[m][e % 2] = N.ffma(s_, q4[e], o[m][e % 2])
     for m in cutlass.range_constexpr(n):
         ob = N.bf16_round(N.row_sum8(o[m]))
-        if l8 == 0:
+        if cutlass.const_expr(lane0_only):
+            if l8 == 0:
+                emit(m, u[m], ob)
+        else:
             emit(m, u[m], ob)

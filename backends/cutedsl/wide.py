@@ -29,6 +29,7 @@ from cutlass.memory import SmemAllocator
 from kda.backends.cutedsl import ptx as P
 from kda.backends.cutedsl.args import KernelArgs, Launch
 from kda.backends.cutedsl.common import NTHREADS, ItemMath, make_params
+from kda.backends.cutedsl.delta import state_regs
 from kda.backends.cutedsl.static import KernelStatic, SmemPlan, carveout_percent
 
 
@@ -52,7 +53,7 @@ class KdaWide(Launch):
         p = make_params(self.ks, Int32(buf.toint()), Int32(tid), a)
         desc = cute.make_rmem_tensor(cute.make_layout((8,)), Int32)
         wreg = cute.make_rmem_tensor(cute.make_layout((8,)), Int32)
-        S = cute.make_rmem_tensor(cute.make_layout((64,)), Float32)
+        S = state_regs(4)                    # the thread's 4 rows of the page
         ogr = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
 
         # Wait for the predecessor (programmatic dependent launch) before reading anything:

@@ -1,9 +1,10 @@
 """A lockstep SIMT emulator of the one-CTA-per-item CuTe DSL KDA kernel, for checking it on a CPU.
 
-The wide kernel (``backends/cutedsl/{common,wide}.py``) is a Python program that CuTe DSL
+The wide kernel (``backends/cutedsl/{common,delta,wide}.py``) is a Python program that CuTe DSL
 traces; every device operation it performs goes through the small instruction vocabulary of
-``backends/cutedsl/ptx.py``. This module loads the *same* kernel sources with stand-ins for
-CuTe DSL and for that vocabulary, and executes one CTA at a time with all 256 threads in
+``backends/cutedsl/ptx.py`` or, in the recurrence (``delta.py``), a few CuTe tensor operations
+(register tensors, fp32 rows in shared memory, ``local_tile``, ``autovec_copy``). This module
+loads the *same* kernel sources with stand-ins for CuTe DSL and for that vocabulary, and executes one CTA at a time with all 256 threads in
 lockstep: every value is a numpy array with one lane per thread. So the kernel's index math,
 liveness, staging layout, schedule (the state page landing while phase A runs), tensor-core
 fragment layout, shuffles, barriers and predication run on the CPU against the PyTorch
@@ -836,17 +837,57 @@ for _name in ("fence_gpu", "griddep_wait", "griddep_launch"):
 
 # ------------------------------------------------------------------- CuTe DSL stand-ins
 class _Rmem:
-    def __init__(self, n, kind):
-        self.v = [V(np.zeros(NT), kind) for _ in range(n)]
+    """A register tensor of a compact row-major shape (``make_rmem_tensor``): one value per
+    lane per element; an element index is an int or a tuple of ints."""
+
+    def __init__(self, shape, kind):
+        self.shape = tuple(shape)
+        self.v = [V(np.zeros(NT), kind) for _ in range(int(np.prod(self.shape)))]
         self.kind = kind
 
+    def _flat(self, i):
+        if isinstance(i, tuple):
+            f = 0
+            for x, n in zip(i, self.shape):
+                f = f * n + x
+            return f
+        return i
+
     def __getitem__(self, i):
-        return self.v[i]
+        return self.v[self._flat(i)]
 
     def __setitem__(self, i, x):
         x = _v(x, self.kind)
         act = _active()
-        self.v[i] = V(np.where(act, x.a, self.v[i].a), self.kind)
+        f = self._flat(i)
+        self.v[f] = V(np.where(act, x.a, self.v[f].a), self.kind)
+
+
+class _SmemF32:
+    """A 1-D fp32 tensor in shared memory at byte address ``addr`` (a value per lane): what
+    ``make_tensor(make_ptr(Float32, addr, smem), layout)`` and ``local_tile`` of it give."""
+
+    def __init__(self, addr):
+        self.addr = addr
+
+
+def _make_ptr(dtype, addr, space, assumed_align=None):
+    if dtype is not Float32 or space != "smem":
+        raise EmulationError("the emulator's make_ptr covers fp32 shared-memory pointers only")
+    return _SmemF32(addr)
+
+
+def _local_tile(t, tiler, coord):
+    if not isinstance(t, _SmemF32) or len(tiler) != 1:
+        raise EmulationError("the emulator's local_tile covers 1-D shared-memory tensors only")
+    return _SmemF32(t.addr + coord[0] * (4 * tiler[0]))
+
+
+def _autovec_copy(src, dst):
+    if not isinstance(src, _SmemF32) or not isinstance(dst, _Rmem) or dst.shape != (4,):
+        raise EmulationError("the emulator's autovec_copy covers 4 fp32 shared -> registers")
+    for i, x in enumerate(_sld_v4(src.addr)):
+        dst[i] = x
 
 
 def _make_fake_modules():
@@ -858,15 +899,29 @@ def _make_fake_modules():
     driver = types.ModuleType("cuda.bindings.driver")
 
     cutlass.Int32, cutlass.Int64, cutlass.Float32 = Int32, Int64, Float32
+    cutlass.BFloat16 = None     # imported by delta.py for bf16 stores, which wide does not use
     cutlass.range_constexpr = range
     cutlass.const_expr = lambda x: x
     cutlass.cute = cute
     cute.kernel = lambda f: f
     cute.jit = lambda f: f
     cute.Pointer = Ptr
-    cute.make_layout = lambda shape, **kw: shape
-    cute.make_rmem_tensor = lambda shape, dtype: _Rmem(shape[0], {Int32: "i32", Int64: "i64",
-                                                                 Float32: "f32"}[dtype])
+    def make_layout(shape, stride=None):
+        shape = shape if isinstance(shape, tuple) else (shape,)
+        compact = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+        if stride is not None and tuple(stride) != compact:
+            raise EmulationError(f"the emulator's layouts are row-major: {shape}:{stride}")
+        return shape
+
+    cute.make_layout = make_layout
+    cute.make_rmem_tensor = lambda shape, dtype: _Rmem(shape, {Int32: "i32", Int64: "i64",
+                                                              Float32: "f32"}[dtype])
+    cute.size = lambda t, mode: t.shape[mode[0]]
+    cute.AddressSpace = SimpleNamespace(smem="smem")
+    cute.make_ptr = _make_ptr
+    cute.make_tensor = lambda ptr, layout: ptr
+    cute.local_tile = _local_tile
+    cute.autovec_copy = _autovec_copy
     cute.arch = SimpleNamespace(
         thread_idx=lambda: (V(np.arange(NT), "i32"), 0, 0),
         block_idx=lambda: (V(np.full(NT, _State.cta.block), "i32"), 0, 0))
@@ -889,7 +944,7 @@ _loaded = None
 
 
 def load_kernels():
-    """The wide kernel's modules (args, common, wide) loaded against the emulator."""
+    """The wide kernel's modules (args, delta, common, wide) loaded against the emulator."""
     global _loaded
     if _loaded is not None:
         return _loaded
@@ -897,15 +952,16 @@ def load_kernels():
 
     fakes = _make_fake_modules()
     names = list(fakes) + ["kda.backends.cutedsl.ptx", "kda.backends.cutedsl.args",
-                           "kda.backends.cutedsl.common", "kda.backends.cutedsl.wide"]
+                           "kda.backends.cutedsl.delta", "kda.backends.cutedsl.common",
+                           "kda.backends.cutedsl.wide"]
     saved_mods = {n: sys.modules.get(n) for n in names}
-    saved_attrs = {n: getattr(pkg, n, None) for n in ("ptx", "args", "common", "wide")}
+    saved_attrs = {n: getattr(pkg, n, None) for n in ("ptx", "args", "delta", "common", "wide")}
     mods = {}
     try:
         sys.modules.update(fakes)
         sys.modules["kda.backends.cutedsl.ptx"] = P
         pkg.ptx = P
-        for name in ("args", "common", "wide"):
+        for name in ("args", "delta", "common", "wide"):
             spec = importlib.util.spec_from_file_location(f"kda.backends.cutedsl.{name}",
                                                           os.path.join(_SRC, f"{name}.py"))
             mod = importlib.util.module_from_spec(spec)
