@@ -26,7 +26,7 @@ an item in these phases (the contract: ``docs/contract.md``):
   A row's 8 lanes are consecutive, so one warp instruction of the page's loads / stores covers
   4 rows x 128 contiguous bytes (whole L2 lines).
 * :meth:`ItemMath.phase_b`: the delta-rule recurrence per token,
-  :func:`kda.backends.cutedsl.delta.token` (decay, S.k, u, rank-1 update, S.q, row sums in a
+  :func:`kda.backends.cutedsl.item.token` (decay, S.k, u, rank-1 update, S.q, row sums in a
   fixed order, o rounded to bf16), the state stores (per token for T > 1) or the record rows,
   and the gated RMSNorm epilogue.
 
@@ -50,7 +50,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from kda.backends.cutedsl import delta, ptx as P
+from kda.backends.cutedsl import item, ptx as P
 from kda.backends.cutedsl.static import KernelStatic, SmemPlan
 
 D = 128
@@ -325,13 +325,7 @@ class ItemMath:
         xraw = [P.sld_u16(p.sb + (self.plan.SX + ((t * 3 + part) * D) * 2) + d * 2)
                 for t in range(T)]
         xs = [P.bf16_bits_to_f32(xr) for xr in xraw]
-        seq = hist + xs
-        ys = []
-        for t in range(T):
-            acc = acc0
-            for e in range(4):
-                acc = P.ffma(seq[t + e], w[e], acc)
-            ys.append(P.bf16_round(P.fmul(acc, P.sigmoid(acc))))
+        ys = item.conv_silu(hist + xs, w, acc0, T)
         # window rewrite: all history was read (registers) before this point
         if (ks.cs_bf16):
             new = [hist_raw[1], hist_raw[2]] + xraw
@@ -556,9 +550,10 @@ class ItemMath:
     def phase_b(self, p, desc, q, S, ogr):
         """The recurrence over the T tokens, state stores / records, and the epilogue.
 
-        Per token :func:`kda.backends.cutedsl.delta.token` on the thread's rows ``row0 + 32m``
-        (``S``: :func:`kda.backends.cutedsl.delta.state_regs` of 4 rows). Then out = bf16(ob * rsqrt(mean(ob^2)
-        + eps) * norm_weight * sigmoid(gate)). Contains two block barriers.
+        Per token :func:`kda.backends.cutedsl.item.token` on the thread's rows ``row0 + 32m``
+        (``S``: :func:`kda.backends.cutedsl.item.state_regs` of 4 rows). Then
+        out = bf16(ob * rsqrt(mean(ob^2) + eps) * norm_weight * sigmoid(gate)). Contains two
+        block barriers.
         """
         ks, T, pl = self.ks, self.T, self.plan
         r, h, src, cslot = desc[0], desc[1], desc[2], desc[3]
@@ -575,7 +570,7 @@ class ItemMath:
                               lane_l0)
 
             beta = P.sld_f32(sb + pl.CB + 4 * t)
-            delta.token(S, _smem_row(sb + pl.CA + tb), _smem_row(sb + pl.CK + tb),
+            item.token(S, _smem_row(sb + pl.CA + tb), _smem_row(sb + pl.CK + tb),
                         _smem_row(sb + pl.CQ + tb), beta,
                         lambda m, tb=tb: P.sld_f32(sb + pl.CV + tb + (p.row0 + 32 * m) * 4),
                         p.l8, emit, lane0_only=False)

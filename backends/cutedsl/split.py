@@ -44,9 +44,9 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
-from kda.backends.cutedsl import delta, ptx as N
+from kda.backends.cutedsl import item, ptx as N
 from kda.backends.cutedsl.args import KernelArgs, Launch
-from kda.backends.cutedsl.delta import chunk, state_regs, store4
+from kda.backends.cutedsl.item import chunk, state_regs, store4
 from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile
 from kda.backends.cutedsl.static import KernelStatic
 
@@ -360,13 +360,7 @@ class KdaSplit(Launch):
     def _conv(self, hist_raw, x_raw, w, bias):
         """acc = bias; acc = fma(s[t+e], w[e], acc) over s = [w0, w1, w2, x_0..]; bf16(silu)."""
         seq = [Float32(v) for v in hist_raw] + [Float32(v) for v in x_raw]
-        ys = []
-        for t in range(self.T):
-            acc = bias
-            for e in range(4):
-                acc = N.ffma(seq[t + e], w[e], acc)
-            ys.append(N.bf16_round(N.fmul(acc, N.sigmoid(acc))))
-        return ys
+        return item.conv_silu(seq, w, bias, self.T)
 
     @staticmethod
     def _window(g, hist_raw, x_raw):
@@ -385,7 +379,7 @@ class KdaSplit(Launch):
         """The recurrence of the CTA's rows, in waves of ``wave`` passes of 16 rows.
 
         Thread (group, l8) holds, of each row ``pass*16 + group`` of a wave, the key columns
-        4*(l8 + 8c) .. +3 (c = 0..3); per token :func:`kda.backends.cutedsl.delta.token`,
+        4*(l8 + 8c) .. +3 (c = 0..3); per token :func:`kda.backends.cutedsl.item.token`,
         each row's ``o`` sent to the CTA that owns the token.
         """
         ks, T, C = self.ks, self.T, self.C
@@ -414,7 +408,7 @@ class KdaSplit(Launch):
                         g.vrec[cslot, h, t, grow] = u
 
                 b_t = s_b[t]
-                delta.token(S, s_a[t, None], s_k[t, None], s_q[t, None], b_t,
+                item.token(S, s_a[t, None], s_k[t, None], s_q[t, None], b_t,
                             lambda w, t=t, w0=w0: s_v[t, (w0 + w) * GROUPS + grp], l8, emit)
                 if cutlass.const_expr(not ks.record and T > 1):
                     dst = g.si[r, t]

@@ -39,11 +39,11 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int16, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
-from kda.backends.cutedsl import delta, ptx as N
+from kda.backends.cutedsl import item, ptx as N
 from kda.backends.cutedsl.args import KernelArgs, Launch
 from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile
 from kda.backends.cutedsl.ring import RingShape, WarpRing
-from kda.backends.cutedsl.delta import chunk, state_regs, store4
+from kda.backends.cutedsl.item import chunk, state_regs, store4
 from kda.backends.cutedsl.split import make_views
 from kda.backends.cutedsl.static import KernelStatic
 
@@ -273,7 +273,7 @@ class KdaStream(Launch):
 
     @cute.jit
     def _token(self, g, S, s_q, s_k, s_a, s_v, s_o, s_b, slot, t, base, h, cslot, l8):
-        """Token ``t`` of the delta rule (:func:`kda.backends.cutedsl.delta.token`) on the 4
+        """Token ``t`` of the delta rule (:func:`kda.backends.cutedsl.item.token`) on the 4
         register rows (page rows ``base + 4m``): ``o`` into the item's slot, ``u`` to the
         record."""
         def emit(m, u, ob):
@@ -282,7 +282,7 @@ class KdaStream(Launch):
                 g.vrec[cslot, h, t, base + 4 * m] = u
 
         b_t = s_b[slot, t]
-        delta.token(S, s_a[slot, t, None], s_k[slot, t, None], s_q[slot, t, None], b_t,
+        item.token(S, s_a[slot, t, None], s_k[slot, t, None], s_q[slot, t, None], b_t,
                     lambda m: s_v[slot, t, base + 4 * m], l8, emit)
 
     def _store(self, g, S, slot, h, base, l8):
@@ -599,13 +599,7 @@ class KdaStream(Launch):
         if self.ks.has_bias:
             bias = Float32(hb[part])
         seq = hist + xs
-        ys = []
-        for t in range(self.T):
-            acc = bias
-            for e in range(4):
-                acc = N.ffma(seq[t + e], w[e], acc)
-            ys.append(N.bf16_round(N.fmul(acc, N.sigmoid(acc))))
-        return ys
+        return item.conv_silu(seq, w, bias, self.T)
 
     def _fa_rows(self, storage):
         """The f_a rows of two items, ``[2, 8, 128]`` bf16 in padded rows."""

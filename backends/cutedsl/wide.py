@@ -29,7 +29,7 @@ from cutlass.memory import SmemAllocator
 from kda.backends.cutedsl import ptx as P
 from kda.backends.cutedsl.args import KernelArgs, Launch
 from kda.backends.cutedsl.common import NTHREADS, ItemMath, make_params
-from kda.backends.cutedsl.delta import state_regs
+from kda.backends.cutedsl.item import state_regs
 from kda.backends.cutedsl.static import KernelStatic, SmemPlan, carveout_percent
 
 

@@ -1,8 +1,8 @@
 """A lockstep SIMT emulator of the one-CTA-per-item CuTe DSL KDA kernel, for checking it on a CPU.
 
-The wide kernel (``backends/cutedsl/{common,delta,wide}.py``) is a Python program that CuTe DSL
+The wide kernel (``backends/cutedsl/{common,item,wide}.py``) is a Python program that CuTe DSL
 traces; every device operation it performs goes through the small instruction vocabulary of
-``backends/cutedsl/ptx.py`` or, in the recurrence (``delta.py``), a few CuTe tensor operations
+``backends/cutedsl/ptx.py`` or, in the recurrence (``item.py``), a few CuTe tensor operations
 (register tensors, fp32 rows in shared memory, ``local_tile``, ``autovec_copy``). This module
 loads the *same* kernel sources with stand-ins for CuTe DSL and for that vocabulary, and executes one CTA at a time with all 256 threads in
 lockstep: every value is a numpy array with one lane per thread. So the kernel's index math,
@@ -899,7 +899,7 @@ def _make_fake_modules():
     driver = types.ModuleType("cuda.bindings.driver")
 
     cutlass.Int32, cutlass.Int64, cutlass.Float32 = Int32, Int64, Float32
-    cutlass.BFloat16 = None     # imported by delta.py for bf16 stores, which wide does not use
+    cutlass.BFloat16 = None     # imported by item.py for bf16 stores, which wide does not use
     cutlass.range_constexpr = range
     cutlass.const_expr = lambda x: x
     cutlass.cute = cute
@@ -944,7 +944,7 @@ _loaded = None
 
 
 def load_kernels():
-    """The wide kernel's modules (args, delta, common, wide) loaded against the emulator."""
+    """The wide kernel's modules (args, item, common, wide) loaded against the emulator."""
     global _loaded
     if _loaded is not None:
         return _loaded
@@ -952,16 +952,16 @@ def load_kernels():
 
     fakes = _make_fake_modules()
     names = list(fakes) + ["kda.backends.cutedsl.ptx", "kda.backends.cutedsl.args",
-                           "kda.backends.cutedsl.delta", "kda.backends.cutedsl.common",
+                           "kda.backends.cutedsl.item", "kda.backends.cutedsl.common",
                            "kda.backends.cutedsl.wide"]
     saved_mods = {n: sys.modules.get(n) for n in names}
-    saved_attrs = {n: getattr(pkg, n, None) for n in ("ptx", "args", "delta", "common", "wide")}
+    saved_attrs = {n: getattr(pkg, n, None) for n in ("ptx", "args", "item", "common", "wide")}
     mods = {}
     try:
         sys.modules.update(fakes)
         sys.modules["kda.backends.cutedsl.ptx"] = P
         pkg.ptx = P
-        for name in ("args", "delta", "common", "wide"):
+        for name in ("args", "item", "common", "wide"):
             spec = importlib.util.spec_from_file_location(f"kda.backends.cutedsl.{name}",
                                                           os.path.join(_SRC, f"{name}.py"))
             mod = importlib.util.module_from_spec(spec)

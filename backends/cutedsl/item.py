@@ -1,6 +1,7 @@
-"""The delta rule on state rows held in registers: the one definition of the recurrence's
-arithmetic for every kernel of the family (``wide``, ``split``, ``stream``), so that their
-bit-identity in it is structural.
+"""The arithmetic of one item that every kernel of the family (``wide``, ``split``, ``stream``)
+shares, defined once so that their bit-identity in it is structural: the conv + SiLU of a
+channel (:func:`conv_silu`) and the delta rule on state rows held in registers
+(:func:`token`).
 
 A thread holds ``n`` rows of 16 key columns, ``S[m, 4c + e]`` = key column ``4*(l8 + 8c) + e``
 of its row ``m`` (chunk ``c`` of lane ``l8``): the 8 lanes of a row are consecutive, so one
@@ -22,6 +23,19 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 
 from kda.backends.cutedsl import ptx as N
+
+
+def conv_silu(seq, w, bias, T: int):
+    """Conv + SiLU of one channel for the T tokens (FP32; ``docs/contract.md`` section 2,
+    "Conv"): ``acc = bias; acc = fma(s[t+e], w[e], acc)`` for e = 0..3 over ``seq`` = [w0, w1,
+    w2, x_0 .. x_{T-1}] (fp32 values), ``y_t = bf16(silu(acc))``. Returns the T values y_t."""
+    ys = []
+    for t in range(T):
+        acc = bias
+        for e in range(4):
+            acc = N.ffma(seq[t + e], w[e], acc)
+        ys.append(N.bf16_round(N.fmul(acc, N.sigmoid(acc))))
+    return ys
 
 
 def chunk(row, l8, c):
