@@ -524,15 +524,13 @@ class ItemMath:
         for t in range(self.T):
             rq = p.sb + pl.CRQ + t * 16
             rk = p.sb + pl.CRK + t * 16
-            sq = P.fadd(P.fadd(P.fadd(P.sld_f32(rq), P.sld_f32(rq + 4)), P.sld_f32(rq + 8)),
-                        P.sld_f32(rq + 12))
-            sk = P.fadd(P.fadd(P.fadd(P.sld_f32(rk), P.sld_f32(rk + 4)), P.sld_f32(rk + 8)),
-                        P.sld_f32(rk + 12))
-            iq = P.rsqrt(P.fadd(sq, Float32(1e-6)))
-            ik = P.rsqrt(P.fadd(sk, Float32(1e-6)))
+            sq = item.quarter_sum(lambda i, rq=rq: P.sld_f32(rq + 4 * i))
+            sk = item.quarter_sum(lambda i, rk=rk: P.sld_f32(rk + 4 * i))
+            iq = item.inv_norm(sq)
+            ik = item.inv_norm(sk)
             aq = p.sb + pl.CQ + (t * D + tid) * 4
             ak = p.sb + pl.CK + (t * D + tid) * 4
-            P.sst_f32(aq, P.fmul(P.fmul(P.sld_f32(aq), iq), p.scale))
+            P.sst_f32(aq, item.q_hat(P.sld_f32(aq), iq, p.scale))
             P.sst_f32(ak, P.fmul(P.sld_f32(ak), ik))
 
     # --------------------------------------------------------------------------- phase B
@@ -608,10 +606,8 @@ class ItemMath:
         for i in range((T + 1) // 2):
             t = half + 2 * i
             rr = sb + pl.CRO + t * 16
-            ssum = P.fadd(P.fadd(P.fadd(P.sld_f32(rr), P.sld_f32(rr + 4)), P.sld_f32(rr + 8)),
-                          P.sld_f32(rr + 12))
-            rstd = P.rsqrt(P.fadd(P.fmul(ssum, Float32(1.0 / D)), p.eps))
-            y = P.fmul(P.fmul(P.fmul(obs[i], rstd), p.nwv), ogr[i])
+            ssum = item.quarter_sum(lambda j, rr=rr: P.sld_f32(rr + 4 * j))
+            y = item.gated_rmsnorm(obs[i], ssum, p.eps, p.nwv, ogr[i])
             gp = p.out + (Int64(r * T + t) * p.out_rs + (h * D + v))
             if (2 * i + 1 < T):
                 ok = Int32(1)

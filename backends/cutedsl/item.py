@@ -1,7 +1,8 @@
 """The arithmetic of one item that every kernel of the family (``wide``, ``split``, ``stream``)
 shares, defined once so that their bit-identity in it is structural: the conv + SiLU of a
-channel (:func:`conv_silu`) and the delta rule on state rows held in registers
-(:func:`token`).
+channel (:func:`conv_silu`), the fixed-order sums and scalings of the q / k norms and of the
+gated RMSNorm (:func:`quarter_sum`, :func:`inv_norm`, :func:`q_hat`, :func:`gated_rmsnorm`),
+and the delta rule on state rows held in registers (:func:`token`).
 
 A thread holds ``n`` rows of 16 key columns, ``S[m, 4c + e]`` = key column ``4*(l8 + 8c) + e``
 of its row ``m`` (chunk ``c`` of lane ``l8``): the 8 lanes of a row are consecutive, so one
@@ -24,6 +25,8 @@ from cutlass import BFloat16, Float32
 
 from kda.backends.cutedsl import ptx as N
 
+D = 128
+
 
 def conv_silu(seq, w, bias, T: int):
     """Conv + SiLU of one channel for the T tokens (FP32; ``docs/contract.md`` section 2,
@@ -36,6 +39,31 @@ def conv_silu(seq, w, bias, T: int):
             acc = N.ffma(seq[t + e], w[e], acc)
         ys.append(N.bf16_round(N.fmul(acc, N.sigmoid(acc))))
     return ys
+
+
+def quarter_sum(part):
+    """``((part(0) + part(1)) + part(2)) + part(3)``: a 128-thread sum from its four warps'
+    sums, in warp order (``part(i)`` is evaluated in that order too)."""
+    return N.fadd(N.fadd(N.fadd(part(0), part(1)), part(2)), part(3))
+
+
+def inv_norm(ss):
+    """``rsqrt(ss + 1e-6)``: the q / k L2 norm's inverse from the sum of squares ``ss`` (eps on
+    the sum, no clamp; ``docs/contract.md`` section 2, "q, k, v")."""
+    return N.rsqrt(N.fadd(ss, Float32(1e-6)))
+
+
+def q_hat(q, iq, scale):
+    """``(q * iq) * scale``."""
+    return N.fmul(N.fmul(q, iq), scale)
+
+
+def gated_rmsnorm(ob, ssum, eps, nw, og):
+    """``((ob * rsqrt(ssum / 128 + eps)) * nw) * og`` in fp32 (``ssum``: the sum of ob^2 over
+    the head's 128 values, ``og``: sigmoid(output gate)); the caller rounds it to bf16
+    (``docs/contract.md`` section 2, "Output")."""
+    rstd = N.rsqrt(N.fadd(N.fmul(ssum, Float32(1.0 / D)), eps))
+    return N.fmul(N.fmul(N.fmul(ob, rstd), nw), og)
 
 
 def chunk(row, l8, c):

@@ -28,10 +28,10 @@ Per CTA:
    arrived (so every CTA has read the history).
 
 Every value is computed in the same order whatever C, and in the same order as the
-one-CTA-per-item kernel (:mod:`kda.backends.cutedsl.wide`): the same conv per channel, the
-same warp-then-quarter sums of the norms, the same per-row reduction (two partials, then
-the row's 8 lanes), the same MMA chains per feature, the explicitly rounded arithmetic of
-:mod:`kda.backends.cutedsl.ptx`. So every cluster size and the wide kernel give
+one-CTA-per-item kernel (:mod:`kda.backends.cutedsl.wide`): the item arithmetic of
+:mod:`kda.backends.cutedsl.item` (conv per channel, norm and RMSNorm scalings, the
+recurrence's per-row reduction), the same warp sums, the same MMA chains per feature, the
+explicitly rounded arithmetic of :mod:`kda.backends.cutedsl.ptx`. So every cluster size and the wide kernel give
 bit-identical results.
 """
 
@@ -323,11 +323,11 @@ class KdaSplit(Launch):
                     g.kgrec[cslot, h, t, tid] = BFloat16(yk[t])
         cute.arch.barrier(barrier_id=1, number_of_threads=MAIN)
         for t in cutlass.range_constexpr(T):
-            sq = N.fadd(N.fadd(N.fadd(s_red[t, 0, 0], s_red[t, 0, 1]), s_red[t, 0, 2]), s_red[t, 0, 3])
-            sk = N.fadd(N.fadd(N.fadd(s_red[t, 1, 0], s_red[t, 1, 1]), s_red[t, 1, 2]), s_red[t, 1, 3])
-            iq = N.rsqrt(N.fadd(sq, Float32(1e-6)))
-            ik = N.rsqrt(N.fadd(sk, Float32(1e-6)))
-            s_q[t, tid] = N.fmul(N.fmul(yq[t], iq), scale)
+            sq = item.quarter_sum(lambda i, t=t: s_red[t, 0, i])
+            sk = item.quarter_sum(lambda i, t=t: s_red[t, 1, i])
+            iq = item.inv_norm(sq)
+            ik = item.inv_norm(sk)
+            s_q[t, tid] = item.q_hat(yq[t], iq, scale)
             s_k[t, tid] = N.fmul(yk[t], ik)
         # output gate (used by the owner of each token)
         ogs = [N.sigmoid(Float32(v)) for v in ogr]
@@ -346,9 +346,8 @@ class KdaSplit(Launch):
                 if lane == 0:
                     s_red[t, 2, warp_i] = so
                 cute.arch.barrier(barrier_id=1, number_of_threads=MAIN)
-                ss = N.fadd(N.fadd(N.fadd(s_red[t, 2, 0], s_red[t, 2, 1]), s_red[t, 2, 2]), s_red[t, 2, 3])
-                rstd = N.rsqrt(N.fadd(N.fmul(ss, Float32(1.0 / D)), eps))
-                y = N.fmul(N.fmul(N.fmul(ob, rstd), nwv), ogs[t])
+                ss = item.quarter_sum(lambda i, t=t: s_red[t, 2, i])
+                y = item.gated_rmsnorm(ob, ss, eps, nwv, ogs[t])
                 g.out[n0 + t, h * D + tid] = BFloat16(y)
         if rank == 0:
             # every CTA's o of token 0 arrived (rank 0 owns it), so every CTA has read the

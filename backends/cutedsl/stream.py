@@ -25,11 +25,11 @@ prep thread), *done* (the item's consumers -> prep, one arrival per lane of each
 a dead item too, so that every warp passes every phase of its slots) and *free* (the epilogue
 -> the next prep of that slot).
 
-Every value is computed in the order of the other kernels of the family (the same conv per
-channel, the same warp-then-quarter sums of the norms, the same per-row reduction, the same
-MMA chains per gate feature, the explicitly rounded arithmetic of
-:mod:`kda.backends.cutedsl.ptx`), so its results are bit-identical to
-:mod:`kda.backends.cutedsl.wide`'s and :mod:`kda.backends.cutedsl.split`'s.
+Every value is computed in the order of the other kernels of the family (the item arithmetic
+of :mod:`kda.backends.cutedsl.item`, the same warp sums of the norms, the same MMA chains per
+gate feature, the explicitly rounded arithmetic of :mod:`kda.backends.cutedsl.ptx`), so its
+results are bit-identical to :mod:`kda.backends.cutedsl.wide`'s and
+:mod:`kda.backends.cutedsl.split`'s.
 """
 
 from __future__ import annotations
@@ -572,11 +572,11 @@ class KdaStream(Launch):
         if live != 0:
             cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=PREP)
             for t in cutlass.range_constexpr(T):
-                sq = N.fadd(N.fadd(N.fadd(s_red[t, 0, 0], s_red[t, 0, 1]), s_red[t, 0, 2]), s_red[t, 0, 3])
-                sk = N.fadd(N.fadd(N.fadd(s_red[t, 1, 0], s_red[t, 1, 1]), s_red[t, 1, 2]), s_red[t, 1, 3])
-                iq = N.rsqrt(N.fadd(sq, Float32(1e-6)))
-                ik = N.rsqrt(N.fadd(sk, Float32(1e-6)))
-                s_q[slot, t, pt] = N.fmul(N.fmul(s_q[slot, t, pt], iq), scale)
+                sq = item.quarter_sum(lambda i, t=t: s_red[t, 0, i])
+                sk = item.quarter_sum(lambda i, t=t: s_red[t, 1, i])
+                iq = item.inv_norm(sq)
+                ik = item.inv_norm(sk)
+                s_q[slot, t, pt] = item.q_hat(s_q[slot, t, pt], iq, scale)
                 s_k[slot, t, pt] = N.fmul(s_k[slot, t, pt], ik)
             # every slot write of the item before *ready* (and s_red free for the next use)
             cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=PREP)
@@ -689,9 +689,8 @@ class KdaStream(Launch):
                     s_red[t, 2, pw] = so
             cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=PREP)
             for t in cutlass.range_constexpr(T):
-                ss = N.fadd(N.fadd(N.fadd(s_red[t, 2, 0], s_red[t, 2, 1]), s_red[t, 2, 2]), s_red[t, 2, 3])
-                rstd = N.rsqrt(N.fadd(N.fmul(ss, Float32(1.0 / D)), eps))
-                y = N.fmul(N.fmul(N.fmul(obs[t], rstd), nwv), s_og[slot, t, pt])
+                ss = item.quarter_sum(lambda i, t=t: s_red[t, 2, i])
+                y = item.gated_rmsnorm(obs[t], ss, eps, nwv, s_og[slot, t, pt])
                 g.out[n0 + t, h * D + pt] = BFloat16(y)
         else:
             for t in cutlass.range_constexpr(T):
