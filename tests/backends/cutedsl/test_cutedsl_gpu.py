@@ -134,14 +134,6 @@ STREAM_SPECS = SPECS + [
 ]
 
 
-@pytest.mark.parametrize("spec", STREAM_SPECS, ids=[s.id for s in STREAM_SPECS])
-def test_stream_bit_identical_to_wide(spec, device, require_backend):
-    """stream == wide bit for bit, and both within the reference's tolerance."""
-    stream = _launcher("stream", spec.cfg, device, require_backend)
-    _check_beside_wide("stream", stream, spec.cfg, make_case(spec, device), device,
-                       require_backend, check_wide=True)
-
-
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_stream_hostile_ids_and_counts(bf16, device, require_backend):
     """The streamed kernel (``cutedsl`` at 256 items, T=3) on null, padding and out-of-range
@@ -210,13 +202,17 @@ BLOCK_SPECS = [
 ]
 
 
-@pytest.mark.parametrize("spec", BLOCK_SPECS, ids=[s.id for s in BLOCK_SPECS])
-def test_stream_blocks_bit_identical_to_wide(spec, device, require_backend):
-    """stream4 (one CTA per 4 items, in blocks of 4 requests) == wide bit for bit, and the
-    reference."""
-    stream4 = _launcher("stream4", spec.cfg, device, require_backend)
-    _check_beside_wide("stream4", stream4, spec.cfg, make_case(spec, device), device,
-                       require_backend)
+#: (kernel, case) of :func:`test_stream_bit_identical_to_wide`
+STREAM_CASES = [("stream", s) for s in STREAM_SPECS] + [("stream4", s) for s in BLOCK_SPECS]
+
+
+@pytest.mark.parametrize("kind,spec", STREAM_CASES, ids=[f"{k}-{s.id}" for k, s in STREAM_CASES])
+def test_stream_bit_identical_to_wide(kind, spec, device, require_backend):
+    """The streamed kernel, persistent (``stream``) or on one CTA per 4 items in blocks of 4
+    requests (``stream4``), == wide bit for bit, and both within the reference's tolerance."""
+    run = _launcher(kind, spec.cfg, device, require_backend)
+    _check_beside_wide(kind, run, spec.cfg, make_case(spec, device), device, require_backend,
+                       check_wide=True)
 
 
 def _check_three_steps(step, spec, device):
