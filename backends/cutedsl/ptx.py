@@ -1,8 +1,9 @@
 """Thin PTX wrappers used by the CuTe DSL KDA kernels (imported only once CuTe DSL is loaded).
 
-Every memory access of the kernels goes through these helpers so that the access width
-(16-byte vectors for the state page and the staged rows), the cache path (``.cg`` for data
-another grid may have written, ``.nc`` for read-only operands) and predication are explicit.
+The wide kernel's memory accesses go through these helpers (except the recurrence's operand
+loads, CuTe copies of :mod:`kda.backends.cutedsl.item`) so that the access width (16-byte
+vectors for the state page and the staged rows), the cache path (``.cg`` for data another
+grid may have written, ``.nc`` for read-only operands) and predication are explicit.
 Each helper emits one ``llvm.inline_asm``; memory operations carry a memory clobber and are
 marked as having side effects, so LLVM neither reorders them across barriers nor drops them.
 Pure helpers (tensor-core MMA, conversions) are side-effect free so LLVM may schedule them.

@@ -909,8 +909,9 @@ def _make_fake_modules():
     def make_layout(shape, stride=None):
         shape = shape if isinstance(shape, tuple) else (shape,)
         compact = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
-        if stride is not None and tuple(stride) != compact:
-            raise EmulationError(f"the emulator's layouts are row-major: {shape}:{stride}")
+        if (len(shape) > 1 or stride is not None) and tuple(stride or ()) != compact:
+            raise EmulationError(f"the emulator's layouts are 1-D or row-major with the strides "
+                                 f"given: {shape}:{stride}")
         return shape
 
     cute.make_layout = make_layout
