@@ -95,6 +95,25 @@ def state_regs(n: int):
     return cute.make_rmem_tensor(cute.make_layout((n, 16), stride=(16, 1)), Float32)
 
 
+def _sweep(S, n, l8, x, y, update):
+    """One pass over the rows, in place: ``S[m, j] = update(m, S[m, j], x[col j])``, then the
+    two partial dot products of each updated row with ``y`` (even / odd components, chunks in
+    order)."""
+    dot = [[Float32(0.0), Float32(0.0)] for _ in range(n)]
+    for c in range(4):
+        x4 = load4(x, l8, c)
+        y4 = load4(y, l8, c)
+        for m in range(n):
+            for e in range(4):
+                s_ = update(m, S[m, 4 * c + e], x4[e])
+                S[m, 4 * c + e] = s_
+                if c == 0 and e < 2:
+                    dot[m][e % 2] = N.fmul(s_, y4[e])
+                else:
+                    dot[m][e % 2] = N.ffma(s_, y4[e], dot[m][e % 2])
+    return dot
+
+
 @cute.jit
 def token(S, a, k, q, beta, v_of, l8, emit, lane0_only=True):
     """One token of the delta rule on the thread's rows ``S`` (:func:`state_regs`), in place.
@@ -112,33 +131,12 @@ def token(S, a, k, q, beta, v_of, l8, emit, lane0_only=True):
         predicated stores.
     """
     n = cute.size(S, mode=[0])
-    acc = [[Float32(0.0), Float32(0.0)] for _ in range(n)]
-    for c in cutlass.range_constexpr(4):
-        a4 = load4(a, l8, c)
-        k4 = load4(k, l8, c)
-        for m in cutlass.range_constexpr(n):
-            for e in cutlass.range_constexpr(4):
-                s_ = N.fmul(S[m, 4 * c + e], a4[e])
-                S[m, 4 * c + e] = s_
-                if c == 0 and e < 2:
-                    acc[m][e % 2] = N.fmul(s_, k4[e])
-                else:
-                    acc[m][e % 2] = N.ffma(s_, k4[e], acc[m][e % 2])
+    # S *= alpha, with S.k-hat; then S += u k-hat, with S.q-hat
+    acc = _sweep(S, n, l8, a, k, lambda m, s, a_e: N.fmul(s, a_e))
     u = []
     for m in cutlass.range_constexpr(n):
         u.append(N.fmul(beta, N.fsub(v_of(m), N.row_sum8(acc[m]))))
-    o = [[Float32(0.0), Float32(0.0)] for _ in range(n)]
-    for c in cutlass.range_constexpr(4):
-        k4 = load4(k, l8, c)
-        q4 = load4(q, l8, c)
-        for m in cutlass.range_constexpr(n):
-            for e in cutlass.range_constexpr(4):
-                s_ = N.ffma(u[m], k4[e], S[m, 4 * c + e])
-                S[m, 4 * c + e] = s_
-                if c == 0 and e < 2:
-                    o[m][e % 2] = N.fmul(s_, q4[e])
-                else:
-                    o[m][e % 2] = N.ffma(s_, q4[e], o[m][e % 2])
+    o = _sweep(S, n, l8, k, q, lambda m, s, k_e: N.ffma(u[m], k_e, s))
     for m in cutlass.range_constexpr(n):
         ob = N.bf16_round(N.row_sum8(o[m]))
         if cutlass.const_expr(lane0_only):
