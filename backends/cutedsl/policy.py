@@ -32,10 +32,16 @@ KERNEL_BY_ITEMS = {
             (STREAM4_FROM - 1, "stream"),  # H=32 R=2: 5.9 us against 6.2 split8, 6.5 split4, 6.8 wide
             (None, "stream4")),  # ratio to touch, H=32 R=512 1.060 against 1.114 stream
         2: ((48, "split8"),
-            (None, "stream")),  # T=2 H=32 R=128: 236.9 us against 242.1 wide
-        3: ((48, "split8"),     # T=4 H=12 R=4: 8.7 us against 9.4 split4, 13.0 stream
+            (1535, "stream"),  # against wide: T=2 H=32 R=128 236.9 us against 242.1
+            (None, "stream4")),  # ratio to touch, T=2 H=12 R=128 (1536 items) 1.093 against 1.123 stream
+        3: ((48, "split8"),     # up to 1535 items the rows of T = 4 (below)
+            (384, "stream"),
+            (1535, "wide"),
+            (None, "stream4")),  # T=3 H=12 R=128 1.087 of touch against 1.186 wide
+        4: ((48, "split8"),     # T=4 H=12 R=4: 8.7 us against 9.4 split4, 13.0 stream
             (384, "stream"),    # T=4 H=12 R=8: 13.4 us against 14.9 split4; H=12 R=32 38.9 against 46.2 wide
-            (None, "wide")),    # T=4 H=32 R=64: 198.5 us against 202.9 stream
+            (None, "wide")),    # T=4 H=32 R=64: 198.5 us against 202.9 stream; H=32 R=128 1.082 of
+                                # touch against 1.105 in blocks of 4
         5: ((48, "split8"),     # T=4 H=12 R=1: 5.1 us against 11.7 wide
             (96, "split4"),     # T=4 H=96 R=1: 14.9 us against 16.1 wide
             (None, "wide")),    # T=8 H=32 R=32: 184.0 us against 199.3 stream

@@ -199,6 +199,10 @@ BLOCK_SPECS = [
     CaseSpec(make_config(12, 1, bf16_state=True), R=30, null_frac=0.1, seed=65),
     CaseSpec(make_config(32, 2, bf16_state=True, beta_act=True), R=22, packed=True, seed=66),
     CaseSpec(make_config(5, 1, lb=-5.0), R=41, null_frac=0.2, seed=71),  # 205 items, CTAs of 3-4
+    CaseSpec(make_config(32, 2), R=45, null_frac=0.2, seed=67),
+    CaseSpec(make_config(12, 2, "DS", record=True, bias=True, gm=1), R=30, null_frac=0.3, seed=68),
+    CaseSpec(make_config(12, 3, lb=-5.0), R=43, null_frac=0.2, seed=69),
+    CaseSpec(make_config(16, 3, "DS", record=True, cs32=True), R=21, packed=True, seed=70),
 ]
 
 
@@ -234,8 +238,9 @@ def test_stream_chained_steps(T, R, device, require_backend):
     _check_three_steps(_launcher("stream", spec.cfg, device, require_backend), spec, device)
 
 
-#: T of the dispatch tests: a row of each key of KERNEL_BY_ITEMS (T = 3: split8, stream, wide)
-DISPATCH_TS = (1, 2, 3, 5)
+#: T of the dispatch tests: a row of each key of KERNEL_BY_ITEMS (T = 3: split8, stream, wide,
+#: stream4)
+DISPATCH_TS = (1, 2, 3, 4, 5)
 
 
 def _threshold_batches(H):
