@@ -44,10 +44,10 @@ SOURCE = {
 MEASURED: Dict[str, Dict[int, Dict[int, Tuple[str, ...]]]] = {
     "fp32": {
         1: {1: ("cutedsl", "cutedsl_wide", "triton", "cuda"),
-            8: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
+            8: ("cutedsl_wide", "cutedsl", "cuda", "triton"),
             32: ("cutedsl", "cuda", "cutedsl_wide", "triton"),
             128: ("cutedsl", "cuda", "cutedsl_wide", "triton"),
-            512: ("cuda", "cutedsl", "cutedsl_wide", "triton")},
+            512: ("cutedsl", "cuda", "cutedsl_wide", "triton")},
         4: {1: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
             8: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
             32: ("cuda", "cutedsl", "cutedsl_wide", "triton"),
@@ -62,8 +62,8 @@ MEASURED: Dict[str, Dict[int, Dict[int, Tuple[str, ...]]]] = {
             512: ("cutedsl", "triton", "cuda", "cutedsl_wide")},
         4: {1: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
             8: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
-            32: ("cutedsl", "triton", "cutedsl_wide", "cuda"),
-            128: ("cutedsl", "cuda", "triton", "cutedsl_wide"),
+            32: ("cutedsl", "cutedsl_wide", "triton", "cuda"),
+            128: ("cutedsl", "cuda", "cutedsl_wide", "triton"),
             512: ("cutedsl", "cuda", "cutedsl_wide", "triton")},
     },
 }
