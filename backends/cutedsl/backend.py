@@ -6,11 +6,11 @@ kernel launch (nvidia-cutlass-dsl 4.8.1).
 (:func:`kda.backends.cutedsl.policy.kernel_for`): at small batches each item runs on a cluster
 of 4 or 8 CTAs (:mod:`kda.backends.cutedsl.split`), above that on persistent CTAs that stream
 the state pages through a shared-memory ring (:mod:`kda.backends.cutedsl.stream`; fp32 pages
-at T=1 from 1024 items: the same kernel on one CTA per 4 items, in blocks of 4 requests of
-one head), or one CTA per item (fp32 pages: at T = 3-4 above 384 items, at T >= 5 above 96).
-Every kernel computes every value in the same order, so the two backends produce
-bit-identical outputs, states, windows and records. Design: ``docs/design.md``; compilation and caching:
-:mod:`kda.backends.cutedsl.cache`.
+from 1024 items at T=1 and from 1536 at T = 2-3: the same kernel on one CTA per 4 items, in
+blocks of 4 requests of one head), or one CTA per item (fp32 pages: at T=3 from 385 to 1535
+items, at T=4 above 384, at T >= 5 above 96). Every kernel computes every value in the same
+order, so the two backends produce bit-identical outputs, states, windows and records.
+Design: ``docs/design.md``; compilation and caching: :mod:`kda.backends.cutedsl.cache`.
 
 Host path: a built step keeps one ctypes buffer holding every kernel argument (17 pointers,
 the strides, R, the runtime scalars scale / norm_eps / lower_bound, the streamed kernel's
@@ -268,9 +268,10 @@ class _CuteDslBackend(Backend):
 class KdaBackend(_CuteDslBackend):
     """``cutedsl``: the kernel by load, T and state dtype
     (:func:`kda.backends.cutedsl.policy.kernel_for`): each item on a cluster of CTAs at small
-    batches, persistent streaming CTAs above (fp32 pages at T=1 from 1024 items: the same
-    kernel on one CTA per 4 items, in blocks of 4 requests), one CTA per item where the policy
-    measured that faster (fp32 pages: at T = 3-4 above 384 items, at T >= 5 above 96).
+    batches, persistent streaming CTAs above (fp32 pages from 1024 items at T=1 and from 1536
+    at T = 2-3: the same kernel on one CTA per 4 items, in blocks of 4 requests), one CTA per
+    item where the policy measured that faster (fp32 pages: at T=3 from 385 to 1535 items, at
+    T=4 above 384, at T >= 5 above 96).
 
     The step reads only the host-side batch size to choose, so a CUDA graph captured at one
     batch size replays the kernel chosen for it; every kernel the policy names is compiled
@@ -282,7 +283,7 @@ class KdaBackend(_CuteDslBackend):
                    "decays and outputs exchanged through distributed shared memory) at small "
                    "batches, persistent CTAs streaming the state pages through a shared-memory "
                    "ring above (prep warps ahead of consumer warps; the same kernel on one "
-                   "CTA per 4 items in blocks of 4 requests at T=1), one CTA per item where "
+                   "CTA per 4 items in blocks of 4 requests at T <= 3), one CTA per item where "
                    "that measured faster (T >= 3); mma.sync gate, PDL")
 
     def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:

@@ -90,6 +90,12 @@ def store4(v, dst, bf16: bool):
         cute.autovec_copy(v, dst)
 
 
+def reg_chunk(S, m, c):
+    """Chunk ``c`` of register row ``m`` of :func:`state_regs`: its 4 key columns
+    ``4*(l8 + 8c)`` .. +3, the registers of :func:`chunk` of that row."""
+    return cute.local_tile(S[m, None], (4,), (c,))
+
+
 def state_regs(n: int):
     """Registers for ``n`` rows of a thread: ``S[m, 4c + e]``, fp32."""
     return cute.make_rmem_tensor(cute.make_layout((n, 16), stride=(16, 1)), Float32)

@@ -31,8 +31,8 @@ Every value is computed in the same order whatever C, and in the same order as t
 one-CTA-per-item kernel (:mod:`kda.backends.cutedsl.wide`): the item arithmetic of
 :mod:`kda.backends.cutedsl.item` (conv per channel, norm and RMSNorm scalings, the
 recurrence's per-row reduction), the same warp sums, the same MMA chains per feature, the
-explicitly rounded arithmetic of :mod:`kda.backends.cutedsl.ptx`. So every cluster size and the wide kernel give
-bit-identical results.
+explicitly rounded arithmetic of :mod:`kda.backends.cutedsl.ptx`. So every cluster size and
+the wide kernel give bit-identical results.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from kda.backends.cutedsl import item, ptx as N
 from kda.backends.cutedsl.args import KernelArgs, Launch
-from kda.backends.cutedsl.item import chunk, state_regs, store4
+from kda.backends.cutedsl.item import chunk, reg_chunk, state_regs, store4
 from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile
 from kda.backends.cutedsl.static import KernelStatic
 
@@ -396,8 +396,7 @@ class KdaSplit(Launch):
                         for e in cutlass.range_constexpr(4):
                             S[w, 4 * c + e] = Float32(raw[e])
                     else:
-                        cute.autovec_copy(chunk(s_state[row, None], l8, c),
-                                          cute.local_tile(S[w, None], (4,), (c,)))
+                        cute.autovec_copy(chunk(s_state[row, None], l8, c), reg_chunk(S, w, c))
             for t in cutlass.range_constexpr(T):
                 def emit(w, u, ob, t=t, w0=w0):
                     grow = rank * self.rows + (w0 + w) * GROUPS + grp
@@ -422,8 +421,8 @@ class KdaSplit(Launch):
         for w in range(self.wave):
             row = rank * self.rows + (w0 + w) * GROUPS + grp
             for c in range(4):
-                store4(cute.local_tile(S[w, None], (4,), (c,)),
-                       chunk(g.state[slot, h, row, None], l8, c), self.ks.state_bf16)
+                store4(reg_chunk(S, w, c), chunk(g.state[slot, h, row, None], l8, c),
+                       self.ks.state_bf16)
 
     # --------------------------------------------------------------------------- gate warp
     @cute.jit

@@ -43,7 +43,7 @@ from kda.backends.cutedsl import item, ptx as N
 from kda.backends.cutedsl.args import KernelArgs, Launch
 from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile
 from kda.backends.cutedsl.ring import RingShape, WarpRing
-from kda.backends.cutedsl.item import chunk, state_regs, store4
+from kda.backends.cutedsl.item import chunk, reg_chunk, state_regs, store4
 from kda.backends.cutedsl.split import make_views
 from kda.backends.cutedsl.static import KernelStatic
 
@@ -290,8 +290,8 @@ class KdaStream(Launch):
         bf16 once (nearest even)."""
         for m in range(4):
             for c in range(4):
-                store4(cute.local_tile(S[m, None], (4,), (c,)),
-                       chunk(g.state[slot, h, base + 4 * m, None], l8, c), self.ks.state_bf16)
+                store4(reg_chunk(S, m, c), chunk(g.state[slot, h, base + 4 * m, None], l8, c),
+                       self.ks.state_bf16)
 
     # ----------------------------------------------------------------------------- prep
     @cute.jit

@@ -4,11 +4,11 @@ The wide kernel (``backends/cutedsl/{common,item,wide}.py``) is a Python program
 traces; every device operation it performs goes through the small instruction vocabulary of
 ``backends/cutedsl/ptx.py`` or, in the recurrence (``item.py``), a few CuTe tensor operations
 (register tensors, fp32 rows in shared memory, ``local_tile``, ``autovec_copy``). This module
-loads the *same* kernel sources with stand-ins for CuTe DSL and for that vocabulary, and executes one CTA at a time with all 256 threads in
-lockstep: every value is a numpy array with one lane per thread. So the kernel's index math,
-liveness, staging layout, schedule (the state page landing while phase A runs), tensor-core
-fragment layout, shuffles, barriers and predication run on the CPU against the PyTorch
-reference, with checks a GPU would not give:
+loads the *same* kernel sources with stand-ins for CuTe DSL and for that vocabulary, and
+executes one CTA at a time with all 256 threads in lockstep: every value is a numpy array
+with one lane per thread. So the kernel's index math, liveness, staging layout, schedule (the
+state page landing while phase A runs), tensor-core fragment layout, shuffles, barriers and
+predication run on the CPU against the PyTorch reference, with checks a GPU would not give:
 
 * every global / shared access is bounds- and alignment-checked (global: against the torch
   storage it falls in; shared: against the CTA's plan);

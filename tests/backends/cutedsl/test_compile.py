@@ -79,9 +79,9 @@ SPLIT_CASES = [
     ("split2", 0), ("split2", 5), ("split2", 7),
 ]
 #: The streamed kernel's cases: T = 1, 2, 5, 8, both layouts, both gates, gate_mode 0/1,
-#: bias, record mode, fp32 conv state, bf16 weights; in blocks of 4 requests at T = 1 and 2.
+#: bias, record mode, fp32 conv state, bf16 weights; in blocks of 4 requests at T = 1-3.
 STREAM_CASES = [("stream", 0), ("stream", 1), ("stream", 2), ("stream", 4), ("stream", 7),
-                ("stream4", 0), ("stream4", 6), ("stream4", 7)]
+                ("stream4", 0), ("stream4", 6), ("stream4", 7), ("stream4", 8)]
 CASES = [("wide", i) for i in range(len(CONFIGS))] + SPLIT_CASES + STREAM_CASES
 D = 128
 

@@ -188,8 +188,8 @@ def test_stream_few_ctas(spec, device, require_backend, monkeypatch):
 
 #: The streamed kernel in blocks of 4 requests (CTAs of 4 items of one head): requests not a
 #: multiple of 4 (the last block shorter, CTAs across two heads), null slots, record mode,
-#: both layouts and gates, packed rows, T = 2 and bf16 pages (which the policy does not run in
-#: blocks, but the build serves).
+#: both layouts and gates, packed rows, T = 1-3, and bf16 pages (which the policy does not run
+#: in blocks, but the build serves).
 BLOCK_SPECS = [
     CaseSpec(make_config(32, 1), R=61, null_frac=0.2, seed=61),
     CaseSpec(make_config(96, 1, lb=-5.0, gm=1), R=14, null_frac=0.2, seed=62),
