@@ -154,11 +154,12 @@ def compile_args(kind: str, ks: KernelStatic) -> list:
 
 def kernel_object(kind: str, ks: KernelStatic):
     """The kernel object of ``kind``: "wide" (:class:`KdaWide`), "splitC" (:class:`KdaSplit`
-    on clusters of C CTAs), "stream" (:class:`KdaStream`, persistent) or "streamC"
-    (:class:`KdaStream` on CTAs of C items in blocks of C requests, C in 2, 4, 8, 16).
+    on clusters of C CTAs), "stream" (:class:`KdaStream`, persistent), "streamg" (persistent, the
+    consumer groups preparing their own items; T = 1) or "streamC" (:class:`KdaStream` on CTAs
+    of C items in blocks of C requests, C in 2, 4, 8, 16).
 
     Raises:
-      ValueError: an unknown kind.
+      ValueError: an unknown kind (or "streamg" at T > 1).
     """
     if kind == "wide":
         from kda.backends.cutedsl.wide import KdaWide
@@ -166,6 +167,9 @@ def kernel_object(kind: str, ks: KernelStatic):
     if kind == "stream":
         from kda.backends.cutedsl.stream import KdaStream
         return KdaStream(ks)
+    if kind == "streamg":
+        from kda.backends.cutedsl.stream import KdaStream
+        return KdaStream(ks, group_prep=True)
     block = policy.block_of(kind)
     if block in policy.STREAM_BLOCKS and kind == f"stream{block}":
         from kda.backends.cutedsl.stream import KdaStream
@@ -173,7 +177,7 @@ def kernel_object(kind: str, ks: KernelStatic):
     if kind.startswith("split") and kind[5:].isdigit():
         from kda.backends.cutedsl.split import KdaSplit
         return KdaSplit(ks, int(kind[5:]))
-    raise ValueError(f"kind: expected 'wide', 'stream', 'streamC' (C in 2, 4, 8, 16) or 'splitC' "
+    raise ValueError(f"kind: expected 'wide', 'stream', 'streamg', 'streamC' (C in 2, 4, 8, 16) or 'splitC' "
                      f"(C in 2, 4, 8), got {kind!r}")
 
 

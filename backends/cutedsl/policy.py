@@ -13,7 +13,8 @@ from typing import Optional
 #: by state pool dtype and T (a T takes the row of the largest key not above it), first match of (most
 #: items, kernel): ``splitC`` runs each item on a cluster of C CTAs
 #: (:mod:`kda.backends.cutedsl.split`), ``stream`` on the persistent CTAs
-#: (:mod:`kda.backends.cutedsl.stream`), ``streamC`` on CTAs of C items (one head, C requests;
+#: (:mod:`kda.backends.cutedsl.stream`), ``streamg`` on them with each consumer group
+#: preparing its own items (T = 1), ``streamC`` on CTAs of C items (one head, C requests;
 #: the CTAs in flight then stream the contiguous pages of a few requests), ``wide`` on one CTA
 #: (:mod:`kda.backends.cutedsl.wide`).
 #: Step times: every kernel of the family at the rows' edges in one run (``docs/design.md``;
@@ -29,7 +30,9 @@ STREAM4_FROM = 1024
 KERNEL_BY_ITEMS = {
     "fp32": {
         1: ((32, "split8"),    # H=32 R=1: 3.7 us against 4.3 split4, 5.2 stream
-            (STREAM4_FROM - 1, "stream"),  # H=32 R=2: 5.9 us against 6.2 split8, 6.5 split4, 6.8 wide
+            (96, "stream"),    # H=32 R=3: 7.3 us against 7.7 streamg, 8.9 split4; H=96 R=1 7.3 against 7.8
+            (256, "streamg"),  # H=12 R=16: 11.6 us against 13.0 stream; H=32 R=8 13.6 against 14.5
+            (STREAM4_FROM - 1, "stream"),  # H=12 R=32: 18.5 us against 19.6 streamg
             (None, "stream4")),  # ratio to touch, H=32 R=512 1.060 against 1.114 stream
         2: ((48, "split8"),
             (1535, "stream"),  # against wide: T=2 H=32 R=128 236.9 us against 242.1
@@ -48,8 +51,9 @@ KERNEL_BY_ITEMS = {
     },
     "bf16": {
         1: ((32, "split8"),     # H=32 R=1: 3.6 us against 4.1 split4, 5.1 stream
-            (96, "split4"),     # H=32 R=2: 4.6 us against 4.7 split8; H=32 R=3 5.7 against 5.8 stream
-            (None, "stream")),
+            (64, "split4"),     # H=32 R=2: 4.6 us against 5.1 streamg
+            (4095, "streamg"),  # H=32 R=3: 5.4 us against 5.8 stream, 5.9 split4; H=32 R=64 47.5 against 49.5
+            (None, "stream")),  # H=12 R=512: 127.1 us against 129.1 streamg (H=32 R=128: equal)
         2: ((32, "split8"),     # T=4 H=12 R=1: 5.1 us against 6.5 split4
             (96, "split4"),     # T=4 H=12 R=4: 7.6 us against 8.3 split8; H=12 R=8 10.4 against 11.5
             (None, "stream")),  # T=4 H=32 R=8: 19.6 us against 23.0 wide; R=128 263.3 against 312.9
@@ -92,7 +96,7 @@ def kernel_for(items: int, T: int, state_bf16: bool = False) -> str:
 
 def kernels(T: int, state_bf16: bool = False) -> tuple:
     """Every kernel ``cutedsl`` may run at ``T`` tokens on fp32 (bf16) pages, in table order."""
-    return tuple(kind for _, kind in table(T, state_bf16))
+    return tuple(dict.fromkeys(kind for _, kind in table(T, state_bf16)))
 
 
 def page_last(T: int) -> bool:

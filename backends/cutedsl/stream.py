@@ -19,11 +19,19 @@ of a few consecutive requests (:class:`kda.backends.cutedsl.ring.WarpRing`). Two
   ``groups + 1`` item slots; ``groups`` items later, once the item's consumers are done, the
   gated RMSNorm of its ``o`` and ``out`` (dead items: zeros).
 
+Built with ``group_prep`` (T = 1), each consumer group prepares its own items: its 128
+threads (thread ``c``: q, k and v channel ``c``) do the conv + SiLU, the window rewrite and
+the q / k norms of the item before its units, and the gated RMSNorm of its ``o`` after them,
+with the item's operands loaded one group item ahead; the prep warpgroup keeps the gate and
+decay, the output gate's sigmoid and beta. Where an SM has few items, the two groups then
+prepare in parallel instead of in turn on the one prep warpgroup.
+
 Slots of the item ring are reused in turn (item ``j`` of the CTA's walk takes slot
 ``j % slots``), guarded by three mbarriers each: *ready* (prep -> consumers, one arrival per
 prep thread), *done* (the item's consumers -> prep, one arrival per lane of each unit warp, for
 a dead item too, so that every warp passes every phase of its slots) and *free* (the epilogue
--> the next prep of that slot).
+-> the next prep of that slot). With ``group_prep`` the group's epilogue frees the slot (one
+arrival per lane of each unit warp) and *done* is not used.
 
 Every value is computed in the order of the other kernels of the family (the item arithmetic
 of :mod:`kda.backends.cutedsl.item`, the same warp sums of the norms, the same MMA chains per
@@ -63,11 +71,18 @@ class KdaStream(Launch):
       block: 0 for the persistent head-major walk (the launcher's grid: one CTA per SM);
         C for items in blocks of C requests, the launcher's grid one CTA per C items
         (:func:`kda.backends.cutedsl.policy.ctas`).
+      group_prep: the consumer groups prepare their own items (see the module docstring);
+        T = 1, the persistent walk, 32-row units.
+
+    Raises:
+      ValueError: ``group_prep`` with T > 1, ``block`` or units other than 32 rows.
     """
 
-    def __init__(self, ks: KernelStatic, shape: RingShape = None, block: int = 0):
+    def __init__(self, ks: KernelStatic, shape: RingShape = None, block: int = 0,
+                 group_prep: bool = False):
         self.ks = ks
         self.block = block
+        self.group_prep = group_prep
         # the item after next into L2, below T = 8 (there its slot-id registers would spill)
         self.prefetch = ks.T < 8
         # x of the next item is read ahead into registers where its 3T values fit (at T >= 5
@@ -85,12 +100,17 @@ class KdaStream(Launch):
         if shape is None:      # a 128 KiB ring: 8 x 16 KiB fp32 units, 16 x 8 KiB bf16 units
             shape = RingShape(rows=32, consumers=CONSUMERS, depth=2 if ks.state_bf16 else 1)
         self.shape = shape
+        if group_prep and (ks.T != 1 or block or shape.rows != 32):
+            raise ValueError(f"group_prep: expected T = 1, block = 0 and 32-row units (a "
+                             f"group's thread per channel), got T={ks.T}, block={block}, "
+                             f"rows={shape.rows}")
         self.ring = WarpRing(shape, ks.T, self.st, ks.H, block)
         self.units = shape.units
         self.rows = shape.rows
         # item slots: the one being prepared and one per consumer group; an item's epilogue
-        # runs LAG items after its prep, once its group is done with it
-        self.LAG = shape.groups
+        # runs LAG items after its prep, once its group is done with it. With group_prep the
+        # prep (the gate only) runs up to 4 items ahead of the groups
+        self.LAG = 4 if group_prep else shape.groups
         self.NI = self.LAG + 1
         self.prep0 = 32 * shape.consumers      # first prep thread
         self.threads = self.prep0 + PREP
@@ -113,6 +133,11 @@ class KdaStream(Launch):
             "fabar": cute.struct.MemRange[Int64, 2],
             "fa": cute.struct.Align[cute.struct.MemRange[BFloat16, 2 * 8 * FB_ROW], 16],
         })
+        if group_prep:
+            # each group's warp sums: [group][q, k, o^2][warp] (the o^2 sums apart, since a
+            # warp may still read an item's while the group's next conv writes the q / k sums)
+            fields["gred"] = cute.struct.Align[
+                cute.struct.MemRange[Float32, shape.groups * 3 * 4], 16]
         self.Storage = cute.struct(type("KdaStreamStorage", (), {"__annotations__": fields}))
         # the head's f_b rows (the gate's A operand) staged in shared memory when the head
         # changes, where they fit beside the stages and slots (T <= 7); else read from L2
@@ -155,9 +180,11 @@ class KdaStream(Launch):
             for i in cutlass.range_constexpr(self.NI):
                 # every writer of an item's slot arrives (its own writes are released to the
                 # waiters): the 128 prep threads on *ready*, each unit's 32 lanes on *done*
+                # (group_prep: on *free*)
                 cute.arch.mbarrier_init(storage.ready.data_ptr() + i, PREP)
                 cute.arch.mbarrier_init(storage.done.data_ptr() + i, self.units * 32)
-                cute.arch.mbarrier_init(storage.free.data_ptr() + i, 1)
+                cute.arch.mbarrier_init(storage.free.data_ptr() + i,
+                                        self.units * 32 if self.group_prep else 1)
             for i in cutlass.range_constexpr(2):
                 cute.arch.mbarrier_init(storage.fabar.data_ptr() + i, PREP)
             if cutlass.const_expr(self.fb_smem):
@@ -170,12 +197,25 @@ class KdaStream(Launch):
             cute.arch.griddepcontrol_wait()
             u = warp_i % self.units
             stores = self._slot_tensors(storage)
+            gp = None
+            if cutlass.const_expr(self.group_prep):
+                gp = self._group_start(g, warp_i, lane, i0, i1, R, slots)
 
             def unit(stage, j, h, dst, refill):
+                if cutlass.const_expr(self.group_prep):
+                    self._group_conv(storage, g, gp, j, h, dst[0], warp_i, lane, scale)
+                    self._group_next(g, gp, j, i0, i1, R, slots, warp_i, lane)
                 self._unit(g, stores, stage, j, h, dst, refill, u, lane, slots)
+                if cutlass.const_expr(self.group_prep):
+                    self._group_epilogue(storage, g, gp, j, i0, R, warp_i, lane, eps, True)
 
             def skip(j):
-                self._skip(stores, j)
+                if cutlass.const_expr(self.group_prep):
+                    self._group_next(g, gp, j, i0, i1, R, slots, warp_i, lane)
+                    cute.arch.mbarrier_wait(stores[6] + j % self.NI, (j // self.NI) & 1)
+                    self._group_epilogue(storage, g, gp, j, i0, R, warp_i, lane, eps, False)
+                else:
+                    self._skip(stores, j)
 
             self.ring.walk(storage, g.state, g.si, g.na, R, slots, i0, i1, warp_i, lane, unit,
                            skip)
@@ -221,7 +261,8 @@ class KdaStream(Launch):
     @cute.jit
     def _unit(self, g, stores, stage, j, h, dst, refill, u, lane, slots):
         """One unit of item ``j`` (the CTA's ``j``-th; its ``stage`` holds rows ``u*rows ..``):
-        its passes of 16 rows (:meth:`_pass`), then *done*."""
+        its passes of 16 rows (:meth:`_pass`), then *done* (with ``group_prep`` the group's
+        epilogue follows instead)."""
         ready, done = stores[6], stores[7]
         grp = lane // 8
         l8 = lane % 8
@@ -233,7 +274,8 @@ class KdaStream(Launch):
         else:
             for p in cutlass.range_constexpr(self.rows // 16):
                 self._pass(g, stores, stage, p, slot, h, dst, refill, u, grp, l8, slots)
-        cute.arch.mbarrier_arrive(done + slot)
+        if cutlass.const_expr(not self.group_prep):
+            cute.arch.mbarrier_arrive(done + slot)
 
     @cute.jit
     def _pass(self, g, stores, stage, p, slot, h, dst, refill, u, grp, l8, slots):
@@ -293,6 +335,121 @@ class KdaStream(Launch):
                 store4(reg_chunk(S, m, c), chunk(g.state[slot, h, base + 4 * m, None], l8, c),
                        self.ks.state_bf16)
 
+    # ------------------------------------------------------------ group prep (T = 1)
+    def _group_start(self, g, w, lane, i0, i1, R, slots):
+        """The operand pipeline of warp ``w``'s group (``group_prep``), before its walk:
+        registers for the operands of its current item (the q / k / v window history and x of
+        channel ``c = 32 (w % units) + lane``), its conv weights and bias with their head
+        (``cst[2]``), the conv slots of its next two items (``cst[0]``, ``cst[1]``) and the
+        norm weight of channel ``c``; the first item's operands are loaded."""
+        G = self.shape.groups
+        grp = w // self.units
+        c = (w % self.units) * 32 + lane
+        ops = (cute.make_rmem_tensor(cute.make_layout((9,)), g.cs.element_type),
+               cute.make_rmem_tensor(cute.make_layout((3,)), g.x.element_type))
+        cst = cute.make_rmem_tensor(cute.make_layout((3,)), Int32)
+        cs0 = self._group_si(g, i0 + grp, R)
+        cst[0] = self._group_si(g, i0 + grp + G, R)
+        cst[1] = self._group_si(g, i0 + grp + 2 * G, R)
+        cst[2] = Int32(-1)
+        self._group_load(g, i0 + grp, i1, cs0, R, slots, ops, c)
+        return ops, self._conv_regs(g), cst, Float32(g.nw[c])
+
+    @cute.jit
+    def _group_si(self, g, i, R):
+        """Item ``i``'s conv slot (at T = 1 also its source; its request is in bounds for any
+        ``i``)."""
+        return g.si[self.ring.split_item(i, R)[0], 0]
+
+    @cute.jit
+    def _group_load(self, g, i, i1, cslot, R, slots, ops, c):
+        """Item ``i``'s window history and x of channel ``c`` of q, k and v into ``ops``, if
+        it is live (at T = 1: ``0 < cslot < slots``)."""
+        r, h = self.ring.split_item(i, R)
+        hist, xs = ops
+        if (i < i1) & (cslot > 0) & (cslot < slots):
+            c_hist, c_x, _ = self._op_coords((r, h, cslot, cslot, Int32(0)), c)
+            for part in cutlass.range_constexpr(3):
+                for e in cutlass.range_constexpr(3):
+                    hist[3 * part + e] = g.cs[c_hist[part][e]]
+                xs[part] = g.x[c_x[part][0]]
+
+    @cute.jit
+    def _group_next(self, g, gp, j, i0, i1, R, slots, w, lane):
+        """After the group's item ``j``: the operands of its next item ``j + groups`` (conv
+        slot ``cst[0]``) into ``ops``, and the conv slot of item ``j + 3 groups``."""
+        ops, _, cst, _ = gp
+        G = self.shape.groups
+        c = (w % self.units) * 32 + lane
+        self._group_load(g, i0 + j + G, i1, cst[0], R, slots, ops, c)
+        cst[0] = cst[1]
+        cst[1] = self._group_si(g, i0 + j + 3 * G, R)
+
+    def _group_red(self, storage):
+        """The groups' warp sums, ``[groups, 3, 4]`` fp32: q^2, k^2 and o^2 per warp."""
+        return storage.gred.get_tensor(cute.make_layout((self.shape.groups, 3, 4),
+                                                        stride=(12, 4, 1)))
+
+    @cute.jit
+    def _group_conv(self, storage, g, gp, j, h, cslot, w, lane, scale):
+        """Item ``j``'s conv + SiLU of channel ``c`` of q, k and v, its window rewrite and the
+        q / k L2 norms into its slot, once the slot is free (the prep's order: warp sums, then
+        the group's 4 warps in order). The group's warps sync after the sums and after the
+        slot writes (named barrier ``2 + group``)."""
+        (hist, xs), hc, cst, _ = gp
+        grp = w // self.units
+        u = w % self.units
+        c = u * 32 + lane
+        slot = j % self.NI
+        cute.arch.mbarrier_wait(storage.free.data_ptr() + slot, ((j // self.NI) & 1) ^ 1)
+        if h != cst[2]:
+            self._load_head_conv(g, hc, h, c)
+            cst[2] = h
+        hv = [Float32(hist[e]) for e in range(9)]
+        xv = [Float32(xs[e]) for e in range(3)]
+        yq, yk, yv = self._conv_window(g, hc, hv, xv, cslot, h * D + c)
+        red = self._group_red(storage)
+        sq = N.warp_sum(N.fmul(yq[0], yq[0]))
+        sk = N.warp_sum(N.fmul(yk[0], yk[0]))
+        if lane == 0:
+            red[grp, 0, u] = sq
+            red[grp, 1, u] = sk
+        if cutlass.const_expr(self.ks.record):
+            g.kgrec[cslot, h, 0, c] = BFloat16(yk[0])
+        cute.arch.barrier(barrier_id=2 + grp, number_of_threads=self.units * 32)
+        iq = item.inv_norm(item.quarter_sum(lambda i: red[grp, 0, i]))
+        ik = item.inv_norm(item.quarter_sum(lambda i: red[grp, 1, i]))
+        self._slots(storage, "q")[slot, 0, c] = item.q_hat(yq[0], iq, scale)
+        self._slots(storage, "k")[slot, 0, c] = N.fmul(yk[0], ik)
+        self._slots(storage, "v")[slot, 0, c] = yv[0]
+        # every warp of the group sees the item's vectors
+        cute.arch.barrier(barrier_id=2 + grp, number_of_threads=self.units * 32)
+
+    @cute.jit
+    def _group_epilogue(self, storage, g, gp, j, i0, R, w, lane, eps, live: cutlass.Constexpr):
+        """Item ``j``'s gated RMSNorm by its group, warp ``u`` the channels ``32u + lane`` (the
+        prep epilogue's split and order: warp sums of ob^2, then the 4 warps in order); a dead
+        item's row of ``out`` is zeros. Then every lane arrives *free*."""
+        grp = w // self.units
+        u = w % self.units
+        c = u * 32 + lane
+        slot = j % self.NI
+        r, h = self.ring.split_item(i0 + j, R)
+        if cutlass.const_expr(live):
+            red = self._group_red(storage)
+            cute.arch.sync_warp()          # the warp's o rows, written by its lanes l8 == 0
+            ob = self._slots(storage, "o")[slot, 0, c]
+            so = N.warp_sum(N.fmul(ob, ob))
+            if lane == 0:
+                red[grp, 2, u] = so
+            cute.arch.barrier(barrier_id=2 + grp, number_of_threads=self.units * 32)
+            ss = item.quarter_sum(lambda i: red[grp, 2, i])
+            y = item.gated_rmsnorm(ob, ss, eps, gp[3], self._slots(storage, "og")[slot, 0, c])
+            g.out[r, h * D + c] = BFloat16(y)
+        else:
+            g.out[r, h * D + c] = BFloat16(0.0)
+        cute.arch.mbarrier_arrive(storage.free.data_ptr() + slot)
+
     # ----------------------------------------------------------------------------- prep
     @cute.jit
     def _prep_loop(self, storage, g, pt, i0, i1, R, slots, scale, eps, lb):
@@ -313,7 +470,8 @@ class KdaStream(Launch):
         fbs[1] = Int32(0)
         if i0 < i1:
             # the first item's head: model weights (no predecessor writes them)
-            self._load_head_conv(g, hc, fbs[0], pt)
+            if cutlass.const_expr(not self.group_prep):
+                self._load_head_conv(g, hc, fbs[0], pt)
             self._load_head_gate(g, thr, hg, fbs[0], pt)
             if cutlass.const_expr(self.fb_smem):
                 self._stage_fb(storage, g, pt, fbs[0])
@@ -354,11 +512,13 @@ class KdaStream(Launch):
             self._load_si(g, raw, i0 + j + ahead, R)
             self._prefetch(g, dsc2, pt)
             self._prep(storage, g, mma, thr, pt, j, cur, dsc, ops, hc, hg, scale, lb, fbs)
-            if j >= self.LAG:
-                self._epilogue(storage, g, pt, j - self.LAG, eps, nwv)
-        first = cutlass.max(i1 - i0 - self.LAG, Int32(0))
-        for j in cutlass.range(first, i1 - i0, unroll=1):
-            self._epilogue(storage, g, pt, j, eps, nwv)
+            if cutlass.const_expr(not self.group_prep):
+                if j >= self.LAG:
+                    self._epilogue(storage, g, pt, j - self.LAG, eps, nwv)
+        if cutlass.const_expr(not self.group_prep):
+            first = cutlass.max(i1 - i0 - self.LAG, Int32(0))
+            for j in cutlass.range(first, i1 - i0, unroll=1):
+                self._epilogue(storage, g, pt, j, eps, nwv)
         # the f_a phase of the item past the range (its arrivals came with the last item)
         n = i1 - i0
         cute.arch.mbarrier_wait(storage.fabar.data_ptr() + n % 2, (n // 2) & 1)
@@ -431,7 +591,7 @@ class KdaStream(Launch):
         hist, xs, ogs, bs = ops
         if dsc[5] != 0:
             c_hist, c_x, c_og = self._op_coords(dsc, pt)
-            for part in cutlass.range_constexpr(3):
+            for part in cutlass.range_constexpr(0 if self.group_prep else 3):
                 for e in cutlass.range_constexpr(3):
                     hist[3 * part + e] = g.cs[c_hist[part][e]]
                 if cutlass.const_expr(self.x_ahead):
@@ -463,9 +623,12 @@ class KdaStream(Launch):
     def _head_regs(self, g):
         """Registers for one head's parameters: the conv weights (4 per part) and bias of the
         thread's 3 channels; dt_bias of its 8 gate accumulator values and A_log."""
-        return ((cute.make_rmem_tensor(cute.make_layout((12,)), g.cw.element_type),
-                 cute.make_rmem_tensor(cute.make_layout((3,)), g.cb.element_type)),
-                cute.make_rmem_tensor(cute.make_layout((9,)), Float32))
+        return (self._conv_regs(g), cute.make_rmem_tensor(cute.make_layout((9,)), Float32))
+
+    def _conv_regs(self, g):
+        """Registers for a head's conv weights (4 per part) and bias of a thread's 3 channels."""
+        return (cute.make_rmem_tensor(cute.make_layout((12,)), g.cw.element_type),
+                cute.make_rmem_tensor(cute.make_layout((3,)), g.cb.element_type))
 
     @cute.jit
     def _load_head_conv(self, g, hc, h, pt):
@@ -500,10 +663,11 @@ class KdaStream(Launch):
         new_head = (dn[5] != 0) & (dn[1] != fbs[0])
         cute.arch.mbarrier_wait(storage.free.data_ptr() + slot, ((j // self.NI) & 1) ^ 1)
         s_desc = self._descs(storage)
-        if pt == 0:    # what the item's epilogue needs
-            s_desc[slot, 0] = r
-            s_desc[slot, 1] = h
-            s_desc[slot, 2] = live
+        if cutlass.const_expr(not self.group_prep):
+            if pt == 0:    # what the item's epilogue needs
+                s_desc[slot, 0] = r
+                s_desc[slot, 1] = h
+                s_desc[slot, 2] = live
         s_q = self._slots(storage, "q")
         s_k = self._slots(storage, "k")
         s_v = self._slots(storage, "v")
@@ -515,25 +679,17 @@ class KdaStream(Launch):
         n0 = r * T
         ch = h * D + pt
         hist, xs, ogs, bs = ops
-        if live != 0:
+        if cutlass.const_expr(self.group_prep):
+            if live != 0:      # the output gate and beta: the group does the conv and norms
+                s_og[slot, 0, pt] = N.sigmoid(Float32(ogs[0]))
+                self._beta(s_b, slot, pt, bs)
+        elif live != 0:
             hv = [Float32(hist[e]) for e in range(9)]
             if cutlass.const_expr(self.x_ahead):
                 xv = [Float32(xs[e]) for e in range(3 * T)]
             else:
                 xv = [Float32(g.x[n0 + e % T, (e // T) * dim + ch]) for e in range(3 * T)]
-            ys = [self._conv(hc, hv[3 * p:3 * p + 3], xv[p * T:(p + 1) * T], p) for p in range(3)]
-            yq, yk, yv = ys
-            # the window: every history value of the item was read above. The values went
-            # through fp32 exactly (a widening), so a bf16 cache gets its bits back as the
-            # high half of the fp32 bits (any NaN payload included), an fp32 cache the fp32
-            cs16 = cute.recast_tensor(g.cs, Int16) if ks.cs_bf16 else None
-            for part in cutlass.range_constexpr(3):
-                new = [hv[3 * part + 1], hv[3 * part + 2]] + xv[part * T:(part + 1) * T]
-                for pos in cutlass.range_constexpr(T + 2):
-                    if cutlass.const_expr(ks.cs_bf16):
-                        cs16[cslot, part * dim + ch, pos] = Int16(N.f32_bits(new[pos]) >> 16)
-                    else:
-                        g.cs[cslot, part * dim + ch, pos] = new[pos]
+            yq, yk, yv = self._conv_window(g, hc, hv, xv, cslot, ch)
             for t in cutlass.range_constexpr(T):
                 # q and k wait for their norms in the slot (fp32, exactly)
                 s_q[slot, t, pt] = yq[t]
@@ -547,14 +703,11 @@ class KdaStream(Launch):
                     s_red[t, 1, pw] = sk
                 if cutlass.const_expr(ks.record):
                     g.kgrec[cslot, h, t, pt] = BFloat16(yk[t])
-            if pt < T:
-                if cutlass.const_expr(ks.beta_activated):
-                    s_b[slot, pt] = Float32(bs[0])      # the engine's sigmoid(beta), as it is
-                else:
-                    s_b[slot, pt] = N.sigmoid(Float32(bs[0]))
+            self._beta(s_b, slot, pt, bs)
         self._load_ops(g, dn, ops, pt)
-        if new_head:
-            self._load_head_conv(g, hc, dn[1], pt)
+        if cutlass.const_expr(not self.group_prep):
+            if new_head:
+                self._load_head_conv(g, hc, dn[1], pt)
         # every thread passes every phase of the f_a stages (a dead item's too), so that no
         # thread's arrival for item j + 2 can land in item j's phase
         cute.arch.mbarrier_wait(storage.fabar.data_ptr() + j % 2, (j // 2) & 1)
@@ -569,17 +722,18 @@ class KdaStream(Launch):
         self._copy_fa(storage, g, dn, (j + 1) % 2, pt)
         if new_head:
             self._load_head_gate(g, thr, hg, dn[1], pt)
-        if live != 0:
-            cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=PREP)
-            for t in cutlass.range_constexpr(T):
-                sq = item.quarter_sum(lambda i, t=t: s_red[t, 0, i])
-                sk = item.quarter_sum(lambda i, t=t: s_red[t, 1, i])
-                iq = item.inv_norm(sq)
-                ik = item.inv_norm(sk)
-                s_q[slot, t, pt] = item.q_hat(s_q[slot, t, pt], iq, scale)
-                s_k[slot, t, pt] = N.fmul(s_k[slot, t, pt], ik)
-            # every slot write of the item before *ready* (and s_red free for the next use)
-            cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=PREP)
+        if cutlass.const_expr(not self.group_prep):
+            if live != 0:
+                cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=PREP)
+                for t in cutlass.range_constexpr(T):
+                    sq = item.quarter_sum(lambda i, t=t: s_red[t, 0, i])
+                    sk = item.quarter_sum(lambda i, t=t: s_red[t, 1, i])
+                    iq = item.inv_norm(sq)
+                    ik = item.inv_norm(sk)
+                    s_q[slot, t, pt] = item.q_hat(s_q[slot, t, pt], iq, scale)
+                    s_k[slot, t, pt] = N.fmul(s_k[slot, t, pt], ik)
+                # every slot write of the item before *ready* (and s_red free for the next use)
+                cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=PREP)
         cute.arch.mbarrier_arrive(storage.ready.data_ptr() + slot)
         if new_head:
             if cutlass.const_expr(self.fb_smem):
@@ -589,6 +743,36 @@ class KdaStream(Launch):
                 self._stage_fb(storage, g, pt, dn[1])
                 fbs[1] = fbs[1] ^ 1
             fbs[0] = dn[1]
+
+    @cute.jit
+    def _beta(self, s_b, slot, pt, bs):
+        """The item's beta per token into its slot (threads ``pt < T``)."""
+        if pt < self.T:
+            if cutlass.const_expr(self.ks.beta_activated):
+                s_b[slot, pt] = Float32(bs[0])      # the engine's sigmoid(beta), as it is
+            else:
+                s_b[slot, pt] = N.sigmoid(Float32(bs[0]))
+
+    @cute.jit
+    def _conv_window(self, g, hc, hv, xv, cslot, ch):
+        """Conv + SiLU of channel ``ch`` (of the head's 128) of q, k and v for the T tokens
+        (:meth:`_conv`; ``hv``: the 3 history values per part, ``xv``: the T inputs per part,
+        fp32), then the item's window rewrite. Returns the three parts' T values.
+
+        Every history value of the item was read before. The values went through fp32
+        exactly (a widening), so a bf16 cache gets its bits back as the high half of the
+        fp32 bits (any NaN payload included), an fp32 cache the fp32."""
+        ks, T, dim = self.ks, self.T, self.dim
+        ys = [self._conv(hc, hv[3 * p:3 * p + 3], xv[p * T:(p + 1) * T], p) for p in range(3)]
+        cs16 = cute.recast_tensor(g.cs, Int16) if ks.cs_bf16 else None
+        for part in cutlass.range_constexpr(3):
+            new = [hv[3 * part + 1], hv[3 * part + 2]] + xv[part * T:(part + 1) * T]
+            for pos in cutlass.range_constexpr(T + 2):
+                if cutlass.const_expr(ks.cs_bf16):
+                    cs16[cslot, part * dim + ch, pos] = Int16(N.f32_bits(new[pos]) >> 16)
+                else:
+                    g.cs[cslot, part * dim + ch, pos] = new[pos]
+        return ys
 
     def _conv(self, hc, hist, xs, part):
         """Conv + SiLU of the thread's channel of ``part`` for the T tokens (FP32): acc = bias;

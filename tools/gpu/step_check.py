@@ -3,6 +3,7 @@ program the GPU session runs under compute-sanitizer (memcheck, racecheck, syncc
 
     python3 -m tools.gpu.step_check cutedsl 4 3 2        # backend, heads, requests, tokens
     python3 -m tools.gpu.step_check cuda 4 3 2 bf16      # ... with a bf16 state pool
+    python3 -m tools.gpu.step_check cutedsl:streamg 8 100 1 bf16   # one kernel of the family
 
 Exit status 0 when every buffer matches the reference (kda.testing.compare_step), else 1.
 """
@@ -25,7 +26,11 @@ def main(argv) -> int:
                 make_config(H, T, "DS", gm=1, record=T > 1, bf16_state=bf16_state)):
         args = make_case(CaseSpec(cfg, R=R, seed=H * 100 + R), "cuda")
         before, expected = expected_after(cfg, args)
-        call_public(args, cfg, backend)
+        if ":" in backend:      # cutedsl:KIND, the kernel KIND of the CuTe DSL family
+            from kda.backends.cutedsl.backend import KdaBackend
+            KdaBackend.launcher(backend.split(":", 1)[1], cfg, torch.device("cuda"))(args)
+        else:
+            call_public(args, cfg, backend)
         torch.cuda.synchronize()
         errors = compare_step(args, expected, before)
         print(f"{backend} {cfg.short()} R={R}: " + ("ok" if not errors else "; ".join(errors)))

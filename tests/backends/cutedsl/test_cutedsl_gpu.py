@@ -177,12 +177,20 @@ FEW_CTAS_SPECS = [
 ]
 
 
-@pytest.mark.parametrize("spec", FEW_CTAS_SPECS, ids=[s.id for s in FEW_CTAS_SPECS])
-def test_stream_few_ctas(spec, device, require_backend, monkeypatch):
-    """The streamed kernel on 3 persistent CTAs == wide bit for bit, and the reference."""
-    stream = _launcher("stream", spec.cfg, device, require_backend)
+FEW_CTAS_CASES = [("stream", s) for s in FEW_CTAS_SPECS] + [
+    ("streamg", FEW_CTAS_SPECS[0]),
+    ("streamg", CaseSpec(make_config(12, 1, "DS", record=True, bias=True, bf16_state=True),
+                         R=60, null_frac=0.3, seed=45)),
+]
+
+
+@pytest.mark.parametrize("kind,spec", FEW_CTAS_CASES,
+                         ids=[f"{k}-{s.id}" for k, s in FEW_CTAS_CASES])
+def test_stream_few_ctas(kind, spec, device, require_backend, monkeypatch):
+    """The persistent kernels on 3 CTAs == wide bit for bit, and the reference."""
+    stream = _launcher(kind, spec.cfg, device, require_backend)
     monkeypatch.setattr(stream, "sms", 3)       # the grid: min(sms, items)
-    _check_beside_wide("stream", stream, spec.cfg, make_case(spec, device), device,
+    _check_beside_wide(kind, stream, spec.cfg, make_case(spec, device), device,
                        require_backend)
 
 
@@ -206,14 +214,26 @@ BLOCK_SPECS = [
 ]
 
 
+#: The persistent kernel with the consumer groups preparing their own items (``streamg``,
+#: T = 1): the T = 1 cases above, and batches of many items per CTA with head changes,
+#: record mode, fp32 windows and bf16 pages.
+GROUP_SPECS = [s for s in STREAM_SPECS + BLOCK_SPECS[:5] if s.cfg.T == 1] + [
+    CaseSpec(make_config(12, 1, "DS", record=True, bias=True, gm=1, bf16_state=True,
+                         extra_window=2), R=40, null_frac=0.3, seed=81),
+    CaseSpec(make_config(32, 1, cs32=True, lb=-5.0, bf16_state=True), R=33, null_frac=0.1,
+             seed=82),
+]
+
 #: (kernel, case) of :func:`test_stream_bit_identical_to_wide`
-STREAM_CASES = [("stream", s) for s in STREAM_SPECS] + [("stream4", s) for s in BLOCK_SPECS]
+STREAM_CASES = ([("stream", s) for s in STREAM_SPECS] + [("stream4", s) for s in BLOCK_SPECS]
+                + [("streamg", s) for s in GROUP_SPECS])
 
 
 @pytest.mark.parametrize("kind,spec", STREAM_CASES, ids=[f"{k}-{s.id}" for k, s in STREAM_CASES])
 def test_stream_bit_identical_to_wide(kind, spec, device, require_backend):
-    """The streamed kernel, persistent (``stream``) or on one CTA per 4 items in blocks of 4
-    requests (``stream4``), == wide bit for bit, and both within the reference's tolerance."""
+    """The streamed kernel, persistent (``stream``; ``streamg``: the groups preparing their
+    items) or on one CTA per 4 items in blocks of 4 requests (``stream4``), == wide bit for
+    bit, and both within the reference's tolerance."""
     run = _launcher(kind, spec.cfg, device, require_backend)
     _check_beside_wide(kind, run, spec.cfg, make_case(spec, device), device, require_backend,
                        check_wide=True)
