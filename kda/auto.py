@@ -37,26 +37,26 @@ from kda.errors import KdaBackendError
 
 #: The measurements the tables come from, per state pool dtype: the reference run's JSON files.
 SOURCE = {
-    "fp32": ("docs/results/2026-12-02-h200/bench-h200-fp32.json",),
-    "bf16": ("docs/results/2026-12-02-h200/bench-h200-bf16.json",),
+    "fp32": ("docs/results/2026-12-03-h200/bench-h200-fp32.json",),
+    "bf16": ("docs/results/2026-12-03-h200/bench-h200-bf16.json",),
 }
 #: state dtype -> T -> R -> our backends, fastest first (median step time at H=32).
 MEASURED: Dict[str, Dict[int, Dict[int, Tuple[str, ...]]]] = {
     "fp32": {
         1: {1: ("cutedsl", "cutedsl_wide", "triton", "cuda"),
-            8: ("cutedsl_wide", "cutedsl", "cuda", "triton"),
+            8: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
             32: ("cutedsl", "cuda", "cutedsl_wide", "triton"),
             128: ("cutedsl", "cuda", "cutedsl_wide", "triton"),
             512: ("cutedsl", "cuda", "cutedsl_wide", "triton")},
         4: {1: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
             8: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
             32: ("cuda", "cutedsl", "cutedsl_wide", "triton"),
-            128: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
+            128: ("cutedsl_wide", "cutedsl", "cuda", "triton"),
             512: ("cutedsl", "cutedsl_wide", "cuda", "triton")},
     },
     "bf16": {
         1: {1: ("cutedsl", "cutedsl_wide", "triton", "cuda"),
-            8: ("cutedsl_wide", "cutedsl", "triton", "cuda"),
+            8: ("cutedsl", "cutedsl_wide", "triton", "cuda"),
             32: ("cutedsl", "triton", "cutedsl_wide", "cuda"),
             128: ("cutedsl", "triton", "cuda", "cutedsl_wide"),
             512: ("cutedsl", "triton", "cuda", "cutedsl_wide")},

@@ -5,8 +5,9 @@ kernel launch (nvidia-cutlass-dsl 4.8.1).
 ``cutedsl`` picks by the batch's load, T and the state pool dtype
 (:func:`kda.backends.cutedsl.policy.kernel_for`): at small batches each item runs on a cluster
 of 4 or 8 CTAs (:mod:`kda.backends.cutedsl.split`), above that on persistent CTAs that stream
-the state pages through a shared-memory ring (:mod:`kda.backends.cutedsl.stream`; fp32 pages
-from 1024 items at T=1 and from 1536 at T = 2-3: the same kernel on one CTA per 4 items, in
+the state pages through a shared-memory ring (:mod:`kda.backends.cutedsl.stream`; at T=1 from
+65 to 4095 items on bf16 pages and from 97 to 256 on fp32 pages with each consumer group
+preparing its own items; fp32 pages from 1024 items at T=1 and from 1536 at T = 2-3: the same kernel on one CTA per 4 items, in
 blocks of 4 requests of one head), or one CTA per item (fp32 pages: at T=3 from 385 to 1535
 items, at T=4 above 384, at T >= 5 above 96). Every kernel computes every value in the same
 order, so the two backends produce bit-identical outputs, states, windows and records.
@@ -282,7 +283,8 @@ class KdaBackend(_CuteDslBackend):
     description = ("CuTe DSL: each (request, head) on a cluster of 4-8 CTAs (value rows split, "
                    "decays and outputs exchanged through distributed shared memory) at small "
                    "batches, persistent CTAs streaming the state pages through a shared-memory "
-                   "ring above (prep warps ahead of consumer warps; the same kernel on one "
+                   "ring above (prep warps ahead of consumer warps, or at T=1 each consumer "
+                   "group preparing its own items; the same kernel on one "
                    "CTA per 4 items in blocks of 4 requests at T <= 3), one CTA per item where "
                    "that measured faster (T >= 3); mma.sync gate, PDL")
 

@@ -196,16 +196,22 @@ def test_every_backend_serves_a_bf16_state(name):
 
 def test_auto_ranks_every_gpu_backend_for_a_bf16_state(monkeypatch):
     """On a (pretend) GPU where every backend runs, auto's plan for a bf16 state follows the
-    bf16 table (kda.auto.MEASURED["bf16"]) and keeps every GPU backend as a candidate."""
+    bf16 table (kda.auto.MEASURED["bf16"]) and ranks every GPU backend; the step is the
+    table's first backend where every row has the same one, else a per-batch choice."""
     monkeypatch.delenv("KDA_BACKEND", raising=False)
     monkeypatch.setattr(registry, "unsupported_reasons", lambda n, cfg, dev: [])
     cfg = KdaConfig(num_heads=32, state_dtype=torch.bfloat16)
+    plan = registry.plan(cfg, torch.device("cuda"))
+    for r, order in plan.items():
+        assert set(order) >= {"cuda", "cutedsl", "cutedsl_wide", "triton"}, (r, order)
+        assert order[0] == auto.MEASURED["bf16"][1][r][0], (r, order)
     got = registry.resolve(cfg, torch.device("cuda"))
-    cands = getattr(got, "candidates", {None: [got]})
-    names = {b.name for c in cands.values() for b in c}
-    assert names >= {"cuda", "cutedsl", "cutedsl_wide", "triton"}, names
-    for r, c in cands.items():
-        assert c[0].name == auto.MEASURED["bf16"][1][r][0], (r, [b.name for b in c])
+    firsts = {order[0] for order in plan.values()}
+    if len(firsts) == 1:
+        assert got.name == firsts.pop()
+    else:
+        assert {r: c[0].name for r, c in got.candidates.items()} == {
+            r: order[0] for r, order in plan.items()}
 
 
 def test_auto_on_cpu_serves_a_bf16_state_with_the_reference(monkeypatch):

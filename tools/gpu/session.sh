@@ -23,7 +23,7 @@
 #   bigmem   the GPU-scale cases (2**31 offsets, >65,535 items)
 #   sanitize compute-sanitizer memcheck, racecheck and synccheck on one checked step of the
 #            CuTe DSL kernels (tools/gpu/step_check.py; cutedsl at a split-kernel and at a
-#            streamed-kernel batch, cutedsl_wide at T=1) and of cuda's bf16-state builds,
+#            streamed-kernel batch, streamg at T=1, cutedsl_wide at T=1) and of cuda's bf16-state builds,
 #            each kernel with fp32 and bf16 state pools
 #   full     the full conformance matrix, per backend in $KDA_FULL_SHARDS shards (default 2),
 #            or the jobs listed in $KDA_FULL_JOBS ("backend:i/n ...", e.g. "cuda:2/3")
@@ -154,6 +154,10 @@ if want sanitize; then
       bg "sanitize-$tool-stream-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
          --error-exitcode 9 --report-api-errors no \
          python3 -m tools.gpu.step_check cutedsl 8 100 2 $sd
+      # the persistent kernel with the groups preparing their items (T=1, 800 items)
+      bg "sanitize-$tool-streamg-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
+         --error-exitcode 9 --report-api-errors no \
+         python3 -m tools.gpu.step_check cutedsl:streamg 8 100 1 $sd
       # the one-CTA-per-item kernel at an odd T (its epilogue's upper half has no last token)
       bg "sanitize-$tool-wide-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
          --error-exitcode 9 --report-api-errors no \

@@ -79,16 +79,22 @@ SPLIT_CASES = [
     ("split2", 0), ("split2", 5), ("split2", 7),
 ]
 #: The streamed kernel's cases: T = 1, 2, 5, 8, both layouts, both gates, gate_mode 0/1,
-#: bias, record mode, fp32 conv state, bf16 weights; in blocks of 4 requests at T = 1-3.
+#: bias, record mode, fp32 conv state, bf16 weights; in blocks of 4 requests at T = 1-3; with
+#: the groups preparing their items (streamg) at T = 1 in both layouts, record mode.
 STREAM_CASES = [("stream", 0), ("stream", 1), ("stream", 2), ("stream", 4), ("stream", 7),
-                ("stream4", 0), ("stream4", 6), ("stream4", 7), ("stream4", 8)]
+                ("stream4", 0), ("stream4", 6), ("stream4", 7), ("stream4", 8),
+                ("streamg", 0), ("streamg", 6)]
 CASES = [("wide", i) for i in range(len(CONFIGS))] + SPLIT_CASES + STREAM_CASES
 D = 128
 
 
-#: Split cases whose cubin spills (bytes of stack; ptxas settles on 96 registers there):
-#: a few values stored once before the recurrence and reloaded once after it. Expected
-#: failures of the no-spill check, strict: a case that stops spilling must leave this table.
+#: Streamed builds allowed a stack (bytes), ptxas at the 168-register cap: ``streamg`` on fp32
+#: pages (SD, no record) keeps the group's next operands, conv weights and norm weight across
+#: the passes beside the 64 state values (bf16 pages: 153 registers, no stack). Its step
+#: times were measured with it. Strict: a case that stops spilling must leave this table.
+STREAM_STACK = {("streamg", 0): 40}
+
+
 def _case_params():
     return [pytest.param(kind, i, id=f"{kind}-{CONFIGS[i].short()}") for kind, i in CASES]
 
@@ -296,7 +302,8 @@ def test_resource_usage(kind, i):
         assert usage["STACK"] <= 512, "register spills grew out of bounds"
     elif kind.startswith("stream"):
         # 384 threads (3 warpgroups): 168 registers at most, none spilled
-        assert usage["REG"] <= 168 and usage["STACK"] == 0 and usage["LOCAL"] == 0, usage
+        assert usage["REG"] <= 168 and usage["LOCAL"] == 0, usage
+        assert usage["STACK"] == STREAM_STACK.get((kind, i), 0), usage
     elif any(kind in policy.kernels(T, bf) for T in range(1, 9) for bf in (False, True)):
         assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"spills / stack: {usage}"
     else:
@@ -386,6 +393,7 @@ BF16_STATE_CASES = [
     ("split4", KdaConfig(num_heads=4, T=5, window=7, record=True, state_dtype=bf16)),
     ("stream", KdaConfig(num_heads=32, T=1, window=3, state_dtype=bf16)),
     ("stream4", KdaConfig(num_heads=32, T=1, window=3, state_dtype=bf16)),
+    ("streamg", KdaConfig(num_heads=12, T=1, window=4, has_conv_bias=True, state_dtype=bf16)),
     ("stream", KdaConfig(num_heads=12, T=4, window=6, gate_mode=1, state_dtype=bf16)),
     ("stream", KdaConfig(num_heads=8, T=3, window=5, record=True, state_dtype=bf16)),
     ("stream", KdaConfig(num_heads=32, T=2, window=4, state_dtype=bf16)),
@@ -494,10 +502,16 @@ def test_kernel_kinds():
         assert type(obj).__name__ == "KdaStream" and obj.block == C
         assert policy.block_of(f"stream{C}") == C and policy.cluster_of(f"stream{C}") is None
     assert cache.kernel_object("stream", ks).block == 0 and policy.block_of("stream") is None
+    assert cache.kernel_object("streamg", ks).group_prep and policy.block_of("streamg") is None
+    assert not cache.kernel_object("stream", ks).group_prep
+    assert policy.ctas("streamg", 12, 10) == 10
+    with pytest.raises(ValueError, match="group_prep: expected T = 1"):
+        cache.kernel_object("streamg", KernelStatic.from_config(KdaConfig(num_heads=2, T=2,
+                                                                          window=4)))
     assert policy.ctas("stream", 12, 10) == 10 and policy.ctas("stream", 7, 10) == 7
     assert policy.ctas("stream4", 12, 10) == 3 and policy.ctas("stream4", 13, 10) == 4
     for bad in ("split1", "split3", "split16", "split", "wide2", "Split2", "stream3",
-                "stream0", "stream32", "streams"):
+                "stream0", "stream32", "streams", "streamg4"):
         with pytest.raises(ValueError):
             cache.kernel_object(bad, ks)
     names = cache.arg_names("wide")
@@ -605,11 +619,13 @@ def test_policy_table(T, bf16):
     assert most == sorted(set(most)) and most[0] >= 1
     assert rows[-1][0] is None and rows[-1][1] in ("stream", "stream4", "wide")
     kinds = [k for _, k in rows]
-    assert len(set(kinds)) == len(kinds)
+    assert all(a != b for a, b in zip(kinds, kinds[1:]))     # a kernel may come back later
     splits = [k for k in kinds if policy.cluster_of(k) is not None]
     assert kinds[:len(splits)] == splits and all(policy.cluster_of(k) in (2, 4, 8) for k in splits)
-    assert set(kinds[len(splits):]) <= {"stream", "stream4", "wide"}
-    assert policy.kernels(T, bf16) == tuple(kinds)
+    assert len(set(splits)) == len(splits)
+    assert set(kinds[len(splits):]) <= {"stream", "streamg", "stream4", "wide"}
+    assert "streamg" not in kinds or T == 1
+    assert policy.kernels(T, bf16) == tuple(dict.fromkeys(kinds))
     for m, kind in rows[:-1]:
         assert policy.kernel_for(m, T, bf16) == kind
         assert policy.kernel_for(m + 1, T, bf16) != kind

@@ -5,7 +5,9 @@ The model is the kernel's synchronization and nothing else: mbarriers with their
 counts and phase-parity waits, the prep warps' order (item j's prep, then item j - LAG's
 epilogue, then the trailing epilogues), and each consumer warp of group g walking the items
 j = g, g + groups, ... (a dead item: its *ready* waited for and *done* arrived, as a live
-one). It takes the kernel's own slot count and lag for each ring shape. It checks that every
+one). It takes the kernel's own slot count and lag for each ring shape. With ``group_prep``
+the prep has no epilogue: each consumer warp waits for *free* before a live item's conv,
+then for *ready*, and arrives *free* after the item (a dead one: *ready*, then *free*). It checks that every
 wait passes only once the phase it is meant for has completed (a parity wait passes too when
 the barrier is two phases behind: that is the failure to find), that no barrier receives
 more arrivals than its count, and that nothing deadlocks.
@@ -50,7 +52,8 @@ def _run(kernel, live, seed):
     errors = []
     ready = [_Bar(1, errors, f"ready{i}") for i in range(NI)]
     done = [_Bar(units, errors, f"done{i}") for i in range(NI)]
-    free = [_Bar(1, errors, f"free{i}") for i in range(NI)]
+    gp = kernel.group_prep
+    free = [_Bar(units if gp else 1, errors, f"free{i}") for i in range(NI)]
 
     def wait(bar, parity, want, who):
         while not bar.passes(parity):
@@ -66,7 +69,7 @@ def _run(kernel, live, seed):
                 yield
                 ready[s].arrive()
             e = j - LAG
-            if 0 <= e and (j < n or e >= max(n - LAG, 0)):      # epilogue(e)
+            if not gp and 0 <= e and (j < n or e >= max(n - LAG, 0)):      # epilogue(e)
                 s, k = e % NI, e // NI
                 yield from wait(done[s], k & 1, k + 1, f"epilogue {e}")
                 yield
@@ -75,10 +78,14 @@ def _run(kernel, live, seed):
     def consumer(g, w):
         for j in range(g, n, groups):
             s, k = j % NI, j // NI
-            yield from wait(ready[s], k & 1, k + 1, f"consumer {g}.{w} item {j} (live {live[j]})")
+            who = f"consumer {g}.{w} item {j} (live {live[j]})"
+            if gp and live[j]:      # the group's conv writes the slot
+                yield from wait(free[s], (k & 1) ^ 1, k, who)
+                yield
+            yield from wait(ready[s], k & 1, k + 1, who)
             for _ in range(rnd.randint(0, 3)):
                 yield
-            done[s].arrive()
+            (free if gp else done)[s].arrive()
 
     agents = [prep()] + [consumer(g, w) for g in range(groups) for w in range(units)]
     for _ in range(100000):
@@ -95,7 +102,16 @@ def _run(kernel, live, seed):
 @pytest.mark.parametrize("shape", [RingShape(32, 8, 1), RingShape(16, 8, 2), RingShape(64, 4, 1)],
                          ids=["rows32", "rows16", "rows64"])
 def test_item_slot_protocol(shape):
-    kernel = KdaStream(KernelStatic.from_config(KdaConfig(num_heads=4, T=1, window=3)), shape)
+    _check_protocol(KdaStream(KernelStatic.from_config(KdaConfig(num_heads=4, T=1, window=3)),
+                              shape))
+
+
+def test_item_slot_protocol_group_prep():
+    _check_protocol(KdaStream(KernelStatic.from_config(KdaConfig(num_heads=4, T=1, window=3)),
+                              group_prep=True))
+
+
+def _check_protocol(kernel):
     rnd = random.Random(1)
     for seed in range(400):
         n = rnd.randint(0, 24)
