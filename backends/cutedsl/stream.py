@@ -109,7 +109,7 @@ class KdaStream(Launch):
         self.rows = shape.rows
         # item slots: the one being prepared and one per consumer group; an item's epilogue
         # runs LAG items after its prep, once its group is done with it. With group_prep the
-        # prep (the gate only) runs up to 4 items ahead of the groups
+        # prep (gate, output gate, beta) runs up to 4 items ahead of the groups
         self.LAG = 4 if group_prep else shape.groups
         self.NI = self.LAG + 1
         self.prep0 = 32 * shape.consumers      # first prep thread
@@ -718,7 +718,8 @@ class KdaStream(Launch):
             rB = mma.make_fragment_B(tB)
             cute.autovec_copy(tB, rB)
             self._gate(storage, g, mma, thr, pt, slot, h, cslot, lb, rB, hg)
-        # (every prep thread's reads of stage (j + 1) % 2 were before item j - 1's barriers)
+        # (every prep thread read stage (j + 1) % 2 for item j - 1 before its arrival on stage
+        # j % 2's barrier, waited for above)
         self._copy_fa(storage, g, dn, (j + 1) % 2, pt)
         if new_head:
             self._load_head_gate(g, thr, hg, dn[1], pt)

@@ -216,12 +216,17 @@ BLOCK_SPECS = [
 
 #: The persistent kernel with the consumer groups preparing their own items (``streamg``,
 #: T = 1): the T = 1 cases above, and batches of many items per CTA with head changes,
-#: record mode, fp32 windows and bf16 pages.
+#: record mode, fp32 windows, bf16 weights, padded strides, rows at odd element offsets and
+#: bf16 pages.
 GROUP_SPECS = [s for s in STREAM_SPECS + BLOCK_SPECS[:5] if s.cfg.T == 1] + [
     CaseSpec(make_config(12, 1, "DS", record=True, bias=True, gm=1, bf16_state=True,
                          extra_window=2), R=40, null_frac=0.3, seed=81),
     CaseSpec(make_config(32, 1, cs32=True, lb=-5.0, bf16_state=True), R=33, null_frac=0.1,
              seed=82),
+    CaseSpec(make_config(4, 1, bias=True, bf16_weights=True), R=50, padded=True, null_frac=0.2,
+             seed=83),
+    CaseSpec(make_config(3, 1, "DS", record=True, beta_act=True, bf16_state=True), R=40,
+             packed=True, offset_rows=True, seed=84),
 ]
 
 #: (kernel, case) of :func:`test_stream_bit_identical_to_wide`
