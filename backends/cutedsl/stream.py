@@ -212,10 +212,9 @@ class KdaStream(Launch):
             def skip(j):
                 if cutlass.const_expr(self.group_prep):
                     self._group_next(g, gp, j, i0, i1, R, slots, warp_i, lane)
-                    cute.arch.mbarrier_wait(stores[6] + j % self.NI, (j // self.NI) & 1)
+                self._skip(stores, j)
+                if cutlass.const_expr(self.group_prep):
                     self._group_epilogue(storage, g, gp, j, i0, R, warp_i, lane, eps, False)
-                else:
-                    self._skip(stores, j)
 
             self.ring.walk(storage, g.state, g.si, g.na, R, slots, i0, i1, warp_i, lane, unit,
                            skip)
@@ -252,11 +251,13 @@ class KdaStream(Launch):
     @cute.jit
     def _skip(self, stores, j):
         """A dead item of the warp's group: it passes the item's *ready* and arrives *done*
-        (the slot's phases then count every item, so the parity of each later wait holds)."""
+        (the slot's phases then count every item, so the parity of each later wait holds;
+        with ``group_prep`` the group's epilogue follows instead of *done*)."""
         ready, done = stores[6], stores[7]
         slot = j % self.NI
         cute.arch.mbarrier_wait(ready + slot, (j // self.NI) & 1)
-        cute.arch.mbarrier_arrive(done + slot)
+        if cutlass.const_expr(not self.group_prep):
+            cute.arch.mbarrier_arrive(done + slot)
 
     @cute.jit
     def _unit(self, g, stores, stage, j, h, dst, refill, u, lane, slots):
