@@ -154,10 +154,11 @@ if want sanitize; then
       bg "sanitize-$tool-stream-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
          --error-exitcode 9 --report-api-errors no \
          python3 -m tools.gpu.step_check cutedsl 8 100 2 $sd
-      # the persistent kernel with the groups preparing their items (T=1, 800 items)
+      # the persistent kernel with the groups preparing their items (T=1, 800 items; its
+      # second step in record mode)
       bg "sanitize-$tool-streamg-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
          --error-exitcode 9 --report-api-errors no \
-         python3 -m tools.gpu.step_check cutedsl:streamg 8 100 1 $sd
+         python3 -m tools.gpu.step_check cutedsl:streamg 8 100 1 $sd record
       # the one-CTA-per-item kernel at an odd T (its epilogue's upper half has no last token)
       bg "sanitize-$tool-wide-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
          --error-exitcode 9 --report-api-errors no \
