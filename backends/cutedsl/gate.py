@@ -26,15 +26,32 @@ def gate_mma(lane):
     return mma, mma.get_slice(lane)
 
 
+def smem_fragment(mma, lane, rows: cute.Tensor, operand: str):
+    """The lane's A (``operand`` "A": 16 f_b rows) or B ("B": 8 f_a token rows) fragment of
+    ``rows`` in shared memory ([rows, 128] bf16, 16-byte aligned rows), loaded with
+    ``ldmatrix``: the registers :meth:`make_fragment_A` / ``_B`` of ``thr.partition_A`` /
+    ``_B`` would hold, in 4 (A) or 2 (B) matrices per instruction instead of one 4-byte
+    load per register pair."""
+    if cutlass.const_expr(operand == "A"):
+        rF = mma.make_fragment_A(mma.get_slice(lane).partition_A(rows))
+        tiled = cute.make_tiled_copy_A(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), BFloat16), mma)
+    else:
+        rF = mma.make_fragment_B(mma.get_slice(lane).partition_B(rows))
+        tiled = cute.make_tiled_copy_B(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 2), BFloat16), mma)
+    thr_copy = tiled.get_slice(lane)
+    cute.copy(tiled, thr_copy.partition_S(rows), thr_copy.retile(rF))
+    return rF
+
+
 @cute.jit
-def gate_tile(ks: cutlass.Constexpr, mma, thr, tA: cute.Tensor, rB: cute.Tensor,
+def gate_tile(ks: cutlass.Constexpr, mma, thr, rA: cute.Tensor, rB: cute.Tensor,
               emit: cutlass.Constexpr):
-    """One 16-feature tile: A = ``tA`` (16 f_b rows, this lane's partition, loaded here), B =
-    ``rB`` (the f_a fragment of up to 8 tokens); for each of this lane's accumulator values
-    ``i`` whose token ``t`` is below T, ``emit(i, f16, t, rg)`` with ``f16`` the feature
-    within the tile and ``rg`` the bf16-rounded projection (as fp32)."""
-    rA = mma.make_fragment_A(tA)
-    cute.autovec_copy(tA, rA)
+    """One 16-feature tile: A = ``rA`` (the fragment of 16 f_b rows), B = ``rB`` (the f_a
+    fragment of up to 8 tokens); for each of this lane's accumulator values ``i`` whose token
+    ``t`` is below T, ``emit(i, f16, t, rg)`` with ``f16`` the feature within the tile and
+    ``rg`` the bf16-rounded projection (as fp32)."""
     chains = 1 if ks.gate_mode == 0 else 4
     acc = [mma.make_fragment_C(mma.partition_shape_C((16, 8))) for _ in range(chains)]
     for q in cutlass.range_constexpr(chains):

@@ -132,6 +132,20 @@ class WarpRing:
         r = cutlass.min(Int32(cutlass.select_(tail, full + j - h2 * cl, r)), R - 1)
         return r, Int32(cutlass.select_(tail, h2, h))
 
+    @cute.jit
+    def step_item(self, rh, i, R):
+        """``rh`` := (request, head) of item ``i`` from those of item ``i - 1`` (as
+        :meth:`split_item` gives them; head-major walks step without a division)."""
+        if cutlass.const_expr(self.block == 0):
+            r = rh[0] + 1
+            wrap = r >= R
+            rh[0] = cutlass.select_(wrap, Int32(0), r)
+            rh[1] = cutlass.select_(wrap, rh[1] + 1, rh[1])
+        else:
+            r, h = self.split_item(i, R)
+            rh[0] = r
+            rh[1] = h
+
     @staticmethod
     def item_range(n, block, grid):
         """The items ``[i0, i1)`` of CTA ``block`` of ``grid``: balanced contiguous ranges."""

@@ -47,7 +47,7 @@ from cutlass.cute.nvgpu import cpasync
 from kda.backends.cutedsl import item, ptx as N
 from kda.backends.cutedsl.args import KernelArgs, Launch
 from kda.backends.cutedsl.item import chunk, reg_chunk, state_regs, store4
-from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile
+from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile, smem_fragment
 from kda.backends.cutedsl.static import KernelStatic
 
 D = 128
@@ -435,7 +435,7 @@ class KdaSplit(Launch):
         cute.arch.mbarrier_wait(bar_fb, 0)
         cute.arch.cluster_wait()
         for mt in cutlass.range_constexpr(F // 16):
-            tA = thr.partition_A(cute.local_tile(s_fb, (16, D), (mt, 0)))
+            rA = smem_fragment(mma, lane, cute.local_tile(s_fb, (16, D), (mt, 0)), "A")
 
             def emit(i, f16, t, rg, mt=mt):
                 feat = rank * F + 16 * mt + f16
@@ -446,7 +446,7 @@ class KdaSplit(Launch):
                     cute.arch.store_async_dsmem(s_a.iterator + (t * D + feat),
                                                 N.f32_bits(alpha), bar_alpha, Int32(q))
 
-            gate_tile(ks, mma, thr, tA, rB, emit)
+            gate_tile(ks, mma, thr, rA, rB, emit)
 
     # -------------------------------------------------------------------------------- host
     def _launch(self, a: KernelArgs, stream):

@@ -30,8 +30,11 @@ Slots of the item ring are reused in turn (item ``j`` of the CTA's walk takes sl
 ``j % slots``), guarded by three mbarriers each: *ready* (prep -> consumers, one arrival per
 prep thread), *done* (the item's consumers -> prep, one arrival per lane of each unit warp, for
 a dead item too, so that every warp passes every phase of its slots) and *free* (the epilogue
--> the next prep of that slot). With ``group_prep`` the group's epilogue frees the slot (one
-arrival per lane of each unit warp) and *done* is not used.
+-> the next prep of that slot, one arrival per prep thread once its reads of the slot are
+done). A slot holds its item's warp sums of the q / k norms and of the RMSNorm too, so the
+prep warps sync once per norm, between their sums and their reads, and never to hand a
+slot back. With ``group_prep`` the group's epilogue frees the slot (one arrival per lane
+of each unit warp) and *done* is not used.
 
 Every value is computed in the order of the other kernels of the family (the item arithmetic
 of :mod:`kda.backends.cutedsl.item`, the same warp sums of the norms, the same MMA chains per
@@ -49,7 +52,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from kda.backends.cutedsl import item, ptx as N
 from kda.backends.cutedsl.args import KernelArgs, Launch
-from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile
+from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile, smem_fragment
 from kda.backends.cutedsl.ring import RingShape, WarpRing
 from kda.backends.cutedsl.item import chunk, reg_chunk, state_regs, store4
 from kda.backends.cutedsl.split import make_views
@@ -88,6 +91,10 @@ class KdaStream(Launch):
         # x of the next item is read ahead into registers where its 3T values fit (at T >= 5
         # the prep warps' registers are full: x is read where it is used, from L2)
         self.x_ahead = ks.T <= 4
+        # T = 1: the prep walks (request, head) item to item, without the divisions of
+        # ``split_item`` on its chain (there the prep warps set the pace); at T > 1 it splits
+        # each item's index (carrying (r, h) from the slot-id loads measures slower there)
+        self.walk = ks.T == 1
         self.T = ks.T
         self.H = ks.H
         # bf16 pages at T > 1: the consumers' passes and tokens run as loops, one copy of a
@@ -128,7 +135,8 @@ class KdaStream(Launch):
             "og": cute.struct.Align[cute.struct.MemRange[Float32, NI * T * D], 16],
             "beta": cute.struct.Align[cute.struct.MemRange[Float32, NI * 8], 16],
             "desc": cute.struct.Align[cute.struct.MemRange[Int32, NI * 4], 16],
-            "red": cute.struct.Align[cute.struct.MemRange[Float32, T * 3 * 4], 16],
+            # per slot: the warp sums [token][q^2, k^2, o^2][warp] of its item's norms
+            "red": cute.struct.Align[cute.struct.MemRange[Float32, NI * T * 3 * 4], 16],
             # f_a rows of two items (the gate's B operand; rows T.. stay zero), cp.async-filled
             "fabar": cute.struct.MemRange[Int64, 2],
             "fa": cute.struct.Align[cute.struct.MemRange[BFloat16, 2 * 8 * FB_ROW], 16],
@@ -162,6 +170,12 @@ class KdaStream(Launch):
         """Per slot: the item's request, head and liveness (for its epilogue)."""
         return storage.desc.get_tensor(cute.make_layout((self.NI, 4), stride=(4, 1)))
 
+    def _sums(self, storage):
+        """Per slot: its item's warp sums ``[NI, T, 3 (q^2, k^2, o^2), 4 warps]``."""
+        T = self.T
+        return storage.red.get_tensor(cute.make_layout((self.NI, T, 3, 4),
+                                                       stride=(T * 12, 12, 4, 1)))
+
     def _betas(self, storage):
         return storage.beta.get_tensor(cute.make_layout((self.NI, 8), stride=(8, 1)))
 
@@ -179,12 +193,13 @@ class KdaStream(Launch):
         if tid == 0:
             for i in cutlass.range_constexpr(self.NI):
                 # every writer of an item's slot arrives (its own writes are released to the
-                # waiters): the 128 prep threads on *ready*, each unit's 32 lanes on *done*
-                # (group_prep: on *free*)
+                # waiters): the 128 prep threads on *ready*, each unit's 32 lanes on *done*;
+                # every reader on *free* (the prep threads after the epilogue; group_prep:
+                # each unit's 32 lanes)
                 cute.arch.mbarrier_init(storage.ready.data_ptr() + i, PREP)
                 cute.arch.mbarrier_init(storage.done.data_ptr() + i, self.units * 32)
                 cute.arch.mbarrier_init(storage.free.data_ptr() + i,
-                                        self.units * 32 if self.group_prep else 1)
+                                        self.units * 32 if self.group_prep else PREP)
             for i in cutlass.range_constexpr(2):
                 cute.arch.mbarrier_init(storage.fabar.data_ptr() + i, PREP)
             if cutlass.const_expr(self.fb_smem):
@@ -481,18 +496,26 @@ class KdaStream(Launch):
         # slot ids ``ahead`` items ahead, operands one item ahead; with the L2 prefetch, the
         # rows of the item after next into L2 (their loads then hit L2)
         ahead = 3 if self.prefetch else 2
-        raw = cute.make_rmem_tensor(cute.make_layout((self.T + 1,)), Int32)
+        nraw = self.T + (3 if self.walk else 1)
+        raw = cute.make_rmem_tensor(cute.make_layout((nraw,)), Int32)
         dsc = cute.make_rmem_tensor(cute.make_layout((6,)), Int32)
         dsc2 = cute.make_rmem_tensor(cute.make_layout((6,)), Int32)
-        self._load_si(g, raw, i0, R)
+        # walk: (request, head) of the item whose slot ids are loaded next
+        rh = cute.make_rmem_tensor(cute.make_layout((2,)), Int32)
+        r0, h0 = self.ring.split_item(i0, R)
+        rh[0] = r0
+        rh[1] = h0
+        self._load_si(g, raw, i0, rh, R)
         if cutlass.const_expr(self.prefetch):
-            raw1 = cute.make_rmem_tensor(cute.make_layout((self.T + 1,)), Int32)
-            self._load_si(g, raw1, i0 + 1, R)
+            raw1 = cute.make_rmem_tensor(cute.make_layout((nraw,)), Int32)
+            self._step(rh, i0 + 1, R)
+            self._load_si(g, raw1, i0 + 1, rh, R)
             self._derive(raw, dsc, i0, i1, R, slots)
             self._derive(raw1, dsc2, i0 + 1, i1, R, slots)
         else:
             self._derive(raw, dsc, i0, i1, R, slots)
-        self._load_si(g, raw, i0 + ahead - 1, R)
+        self._step(rh, i0 + ahead - 1, R)
+        self._load_si(g, raw, i0 + ahead - 1, rh, R)
         ops = self._ops_regs(g)
         self._load_ops(g, dsc, ops, pt)
         s_fa = self._fa_rows(storage)
@@ -510,7 +533,8 @@ class KdaStream(Launch):
                 self._derive(raw, dsc2, i0 + j + 2, i1, R, slots)
             else:
                 self._derive(raw, dsc, i0 + j + 1, i1, R, slots)
-            self._load_si(g, raw, i0 + j + ahead, R)
+            self._step(rh, i0 + j + ahead, R)
+            self._load_si(g, raw, i0 + j + ahead, rh, R)
             self._prefetch(g, dsc2, pt)
             self._prep(storage, g, mma, thr, pt, j, cur, dsc, ops, hc, hg, scale, lb, fbs)
             if cutlass.const_expr(not self.group_prep):
@@ -529,14 +553,28 @@ class KdaStream(Launch):
                 cute.arch.mbarrier_wait(storage.fbbar.data_ptr(), fbs[1])
 
     @cute.jit
-    def _load_si(self, g, raw, i, R):
+    def _step(self, rh, i, R):
+        """With :attr:`walk`, ``rh`` := (request, head) of item ``i``, stepped from item
+        ``i - 1``'s."""
+        if cutlass.const_expr(self.walk):
+            self.ring.step_item(rh, i, R)
+
+    @cute.jit
+    def _load_si(self, g, raw, i, rh, R):
         """Item ``i``'s slot ids and accepted count (its request is in bounds for any ``i``)
-        into ``raw``, as they are."""
-        r = self.ring.split_item(i, R)[0]
-        for t in cutlass.range_constexpr(self.T):
+        into ``raw``, as they are; with :attr:`walk`, then its (request, head) ``rh``."""
+        T = self.T
+        if cutlass.const_expr(self.walk):
+            r = rh[0]
+        else:
+            r = self.ring.split_item(i, R)[0]
+        for t in cutlass.range_constexpr(T):
             raw[t] = g.si[r, t]
-        if cutlass.const_expr(self.T > 1):
-            raw[self.T] = g.na[r]
+        if cutlass.const_expr(T > 1):
+            raw[T] = g.na[r]
+        if cutlass.const_expr(self.walk):
+            raw[T + 1] = r
+            raw[T + 2] = rh[1]
 
     @cute.jit
     def _derive(self, raw, dsc, i, i1, R, slots):
@@ -544,7 +582,10 @@ class KdaStream(Launch):
         its :meth:`_load_si` values (contract section 2 and the project's liveness rule; an
         item past ``i1`` is dead)."""
         T = self.T
-        r, h = self.ring.split_item(i, R)
+        if cutlass.const_expr(self.walk):
+            r, h = raw[T + 1], raw[T + 2]
+        else:
+            r, h = self.ring.split_item(i, R)
         cslot = raw[0]
         src = cslot
         off = Int32(0)
@@ -674,7 +715,7 @@ class KdaStream(Launch):
         s_v = self._slots(storage, "v")
         s_og = self._slots(storage, "og")
         s_b = self._betas(storage)
-        s_red = storage.red.get_tensor(cute.make_layout((T, 3, 4), stride=(12, 4, 1)))
+        s_red = self._sums(storage)
         pw = pt // 32
         lane = pt % 32
         n0 = r * T
@@ -700,8 +741,8 @@ class KdaStream(Launch):
                 sq = N.warp_sum(N.fmul(yq[t], yq[t]))
                 sk = N.warp_sum(N.fmul(yk[t], yk[t]))
                 if lane == 0:
-                    s_red[t, 0, pw] = sq
-                    s_red[t, 1, pw] = sk
+                    s_red[slot, t, 0, pw] = sq
+                    s_red[slot, t, 1, pw] = sk
                 if cutlass.const_expr(ks.record):
                     g.kgrec[cslot, h, t, pt] = BFloat16(yk[t])
             self._beta(s_b, slot, pt, bs)
@@ -715,9 +756,7 @@ class KdaStream(Launch):
         if live != 0:
             if cutlass.const_expr(self.fb_smem):
                 cute.arch.mbarrier_wait(storage.fbbar.data_ptr(), fbs[1])
-            tB = thr.partition_B(self._fa_rows(storage)[j % 2, None, None])
-            rB = mma.make_fragment_B(tB)
-            cute.autovec_copy(tB, rB)
+            rB = smem_fragment(mma, pt % 32, self._fa_rows(storage)[j % 2, None, None], "B")
             self._gate(storage, g, mma, thr, pt, slot, h, cslot, lb, rB, hg)
         # (every prep thread read stage (j + 1) % 2 for item j - 1 before its arrival on stage
         # j % 2's barrier, waited for above)
@@ -728,14 +767,14 @@ class KdaStream(Launch):
             if live != 0:
                 cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=PREP)
                 for t in cutlass.range_constexpr(T):
-                    sq = item.quarter_sum(lambda i, t=t: s_red[t, 0, i])
-                    sk = item.quarter_sum(lambda i, t=t: s_red[t, 1, i])
+                    sq = item.quarter_sum(lambda i, t=t: s_red[slot, t, 0, i])
+                    sk = item.quarter_sum(lambda i, t=t: s_red[slot, t, 1, i])
                     iq = item.inv_norm(sq)
                     ik = item.inv_norm(sk)
                     s_q[slot, t, pt] = item.q_hat(s_q[slot, t, pt], iq, scale)
                     s_k[slot, t, pt] = N.fmul(s_k[slot, t, pt], ik)
-                # every slot write of the item before *ready* (and s_red free for the next use)
-                cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=PREP)
+        # (the slot's sums are written again only by its next item, after *free*, which every
+        # prep thread arrives on after this item's epilogue)
         cute.arch.mbarrier_arrive(storage.ready.data_ptr() + slot)
         if new_head:
             if cutlass.const_expr(self.fb_smem):
@@ -839,9 +878,12 @@ class KdaStream(Launch):
         for mi in cutlass.range_constexpr(2):
             mt = 2 * pw + mi
             if cutlass.const_expr(self.fb_smem):
-                tA = thr.partition_A(cute.local_tile(self._fb(storage), (16, D), (mt, 0)))
+                rA = smem_fragment(mma, pt % 32, cute.local_tile(self._fb(storage), (16, D),
+                                                                 (mt, 0)), "A")
             else:
                 tA = thr.partition_A(cute.local_tile(g.fb, (16, D), (h * (D // 16) + mt, 0)))
+                rA = mma.make_fragment_A(tA)
+                cute.autovec_copy(tA, rA)
 
             def emit(i, f16, t, rg, mt=mt, mi=mi):
                 feat = 16 * mt + f16
@@ -849,7 +891,7 @@ class KdaStream(Launch):
                 if cutlass.const_expr(ks.record):
                     g.kgrec[cslot, h, t, D + feat] = BFloat16(rg)
 
-            gate_tile(ks, mma, thr, tA, rB, emit)
+            gate_tile(ks, mma, thr, rA, rB, emit)
 
     @cute.jit
     def _epilogue(self, storage, g, pt, j, eps, nwv):
@@ -865,26 +907,24 @@ class KdaStream(Launch):
         if live != 0:
             s_o = self._slots(storage, "o")
             s_og = self._slots(storage, "og")
-            s_red = storage.red.get_tensor(cute.make_layout((T, 3, 4), stride=(12, 4, 1)))
+            s_red = self._sums(storage)
             pw = pt // 32
             lane = pt % 32
             obs = [s_o[slot, t, pt] for t in range(T)]
             for t in cutlass.range_constexpr(T):
                 so = N.warp_sum(N.fmul(obs[t], obs[t]))
                 if lane == 0:
-                    s_red[t, 2, pw] = so
+                    s_red[slot, t, 2, pw] = so
             cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=PREP)
             for t in cutlass.range_constexpr(T):
-                ss = item.quarter_sum(lambda i, t=t: s_red[t, 2, i])
+                ss = item.quarter_sum(lambda i, t=t: s_red[slot, t, 2, i])
                 y = item.gated_rmsnorm(obs[t], ss, eps, nwv, s_og[slot, t, pt])
                 g.out[n0 + t, h * D + pt] = BFloat16(y)
         else:
             for t in cutlass.range_constexpr(T):
                 g.out[n0 + t, h * D + pt] = BFloat16(0.0)
-        # every read of the slot (and of s_red) is done before it is handed back
-        cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=PREP)
-        if pt == 0:
-            cute.arch.mbarrier_arrive(storage.free.data_ptr() + slot)
+        # every prep thread hands the slot (and its sums) back once its reads are done
+        cute.arch.mbarrier_arrive(storage.free.data_ptr() + slot)
 
     # -------------------------------------------------------------------------------- host
     def _launch(self, a: KernelArgs, stream):

@@ -2,15 +2,18 @@
 run on the CPU under random interleavings of its warps.
 
 The model is the kernel's synchronization and nothing else: mbarriers with their arrival
-counts and phase-parity waits, the prep warps' order (item j's prep, then item j - LAG's
-epilogue, then the trailing epilogues), and each consumer warp of group g walking the items
-j = g, g + groups, ... (a dead item: its *ready* waited for and *done* arrived, as a live
-one). It takes the kernel's own slot count and lag for each ring shape. With ``group_prep``
-the prep has no epilogue: each consumer warp waits for *free* before a live item's conv,
-then for *ready*, and arrives *free* after the item (a dead one: *ready*, then *free*). It checks that every
-wait passes only once the phase it is meant for has completed (a parity wait passes too when
-the barrier is two phases behind: that is the failure to find), that no barrier receives
-more arrivals than its count, and that nothing deadlocks.
+counts and phase-parity waits, the 4 prep warps' order (item j's prep, then item j - LAG's
+epilogue, then the trailing epilogues), with their named barrier between writing and reading
+a live item's warp sums (the q / k norms', then the epilogue's, in the slot's sums), and each
+consumer warp of group g walking the items j = g, g + groups, ... (a dead item: its *ready*
+waited for and *done* arrived, as a live one). It takes the kernel's own slot count and lag
+for each ring shape. With ``group_prep`` the prep has no epilogue: each consumer warp waits
+for *free* before a live item's conv, then for *ready*, and arrives *free* after the item (a
+dead one: *ready*, then *free*). It checks that every wait passes only once the phase it is
+meant for has completed (a parity wait passes too when the barrier is two phases behind:
+that is the failure to find), that no barrier receives more arrivals than its count, that
+every warp reads the 4 warp sums of its own item (no warp has overwritten them for a later
+item), and that nothing deadlocks.
 """
 
 import random
@@ -50,10 +53,14 @@ def _run(kernel, live, seed):
     NI, LAG, units, groups = kernel.NI, kernel.LAG, kernel.units, kernel.shape.groups
     n = len(live)
     errors = []
-    ready = [_Bar(1, errors, f"ready{i}") for i in range(NI)]
+    PW = 4      # prep warps; each arrives once (the model's unit: a warp's 32 threads)
+    ready = [_Bar(PW, errors, f"ready{i}") for i in range(NI)]
     done = [_Bar(units, errors, f"done{i}") for i in range(NI)]
     gp = kernel.group_prep
-    free = [_Bar(units if gp else 1, errors, f"free{i}") for i in range(NI)]
+    free = [_Bar(units if gp else PW, errors, f"free{i}") for i in range(NI)]
+    # the slots' warp sums: (slot, norm | epilogue, warp) -> the item that wrote it
+    sums = {}
+    gen = [0, 0]        # the prep warps' named barrier: generation, arrivals in it
 
     def wait(bar, parity, want, who):
         while not bar.passes(parity):
@@ -61,18 +68,43 @@ def _run(kernel, live, seed):
         if bar.phase != want:
             errors.append(f"{who} passed {bar.name} at phase {bar.phase}, meant for {want}")
 
-    def prep():
+    def bar_sync():
+        g = gen[0]
+        gen[1] += 1
+        if gen[1] == PW:
+            gen[0], gen[1] = g + 1, 0
+        while gen[0] == g:
+            yield
+
+    def sums_of(s, kind, j, w, who):
+        """Warp w writes its sum of item j, the 4 warps sync, then it reads all 4."""
+        sums[s, kind, w] = j
+        yield
+        yield from bar_sync()
+        yield
+        for v in range(PW):
+            if sums.get((s, kind, v)) != j:
+                errors.append(f"{who} read warp {v}'s {kind} sum of item "
+                              f"{sums.get((s, kind, v))}, meant for {j}")
+
+    def prep(w):
         for j in range(n + LAG):
             if j < n:       # prep(j): waits for the slot, fills it, then ready
                 s, k = j % NI, j // NI
-                yield from wait(free[s], (k & 1) ^ 1, k, f"prep {j}")
+                who = f"prep {w} item {j}"
+                yield from wait(free[s], (k & 1) ^ 1, k, who)
                 yield
+                if not gp and live[j]:
+                    yield from sums_of(s, "norm", j, w, who)
                 ready[s].arrive()
             e = j - LAG
             if not gp and 0 <= e and (j < n or e >= max(n - LAG, 0)):      # epilogue(e)
                 s, k = e % NI, e // NI
-                yield from wait(done[s], k & 1, k + 1, f"epilogue {e}")
+                who = f"epilogue {w} item {e}"
+                yield from wait(done[s], k & 1, k + 1, who)
                 yield
+                if live[e]:
+                    yield from sums_of(s, "rms", e, w, who)
                 free[s].arrive()
 
     def consumer(g, w):
@@ -87,7 +119,8 @@ def _run(kernel, live, seed):
                 yield
             (free if gp else done)[s].arrive()
 
-    agents = [prep()] + [consumer(g, w) for g in range(groups) for w in range(units)]
+    agents = ([prep(w) for w in range(PW)]
+              + [consumer(g, w) for g in range(groups) for w in range(units)])
     for _ in range(100000):
         if not agents:
             return errors
