@@ -173,6 +173,8 @@ class KdaSplit(Launch):
         # of a warp hit 32 distinct banks
         s_fb = smem.allocate_tensor(BFloat16, cute.make_layout((self.F, D), stride=(FB_ROW, 1)),
                                     byte_alignment=16)
+        # the gate warp's dt_bias of the CTA's F features (copied with s_fb)
+        s_dtb = smem.allocate_tensor(Float32, cute.make_layout((self.F,)), byte_alignment=16)
         bars = smem.allocate_array(Int64, 3 + T)
         bar_state = bars
         bar_alpha = bars + 1
@@ -188,7 +190,7 @@ class KdaSplit(Launch):
             cute.arch.mbarrier_init_fence()
             cute.arch.mbarrier_arrive_and_expect_tx(bar_state, self.rows * D * st_bytes)
             cute.arch.mbarrier_arrive_and_expect_tx(bar_alpha, T * D * 4)
-            cute.arch.mbarrier_arrive_and_expect_tx(bar_fb, self.F * D * 2)
+            cute.arch.mbarrier_arrive_and_expect_tx(bar_fb, self.F * (D * 2 + 4))
             for t in cutlass.range_constexpr(T):
                 if rank == t % C:
                     cute.arch.mbarrier_arrive_and_expect_tx(bars + 2 + t, D * 4)
@@ -212,6 +214,8 @@ class KdaSplit(Launch):
             bk = g.cb[dim + ch]
             bv = g.cb[2 * dim + vch]
         nwv = Float32(g.nw[tid % MAIN])
+        # A_log[h] for the gate warp's decay, loaded here so that no load waits after its MMA
+        alog = Float32(g.alog[h])
 
         # the gate warp's f_b rows (the MMA's A operand): the CTA's F rows of head h, one
         # bulk copy per row into the padded rows of s_fb
@@ -222,6 +226,11 @@ class KdaSplit(Launch):
                 row = lane + 32 * i
                 if row < self.F:
                     cute.copy(atom, rows_fb[row, None], s_fb[row, None], mbar_ptr=bar_fb)
+            if lane == 0:
+                dtb_g = cute.local_tile(g.dtb, (self.F,), (h * C + rank,))
+                atom_b = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32,
+                                             num_bits_per_copy=self.F * 32)
+                cute.copy(atom_b, dtb_g, s_dtb, mbar_ptr=bar_fb)
 
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
@@ -273,7 +282,7 @@ class KdaSplit(Launch):
                            s_v, s_b, s_red, s_win, bars)
             else:
                 self._gate(g, mma, thr, rB, s_fb, bar_fb, lane, rank, h, r, cslot, lb, s_a,
-                           bar_alpha)
+                           bar_alpha, alog, s_dtb)
         else:
             if rank == 0:
                 if is_main:
@@ -426,20 +435,25 @@ class KdaSplit(Launch):
 
     # --------------------------------------------------------------------------- gate warp
     @cute.jit
-    def _gate(self, g, mma, thr, rB, s_fb, bar_fb, lane, rank, h, r, cslot, lb, s_a, bar_alpha):
+    def _gate(self, g, mma, thr, rB, s_fb, bar_fb, lane, rank, h, r, cslot, lb, s_a, bar_alpha,
+              alog, s_dtb):
         """Features [rank*F, (rank+1)*F): rg = bf16(f_b rows . f_a) on the tensor cores
         (gate_mode 0: one chain over the 8 k-steps; 1: four chains of two, summed
-        ((c0+c1)+c2)+c3), then x = rg + dt_bias, the decay, sent to every CTA's s_a."""
+        ((c0+c1)+c2)+c3), then x = rg + dt_bias, the decay, sent to every CTA's s_a (``alog``:
+        A_log[h]; ``s_dtb``: dt_bias of the F features)."""
         ks, C, F = self.ks, self.C, self.F
-        A = N.fexp(g.alog[h])
+        A = N.fexp(alog)
         cute.arch.mbarrier_wait(bar_fb, 0)
+        # dt_bias of the lane's accumulator values [tile * 4 + value], read before the MMA
+        cC = thr.partition_C(cute.make_identity_tensor((16, 8)))
+        dtb = [s_dtb[16 * mt + cC[i][0]] for mt in range(F // 16) for i in range(cute.size(cC))]
         cute.arch.cluster_wait()
         for mt in cutlass.range_constexpr(F // 16):
             rA = smem_fragment(mma, lane, cute.local_tile(s_fb, (16, D), (mt, 0)), "A")
 
             def emit(i, f16, t, rg, mt=mt):
                 feat = rank * F + 16 * mt + f16
-                alpha = decay(ks, A, lb, N.fadd(rg, g.dtb[h * D + feat]))
+                alpha = decay(ks, A, lb, N.fadd(rg, dtb[4 * mt + i]))
                 if cutlass.const_expr(ks.record):
                     g.kgrec[cslot, h, t, D + feat] = BFloat16(rg)
                 for q in cutlass.range_constexpr(C):

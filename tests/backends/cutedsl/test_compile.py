@@ -252,13 +252,15 @@ def _check_split_ptx(ptx, cfg, C):
     # the CTA's share of the gate projection: 8 k-steps for each 16 of its features
     assert len(re.findall(MMA, ptx)) == 8 * rows // 16
     # one bulk copy of the CTA's state rows (rows x 512 B), after the PDL wait (the slots
-    # and pages may be the predecessor's output); the f_b rows (256 B each, weights: may be
-    # issued before the wait), one copy per 32 rows (one per lane)
+    # and pages may be the predecessor's output); the weights before the wait: the f_b rows
+    # (256 B each), one copy per 32 rows (one per lane), and the CTA's dt_bias (4 B a feature)
     copies = _bulk_copies(ptx)
     block = rows * D * (2 if cfg.state_dtype == bf16 else 4)
     state = [at for at, n in copies if n == block]
     assert len(state) == 1, f"state-row bulk copies: {copies}"
-    assert sorted(n for _, n in copies if n != block) == [2 * D] * (-(-rows // 32)), copies
+    weights = sorted(n for _, n in copies if n != block)
+    assert weights == sorted([2 * D] * (-(-rows // 32)) + [4 * rows]), copies
+    assert all(at < ptx.index("griddepcontrol.wait") for at, n in copies if n != block), copies
     # decays and o exchanged through (distributed) shared memory, completion on mbarriers
     assert "st.async.shared::cluster.mbarrier::complete_tx::bytes" in ptx
     assert ptx.count("griddepcontrol.wait") == 1
