@@ -7,9 +7,9 @@ kernel launch (nvidia-cutlass-dsl 4.8.1).
 of 4 or 8 CTAs (:mod:`kda.backends.cutedsl.split`), above that on persistent CTAs that stream
 the state pages through a shared-memory ring (:mod:`kda.backends.cutedsl.stream`; at T=1 from
 65 to 4095 items on bf16 pages and from 97 to 256 on fp32 pages with each consumer group
-preparing its own items; fp32 pages from 1024 items at T=1 and from 1536 at T = 2-3: the same kernel on one CTA per 4 items, in
-blocks of 4 requests of one head), or one CTA per item (fp32 pages: at T=3 from 385 to 1535
-items, at T=4 above 384, at T >= 5 above 96). Every kernel computes every value in the same
+preparing its own items; fp32 pages from 1024 items at T = 1-4: the same kernel on one CTA
+per 4 items, in blocks of 4 requests of one head), or one CTA per item (fp32 pages at
+T >= 5 above 96). Every kernel computes every value in the same
 order, so the two backends produce bit-identical outputs, states, windows and records.
 Design: ``docs/design.md``; compilation and caching: :mod:`kda.backends.cutedsl.cache`.
 
@@ -271,10 +271,9 @@ class KdaBackend(_CuteDslBackend):
     (:func:`kda.backends.cutedsl.policy.kernel_for`): each item on a cluster of CTAs at small
     batches, persistent streaming CTAs above (at T=1 from 65 to 4095 items on bf16 pages and
     from 97 to 256 on fp32 pages with each consumer group preparing its own items; fp32 pages
-    from 1024 items at T=1 and from 1536 at T = 2-3: the same kernel on one CTA per 4 items,
-    in blocks of 4 requests), one CTA per
-    item where the policy measured that faster (fp32 pages: at T=3 from 385 to 1535 items, at
-    T=4 above 384, at T >= 5 above 96).
+    from 1024 items at T = 1-4: the same kernel on one CTA per 4 items, in blocks of 4
+    requests), one CTA per item where the policy measured that faster (fp32 pages at T >= 5
+    above 96).
 
     The step reads only the host-side batch size to choose, so a CUDA graph captured at one
     batch size replays the kernel chosen for it; every kernel the policy names is compiled

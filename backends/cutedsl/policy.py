@@ -22,6 +22,8 @@ from typing import Optional
 #: the fp32 split rows of T = 5 and above the split-against-wide comparison at T = 4. The
 #: bf16 figures of T = 2-4 are of unrolled consumers; the looped ones it runs there are faster
 #: (``docs/design.md``).
+#: The fp32 rows of T = 2-4 (one row, keyed 2) are from one sweep of ``wide``, ``stream``,
+#: ``stream4`` and ``stream8`` beside ``touch`` (graph replay, two runs, 2026-12-03).
 #: fp32 pages at T=1: CTAs of 4 items in blocks of 4 requests from this many items (ratio to
 #: touch, H=32 R=32: 1.116 against 1.155 stream; 768 items, H=12 R=64: 1.265 against 1.169,
 #: where 192 CTAs leave the second wave part full)
@@ -34,17 +36,15 @@ KERNEL_BY_ITEMS = {
             (256, "streamg"),  # H=12 R=16: 11.6 us against 13.0 stream; H=32 R=8 13.6 against 14.5
             (STREAM4_FROM - 1, "stream"),  # H=12 R=32: 18.5 us against 19.6 streamg
             (None, "stream4")),  # ratio to touch, H=32 R=512 1.060 against 1.114 stream
-        2: ((48, "split8"),
-            (1535, "stream"),  # against wide: T=2 H=32 R=128 236.9 us against 242.1
-            (None, "stream4")),  # ratio to touch, T=2 H=12 R=128 (1536 items) 1.093 against 1.123 stream
-        3: ((48, "split8"),     # up to 1535 items the rows of T = 4 (below)
-            (384, "stream"),
-            (1535, "wide"),
-            (None, "stream4")),  # T=3 H=12 R=128 1.087 of touch against 1.186 wide
-        4: ((48, "split8"),     # T=4 H=12 R=4: 8.7 us against 9.4 split4, 13.0 stream
-            (384, "stream"),    # T=4 H=12 R=8: 13.4 us against 14.9 split4; H=12 R=32 38.9 against 46.2 wide
-            (None, "wide")),    # T=4 H=32 R=64: 198.5 us against 202.9 stream; H=32 R=128 1.082 of
-                                # touch against 1.105 in blocks of 4
+        2: ((48, "split8"),     # T=4 H=12 R=4: 8.7 us against 9.4 split4, 13.0 stream
+            (1023, "stream"),   # T=4 H=96 R=8: 77.0 us against 81.5 wide, 85.2 in blocks of 4;
+                                # H=12 R=64 77.0 against 79.2 wide; T=3 H=96 R=8 63.4 against 68.2
+            (None, "stream4")),  # T=4 H=32 R=32: 99.4 us against 102.9 stream, 104.3 wide; H=96
+                                 # R=16 148.5 against 159.3 wide; H=12 R=128 150.0 against 154.5;
+                                 # H=96 R=128 1168 against 1184; H=32 R=128 398.0 against 392.1
+                                 # wide (the one cell of the sweep where wide is ahead by > 0.5%);
+                                 # T=3 H=32 R=32 80.2 against 83.4 stream; T=2 H=32 R=32 60.3
+                                 # against 62.6 stream
         5: ((48, "split8"),     # T=4 H=12 R=1: 5.1 us against 11.7 wide
             (96, "split4"),     # T=4 H=96 R=1: 14.9 us against 16.1 wide
             (None, "wide")),    # T=8 H=32 R=32: 184.0 us against 199.3 stream

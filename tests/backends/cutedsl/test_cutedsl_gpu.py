@@ -211,6 +211,7 @@ BLOCK_SPECS = [
     CaseSpec(make_config(12, 2, "DS", record=True, bias=True, gm=1), R=30, null_frac=0.3, seed=68),
     CaseSpec(make_config(12, 3, lb=-5.0), R=43, null_frac=0.2, seed=69),
     CaseSpec(make_config(16, 3, "DS", record=True, cs32=True), R=21, packed=True, seed=70),
+    CaseSpec(make_config(12, 4, lb=-5.0, bias=True), R=37, null_frac=0.2, seed=72),
 ]
 
 
@@ -263,8 +264,8 @@ def test_stream_chained_steps(T, R, device, require_backend):
     _check_three_steps(_launcher("stream", spec.cfg, device, require_backend), spec, device)
 
 
-#: T of the dispatch tests: a row of each key of KERNEL_BY_ITEMS (T = 3: split8, stream, wide,
-#: stream4)
+#: T of the dispatch tests: a row of each key of KERNEL_BY_ITEMS (fp32 T = 2-4: split8, stream,
+#: stream4; T = 5: split8, split4, wide)
 DISPATCH_TS = (1, 2, 3, 4, 5)
 
 
