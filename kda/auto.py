@@ -50,9 +50,9 @@ MEASURED: Dict[str, Dict[int, Dict[int, Tuple[str, ...]]]] = {
             512: ("cutedsl", "cuda", "cutedsl_wide", "triton")},
         4: {1: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
             8: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
-            32: ("cuda", "cutedsl_wide", "cutedsl", "triton"),
-            128: ("cutedsl", "cutedsl_wide", "cuda", "triton"),
-            512: ("cutedsl", "cutedsl_wide", "cuda", "triton")},
+            32: ("cutedsl", "cuda", "cutedsl_wide", "triton"),
+            128: ("cutedsl_wide", "cuda", "cutedsl", "triton"),
+            512: ("cutedsl_wide", "cutedsl", "cuda", "triton")},
     },
     "bf16": {
         1: {1: ("cutedsl", "cutedsl_wide", "triton", "cuda"),
