@@ -42,7 +42,8 @@ KERNEL_BY_ITEMS = {
             (None, "stream4")),  # T=4 H=32 R=32: 99.4 us against 102.9 stream, 104.3 wide; H=96
                                  # R=16 148.5 against 159.3 wide; H=12 R=128 150.0 against 154.5;
                                  # H=96 R=128 1168 against 1184; H=32 R=128 398.0 against 392.1
-                                 # wide (the one cell of the sweep where wide is ahead by > 0.5%);
+                                 # wide (the sweep's one cell where wide is ahead by > 0.5%; the
+                                 # reference run adds H=32 R=512, 0.9%);
                                  # T=3 H=32 R=32 80.2 against 83.4 stream; T=2 H=32 R=32 60.3
                                  # against 62.6 stream
         5: ((48, "split8"),     # T=4 H=12 R=1: 5.1 us against 11.7 wide
