@@ -444,16 +444,16 @@ class KdaSplit(Launch):
         ks, C, F = self.ks, self.C, self.F
         A = N.fexp(alog)
         cute.arch.mbarrier_wait(bar_fb, 0)
-        # dt_bias of the lane's accumulator values [tile * 4 + value], read before the MMA
+        # dt_bias of the lane's accumulator values [tile][value], read before the MMA
         cC = thr.partition_C(cute.make_identity_tensor((16, 8)))
-        dtb = [s_dtb[16 * mt + cC[i][0]] for mt in range(F // 16) for i in range(cute.size(cC))]
+        dtb = [[s_dtb[16 * mt + cC[i][0]] for i in range(cute.size(cC))] for mt in range(F // 16)]
         cute.arch.cluster_wait()
         for mt in cutlass.range_constexpr(F // 16):
             rA = smem_fragment(mma, lane, cute.local_tile(s_fb, (16, D), (mt, 0)), "A")
 
             def emit(i, f16, t, rg, mt=mt):
                 feat = rank * F + 16 * mt + f16
-                alpha = decay(ks, A, lb, N.fadd(rg, dtb[4 * mt + i]))
+                alpha = decay(ks, A, lb, N.fadd(rg, dtb[mt][i]))
                 if cutlass.const_expr(ks.record):
                     g.kgrec[cslot, h, t, D + feat] = BFloat16(rg)
                 for q in cutlass.range_constexpr(C):
