@@ -260,12 +260,12 @@ def _check_split_ptx(ptx, cfg, C):
     assert len(state) == 1, f"state-row bulk copies: {copies}"
     weights = sorted(n for _, n in copies if n != block)
     assert weights == sorted([2 * D] * (-(-rows // 32)) + [4 * rows]), copies
-    assert all(at < ptx.index("griddepcontrol.wait") for at, n in copies if n != block), copies
+    assert ptx.count("griddepcontrol.wait") == 1
+    i_wait = ptx.index("griddepcontrol.wait")
+    assert all(at < i_wait for at, n in copies if n != block), copies
     # decays and o exchanged through (distributed) shared memory, completion on mbarriers
     assert "st.async.shared::cluster.mbarrier::complete_tx::bytes" in ptx
-    assert ptx.count("griddepcontrol.wait") == 1
     assert ptx.count("griddepcontrol.launch_dependents") == 1
-    i_wait = ptx.index("griddepcontrol.wait")
     assert i_wait < ptx.index("griddepcontrol.launch_dependents")
     assert i_wait < state[0], "the state rows are requested before griddepcontrol.wait"
     # state stores: one per 4-column chunk (4 per row), pass of 16 rows and token (T = 1: once,
