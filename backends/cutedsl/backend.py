@@ -273,7 +273,7 @@ class KdaBackend(_CuteDslBackend):
     from 97 to 256 on fp32 pages with each consumer group preparing its own items; fp32 pages
     from 1024 items at T = 1-4: the same kernel on one CTA per 4 items, in blocks of 4
     requests), one CTA per item where the policy measured that faster (fp32 pages at T >= 5
-    above 96).
+    above 96, and at T = 4 from 3072 items of at most 64 heads).
 
     The step reads only the host-side batch size to choose, so a CUDA graph captured at one
     batch size replays the kernel chosen for it; every kernel the policy names is compiled
@@ -286,16 +286,17 @@ class KdaBackend(_CuteDslBackend):
                    "batches, persistent CTAs streaming the state pages through a shared-memory "
                    "ring above (prep warps ahead of consumer warps, or at T=1 each consumer "
                    "group preparing its own items; the same kernel on one "
-                   "CTA per 4 items in blocks of 4 requests at T <= 3), one CTA per item where "
-                   "that measured faster (T >= 3); mma.sync gate, PDL")
+                   "CTA per 4 items in blocks of 4 requests at T <= 4), one CTA per item where "
+                   "that measured faster (T >= 5; T = 4 at large batches of <= 64 heads); "
+                   "mma.sync gate, PDL")
 
     def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:
         bf16 = cfg.state_dtype == torch.bfloat16
-        launchers = {kind: self.launcher(kind, cfg, device) for kind in policy.kernels(cfg.T, bf16)}
         H, T = cfg.num_heads, cfg.T
+        launchers = {kind: self.launcher(kind, cfg, device) for kind in policy.kernels(T, bf16, H)}
 
         def step(a: KdaArgs) -> None:
-            launchers[policy.kernel_for(a.state_indices.shape[0] * H, T, bf16)](a)
+            launchers[policy.kernel_for(a.state_indices.shape[0] * H, T, bf16, H)](a)
 
         step.launchers = launchers    # for tests
         return step

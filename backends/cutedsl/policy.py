@@ -41,9 +41,8 @@ KERNEL_BY_ITEMS = {
                                 # H=12 R=64 77.0 against 79.2 wide; T=3 H=96 R=8 63.4 against 68.2
             (None, "stream4")),  # T=4 H=32 R=32: 99.4 us against 102.9 stream, 104.3 wide; H=96
                                  # R=16 148.5 against 159.3 wide; H=12 R=128 150.0 against 154.5;
-                                 # H=96 R=128 1168 against 1184; H=32 R=128 398.0 against 392.1
-                                 # wide (the sweep's one cell where wide is ahead by > 0.5%; the
-                                 # reference run adds H=32 R=512, 0.9%);
+                                 # H=96 R=128 1168 against 1184; at T=4 from 3072 items
+                                 # wide where a step has at most 64 heads (WIDE_T4);
                                  # T=3 H=32 R=32 80.2 against 83.4 stream; T=2 H=32 R=32 60.3
                                  # against 62.6 stream
         5: ((48, "split8"),     # T=4 H=12 R=1: 5.1 us against 11.7 wide
@@ -86,18 +85,46 @@ PAGE_LAST = {
 }
 
 
-def kernel_for(items: int, T: int, state_bf16: bool = False) -> str:
-    """The kernel ``cutedsl`` runs for ``items`` (request, head) items at ``T`` tokens on a
-    pool of fp32 (``state_bf16``: bf16) pages."""
+#: fp32 pages at T = 4: ``wide`` instead of the table's ``stream4`` from this many items where
+#: a step has at most this many heads (from items, most heads). One sweep of the two beside
+#: ``touch`` over head counts (H200, 2026-12-03, ``docs/design.md``): from 3072 items ``wide``
+#: is ahead by 0.3-1.8% at H = 16-48 (H=32 R=128 387.4 us against 393.5, R=512 1520.3 against
+#: 1535.6) and in most cells at H = 12 and 64 (by up to 1.0%), ``stream4`` by 1.5-4.4% from
+#: 96 heads (H=96 R=128 1153.6 against 1171.0); at T = 2 and 3 ``stream4`` leads at every
+#: head count measured.
+WIDE_T4 = (3072, 64)
+
+
+def wide_by_heads(items: int, T: int, state_bf16: bool, heads: int) -> bool:
+    """Whether ``cutedsl`` runs ``wide`` for ``items`` items of ``heads`` heads at ``T``
+    tokens where its table names ``stream4`` (:data:`WIDE_T4`)."""
+    from_items, most_heads = WIDE_T4
+    return not state_bf16 and T == 4 and items >= from_items and heads <= most_heads
+
+
+def kernel_for(items: int, T: int, state_bf16: bool = False,
+               heads: Optional[int] = None) -> str:
+    """The kernel ``cutedsl`` runs for ``items`` (request, head) items of ``heads`` heads per
+    request at ``T`` tokens on a pool of fp32 (``state_bf16``: bf16) pages: the row of
+    :data:`KERNEL_BY_ITEMS`, then the head-count rule :data:`WIDE_T4` (``heads=None``: the row
+    by items alone)."""
     for most, kind in table(T, state_bf16):
         if most is None or items <= most:
+            if heads is not None and wide_by_heads(items, T, state_bf16, heads):
+                return "wide"
             return kind
     raise AssertionError("every KERNEL_BY_ITEMS row ends with a catch-all entry")
 
 
-def kernels(T: int, state_bf16: bool = False) -> tuple:
-    """Every kernel ``cutedsl`` may run at ``T`` tokens on fp32 (bf16) pages, in table order."""
-    return tuple(dict.fromkeys(kind for _, kind in table(T, state_bf16)))
+def kernels(T: int, state_bf16: bool = False, heads: Optional[int] = None) -> tuple:
+    """Every kernel ``cutedsl`` may run at ``T`` tokens on fp32 (bf16) pages for ``heads``
+    heads (``None``: the rows by items alone), in table order, ``wide`` last where only the
+    head-count rule names it."""
+    kinds = tuple(dict.fromkeys(kind for _, kind in table(T, state_bf16)))
+    if (heads is not None and "wide" not in kinds
+            and wide_by_heads(WIDE_T4[0], T, state_bf16, heads)):
+        kinds += ("wide",)
+    return kinds
 
 
 def page_last(T: int) -> bool:

@@ -640,12 +640,36 @@ def test_policy_table(T, bf16):
     assert policy.table(T) == policy.table(T, False)
 
 
+def test_policy_wide_by_heads():
+    """WIDE_T4: fp32 pages at T = 4 run ``wide`` from 3072 items of at most 64 heads, where the
+    table names ``stream4``; nowhere else does the head count change the kernel."""
+    first, most_heads = policy.WIDE_T4
+    assert (first, most_heads) == (3072, 64)
+    for H in (1, 12, 32, 64):
+        assert policy.kernel_for(first, 4, False, H) == "wide"
+        assert policy.kernel_for(10 ** 7, 4, False, H) == "wide"
+        assert policy.kernel_for(first - 1, 4, False, H) == policy.kernel_for(first - 1, 4) == "stream4"
+        assert policy.kernels(4, False, H) == policy.kernels(4) + ("wide",)
+    for H in (65, 96, 128):
+        assert policy.kernel_for(first, 4, False, H) == policy.kernel_for(first, 4) == "stream4"
+        assert policy.kernels(4, False, H) == policy.kernels(4)
+    assert policy.kernel_for(first, 4) == "stream4"      # heads=None: the row by items alone
+    for T in range(1, 9):
+        for bf in (False, True):
+            for H in (8, 32, 96):
+                for items in (1, 96, first - 1, first, 10 ** 6):
+                    if bf or T != 4:
+                        assert policy.kernel_for(items, T, bf, H) == policy.kernel_for(items, T, bf)
+                if bf or T != 4:
+                    assert policy.kernels(T, bf, H) == policy.kernels(T, bf)
+
+
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("T", [1, 2, 3, 5])
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5])
 def test_cutedsl_builds_every_policy_kernel_and_picks_by_items(monkeypatch, T, bf16):
     """``cutedsl``'s step: every kernel of the policy built once (the launcher of each kind),
-    each call runs the one :func:`policy.kernel_for` names for R * H items at the config's T
-    and state dtype, on both sides of every threshold."""
+    each call runs the one :func:`policy.kernel_for` names for R * H items of H heads at the
+    config's T and state dtype, on both sides of every threshold and of the head-count rule."""
     from types import SimpleNamespace
 
     from kda.backends.cutedsl import backend as be
@@ -662,17 +686,22 @@ def test_cutedsl_builds_every_policy_kernel_and_picks_by_items(monkeypatch, T, b
                     state_dtype=torch.bfloat16 if bf16 else torch.float32)
     dev = torch.device("cuda", 0)
     step = be.KdaBackend().build(cfg, dev)
-    kinds = policy.kernels(cfg.T, bf16)
+    kinds = policy.kernels(cfg.T, bf16, H)
     assert sorted(built, key=str) == sorted(((k, cfg, dev) for k in kinds), key=str)
     assert set(step.launchers) == set(kinds)
-    batches = {1}
+    assert ("wide" in kinds) == (T >= 4 and not bf16)
+    wide_from = -(-policy.WIDE_T4[0] // H)          # the head-count rule's first batch
+    batches = {1, wide_from - 1, wide_from}
     for most, _ in policy.table(cfg.T, bf16)[:-1]:
         batches |= {max(1, most // H), most // H + 1}
     for R in sorted(batches):
         calls.clear()
         step(SimpleNamespace(state_indices=torch.zeros(R, 2, dtype=torch.int32)))
-        assert calls == [(policy.kernel_for(R * H, cfg.T, bf16), R)], (R, calls)
-    ran = {policy.kernel_for(R * H, cfg.T, bf16) for R in batches}
+        assert calls == [(policy.kernel_for(R * H, cfg.T, bf16, H), R)], (R, calls)
+    if T == 4 and not bf16:
+        assert [policy.kernel_for(R * H, 4, False, H) for R in (wide_from - 1, wide_from)] == \
+            ["stream4", "wide"]
+    ran = {policy.kernel_for(R * H, cfg.T, bf16, H) for R in batches}
     assert ran == set(kinds), "the batches cross every threshold"
     # the wide backend builds the wide kernel only
     built.clear()

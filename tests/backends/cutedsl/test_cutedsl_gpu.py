@@ -18,8 +18,8 @@ and 64-bit slot offsets are the conformance suite's (``tests/conformance``). Her
     the engine-facing forms (packed projection rows 8-, 4- and 2-byte aligned, rows at odd
     element offsets, an activated fp32 beta), each on the build for its rows;
   * ``cutedsl`` runs the kernel :func:`kda.backends.cutedsl.policy.kernel_for` names, on both
-    sides of every threshold of the policy at T = 1, 2, 3 and 5 (a row of each key), for both
-    state dtypes;
+    sides of every threshold of the policy and of its head-count rule at T = 1 to 5 (a row of
+    each key), for both state dtypes;
   * three chained steps on the same buffers (programmatic dependent launch back to back)
     match three reference steps, for ``cutedsl`` at a batch of each of its kernels and for
     ``cutedsl_wide``;
@@ -270,16 +270,19 @@ DISPATCH_TS = (1, 2, 3, 4, 5)
 
 
 def _threshold_batches(H):
-    """(T, bf16, R, kind) on both sides of every threshold of KERNEL_BY_ITEMS for H heads, at
-    each of DISPATCH_TS, for both state dtypes."""
+    """(T, bf16, R, kind) on both sides of every threshold of KERNEL_BY_ITEMS and of the
+    head-count rule WIDE_T4 for H heads, at each of DISPATCH_TS, for both state dtypes."""
     out = []
+    wide_from = -(-policy.WIDE_T4[0] // H)
     for T in DISPATCH_TS:
         for bf in (False, True):
-            for most, _ in policy.table(T, bf)[:-1]:
-                for R in (most // H, most // H + 1):
-                    case = (T, bf, R, policy.kernel_for(R * H, T, bf))
-                    if R >= 1 and case not in out:
-                        out.append(case)
+            edges = [R for most, _ in policy.table(T, bf)[:-1] for R in (most // H, most // H + 1)]
+            if "wide" in policy.kernels(T, bf, H) and "wide" not in policy.kernels(T, bf):
+                edges += [wide_from - 1, wide_from]
+            for R in edges:
+                case = (T, bf, R, policy.kernel_for(R * H, T, bf, H))
+                if R >= 1 and case not in out:
+                    out.append(case)
     return out
 
 
@@ -298,7 +301,7 @@ def test_cutedsl_runs_the_policy_kernel(T, bf16, R, kind, device, require_backen
         assert {i for i in items if i <= most} and {i for i in items if i > most}, most
     cfg = make_config(H, T, bias=True, bf16_state=bf16)
     step = _step("cutedsl", cfg, device, require_backend)
-    assert set(step.launchers) == set(policy.kernels(T, bf16))
+    assert set(step.launchers) == set(policy.kernels(T, bf16, H))
     calls = []
     for k, fn in list(step.launchers.items()):
         def counted(a, k=k, fn=fn):
@@ -327,7 +330,7 @@ def _chain_cases():
             prev = 0
             for most, kind in policy.table(T, bf):
                 R = max(1, most // CHAIN_H) if most is not None else prev // CHAIN_H + 4
-                if most is None or policy.kernel_for(R * CHAIN_H, T, bf) == kind:
+                if most is None or policy.kernel_for(R * CHAIN_H, T, bf, CHAIN_H) == kind:
                     cases.append(("cutedsl", R, T, bf, kind))
                 prev = most if most is not None else prev
             cases.append(("cutedsl_wide", cases[-1][1], T, bf, "wide"))
@@ -342,7 +345,7 @@ CHAIN = _chain_cases()
 def test_chained_steps(name, R, T, bf16, kind, device, require_backend):
     """Three steps launched back to back on the same buffers (PDL chain) == reference x3."""
     if name == "cutedsl":
-        assert policy.kernel_for(R * CHAIN_H, T, bf16) == kind
+        assert policy.kernel_for(R * CHAIN_H, T, bf16, CHAIN_H) == kind
     spec = CaseSpec(make_config(CHAIN_H, T, bf16_state=bf16), R=R, seed=11 + T + R)
     _check_three_steps(_step(name, spec.cfg, device, require_backend), spec, device)
 
