@@ -33,7 +33,18 @@ def test_table_matches_its_measurement():
         measured = {(T, R) for T, rows in auto.MEASURED[sd].items() for R in rows}
         assert measured == set(times), (sd, sorted(set(times) ^ measured))
         for (T, R), by_backend in times.items():
-            assert auto.MEASURED[sd][T][R] == tuple(sorted(by_backend, key=by_backend.get)), (sd, T, R)
+            assert auto.MEASURED[sd][T][R] == auto.rank(by_backend), (sd, T, R)
+
+
+def test_rank_puts_cutedsl_ahead_of_its_wide_kernel_within_the_tie():
+    """By time, except that ``cutedsl`` leads ``cutedsl_wide`` unless that is faster by more
+    than FAMILY_TIE."""
+    assert auto.rank({"cuda": 3.0, "cutedsl": 2.0, "cutedsl_wide": 1.0}) == ("cutedsl_wide", "cutedsl", "cuda")
+    t = {"cuda": 1.0, "cutedsl_wide": 100.0, "cutedsl": 100.0 * (1 + auto.FAMILY_TIE), "triton": 200.0}
+    assert auto.rank(t) == ("cuda", "cutedsl", "cutedsl_wide", "triton")
+    t["cutedsl"] = 100.0 * (1 + 2 * auto.FAMILY_TIE)
+    assert auto.rank(t) == ("cuda", "cutedsl_wide", "cutedsl", "triton")
+    assert auto.rank({"cutedsl_wide": 1.0, "cuda": 2.0}) == ("cutedsl_wide", "cuda")
 
 
 def test_the_state_dtype_picks_the_table(monkeypatch):
