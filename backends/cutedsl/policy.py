@@ -1,5 +1,6 @@
 """The measured choices of the CuTe DSL backends: which kernel ``cutedsl`` runs for a batch's
-load, and whether the one-CTA-per-item kernel commits its state page last.
+load (and, in one rule, its head count), and whether the one-CTA-per-item kernel commits its
+state page last.
 
 Figures are step times on an H200 (``python3 -m tools.bench.bench``: CUDA-graph replay, 8 GiB
 state pool, softplus gate, SD layout; T=1 unless named).
@@ -110,7 +111,8 @@ def kernel_for(items: int, T: int, state_bf16: bool = False,
     by items alone)."""
     for most, kind in table(T, state_bf16):
         if most is None or items <= most:
-            if heads is not None and wide_by_heads(items, T, state_bf16, heads):
+            if (kind == "stream4" and heads is not None
+                    and wide_by_heads(items, T, state_bf16, heads)):
                 return "wide"
             return kind
     raise AssertionError("every KERNEL_BY_ITEMS row ends with a catch-all entry")
