@@ -1,10 +1,10 @@
 """How ``auto`` orders the backends for a configuration and a batch size: a table from
 measurements.
 
-On a CUDA device the order comes from :data:`MEASURED`, the ranking (:func:`rank`) by median step time of
-the GPU backends in the runs :data:`SOURCE` (NVIDIA H200, their H=32 cells, softplus gate, SD
-conv layout, all requests live, CUDA graphs of rotating slot sets in a pool much larger than
-L2) for each state pool dtype, measured T and batch size R. A call uses its state dtype's
+On a CUDA device the order comes from :data:`MEASURED`, the ranking (:func:`rank`) by median
+step time of the GPU backends in the runs :data:`SOURCE` (NVIDIA H200, their H=32 cells,
+softplus gate, SD conv layout, all requests live, CUDA graphs of rotating slot sets in a pool
+much larger than L2) for each state pool dtype, measured T and batch size R. A call uses its state dtype's
 table, the row of the nearest measured T and,
 within it, of the measured R nearest (on a log scale; ties: the smaller R) to its own work in
 the table's units, ``R * H / 32`` (the kernels scale with the R*H items, and the table was

@@ -17,16 +17,21 @@ from kda.config import KdaConfig
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _source_cells(sd):
+    """The cells of the runs :data:`auto.SOURCE` names for state dtype ``sd``."""
+    cells = []
+    for path in auto.SOURCE[sd]:
+        with open(os.path.join(ROOT, path)) as f:
+            cells += json.load(f)["cells"]
+    return cells
+
+
 def test_table_matches_its_measurement():
     """Each state dtype's table is the ranking of its own cells in its own runs."""
     assert set(auto.SOURCE) == set(auto.MEASURED) == {"fp32", "bf16"}
-    for sd, paths in auto.SOURCE.items():
-        cells = []
-        for path in paths:
-            with open(os.path.join(ROOT, path)) as f:
-                cells += json.load(f)["cells"]
+    for sd in auto.SOURCE:
         times = collections.defaultdict(dict)
-        for c in cells:
+        for c in _source_cells(sd):
             if (c["backend"] in registry.BACKEND_NAMES and not c.get("note")
                     and c["H"] == auto.TABLE_HEADS and c.get("state_dtype", "fp32") == sd):
                 times[(c["T"], c["R"])][c["backend"]] = c["time_us"]
@@ -54,16 +59,13 @@ def test_cutedsl_runs_wide_wherever_the_measurement_put_wide_ahead():
     than the runs' repeatability (0.5%), ``cutedsl``'s policy now names the wide kernel."""
     from kda.backends.cutedsl import policy
 
-    for sd, paths in auto.SOURCE.items():
-        for path in paths:
-            with open(os.path.join(ROOT, path)) as f:
-                cells = json.load(f)["cells"]
-            times = collections.defaultdict(dict)
-            for c in cells:
-                times[(c["H"], c["T"], c["R"])][c["backend"]] = c["time_us"]
-            for (H, T, R), t in times.items():
-                if {"cutedsl", "cutedsl_wide"} <= set(t) and t["cutedsl_wide"] * 1.005 < t["cutedsl"]:
-                    assert policy.kernel_for(R * H, T, sd == "bf16", H) == "wide", (sd, H, T, R)
+    for sd in auto.SOURCE:
+        times = collections.defaultdict(dict)
+        for c in _source_cells(sd):
+            times[(c["H"], c["T"], c["R"])][c["backend"]] = c["time_us"]
+        for (H, T, R), t in times.items():
+            if {"cutedsl", "cutedsl_wide"} <= set(t) and t["cutedsl_wide"] * 1.005 < t["cutedsl"]:
+                assert policy.kernel_for(R * H, T, sd == "bf16", H) == "wide", (sd, H, T, R)
 
 
 def test_the_state_dtype_picks_the_table(monkeypatch):

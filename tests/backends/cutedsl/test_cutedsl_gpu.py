@@ -277,7 +277,7 @@ def _threshold_batches(H):
     for T in DISPATCH_TS:
         for bf in (False, True):
             edges = [R for most, _ in policy.table(T, bf)[:-1] for R in (most // H, most // H + 1)]
-            if "wide" in policy.kernels(T, bf, H) and "wide" not in policy.kernels(T, bf):
+            if policy.wide_by_heads(policy.WIDE_T4[0], T, bf, H):
                 edges += [wide_from - 1, wide_from]
             for R in edges:
                 case = (T, bf, R, policy.kernel_for(R * H, T, bf, H))
