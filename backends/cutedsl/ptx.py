@@ -220,6 +220,26 @@ def gld_nc_u16x2_or0(gptr, pred):
                "@p mov.b32 $0, {l, h}; }", [Int32], [gptr, pred], memory=True, early=True)
 
 
+def bulk_g2s_evict_last(sptr, gptr, nbytes: int, mbar):
+    """``cp.async.bulk`` of ``nbytes`` from ``gptr`` to the shared pointer ``sptr`` on the
+    mbarrier ``mbar``, its lines marked L2 evict-last (CuTe's bulk-copy atom emits no cache
+    hint)."""
+    asm("{ .reg .b64 pol; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
+        "[$0], [$1], $2, [$3], pol; }", [],
+        [Int32(sptr.toint()), gptr, Int32(nbytes), Int32(mbar.toint())], memory=True)
+
+
+def l2_evict_normal_256(gptr):
+    """Return the L2 lines of the 256 bytes at ``gptr`` (two or three 128-byte lines) to the
+    normal eviction priority (``applypriority``)."""
+    asm("{ .reg .b64 a, e; .reg .pred p; and.b64 a, $0, -128; add.s64 e, $0, 255; "
+        "and.b64 e, e, -128; applypriority.global.L2::evict_normal [a], 128; "
+        "add.s64 a, a, 128; applypriority.global.L2::evict_normal [a], 128; "
+        "add.s64 a, a, 128; setp.le.u64 p, a, e; @p applypriority.global.L2::evict_normal [a], 128; }",
+        [], [gptr], memory=True)
+
+
 def prefetch_l2(gptr):
     """Bring the line of ``gptr`` into L2 (no register, no scoreboard: a later load hits L2)."""
     asm("prefetch.global.L2 [$0];", [], [gptr])

@@ -235,6 +235,8 @@ class KdaStream(Launch):
                            skip)
         else:
             self._prep_loop(storage, g, tid - self.prep0, i0, i1, R, slots, scale, eps, lb)
+            if cutlass.const_expr(self.fb_smem and self.block):
+                self._release_fb(g, tid - self.prep0, i0, i1, R)
         cute.arch.griddepcontrol_launch_dependents()
 
     # ----------------------------------------------------------------------- f_b staging
@@ -247,14 +249,31 @@ class KdaStream(Launch):
         """Prep thread ``pt`` bulk-copies f_b row ``h*128 + pt`` into the staged rows (f_b is a
         model weight: no predecessor writes it); thread 0 arrives with the 32 KiB the copies
         bring. Every prep thread fences its earlier reads of the rows, then the prep warps
-        sync, then the copies go."""
+        sync, then the copies go. In blocks the rows are marked L2 evict-last: the next CTA of
+        the head comes H * C items later, and the pages streamed meanwhile evict rows of normal
+        priority from 96 heads on (:meth:`_release_fb` returns them)."""
         bar = storage.fbbar.data_ptr()
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=PREP)
         if pt == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(bar, D * D * 2)
-        atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), BFloat16, num_bits_per_copy=D * 16)
-        cute.copy(atom, g.fb[h * D + pt, None], self._fb(storage)[pt, None], mbar_ptr=bar)
+        if cutlass.const_expr(self.block):
+            N.bulk_g2s_evict_last(self._fb(storage)[pt, None].iterator,
+                                  g.fb[h * D + pt, None].iterator, D * 2, bar)
+        else:
+            atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), BFloat16, num_bits_per_copy=D * 16)
+            cute.copy(atom, g.fb[h * D + pt, None], self._fb(storage)[pt, None], mbar_ptr=bar)
+
+    @cute.jit
+    def _release_fb(self, g, pt, i0, i1, R):
+        """In blocks: the CTA holding a head's last request returns that head's f_b rows to
+        L2's normal eviction priority (prep thread ``pt``: row ``h*128 + pt``), so that a
+        launch leaves no evict-last lines behind (a CTA of the head started after it would
+        mark them again)."""
+        for i in cutlass.range(i0, i1):
+            r, h = self.ring.split_item(i, R)
+            if r == R - 1:
+                N.l2_evict_normal_256(g.fb[h * D + pt, None].iterator)
 
     # ------------------------------------------------------------------------ consumers
     def _slot_tensors(self, storage):
