@@ -240,6 +240,17 @@ def l2_evict_normal_256(gptr):
         [], [gptr], memory=True)
 
 
+def prefetch_l2_evict_last(gptr):
+    """Bring the line of ``gptr`` into L2 marked evict-last."""
+    asm("prefetch.global.L2::evict_last [$0];", [], [gptr])
+
+
+def l2_evict_normal_line(gptr):
+    """Return the L2 line of ``gptr`` to the normal eviction priority."""
+    asm("{ .reg .b64 a; and.b64 a, $0, -128; applypriority.global.L2::evict_normal [a], 128; }",
+        [], [gptr], memory=True)
+
+
 def prefetch_l2(gptr):
     """Bring the line of ``gptr`` into L2 (no register, no scoreboard: a later load hits L2)."""
     asm("prefetch.global.L2 [$0];", [], [gptr])

@@ -236,7 +236,7 @@ class KdaStream(Launch):
         else:
             self._prep_loop(storage, g, tid - self.prep0, i0, i1, R, slots, scale, eps, lb)
             if cutlass.const_expr(self.fb_smem and self.block):
-                self._release_fb(g, tid - self.prep0, i0, i1, R)
+                self._release_head_lines(g, tid - self.prep0, i0, i1, R)
         cute.arch.griddepcontrol_launch_dependents()
 
     # ----------------------------------------------------------------------- f_b staging
@@ -251,7 +251,7 @@ class KdaStream(Launch):
         bring. Every prep thread fences its earlier reads of the rows, then the prep warps
         sync, then the copies go. In blocks the rows are marked L2 evict-last: the next CTA of
         the head comes H * C items later, and the pages streamed meanwhile evict rows of normal
-        priority from 96 heads on (:meth:`_release_fb` returns them)."""
+        priority from 96 heads on (:meth:`_release_head_lines` returns them)."""
         bar = storage.fbbar.data_ptr()
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=PREP)
@@ -265,15 +265,16 @@ class KdaStream(Launch):
             cute.copy(atom, g.fb[h * D + pt, None], self._fb(storage)[pt, None], mbar_ptr=bar)
 
     @cute.jit
-    def _release_fb(self, g, pt, i0, i1, R):
-        """In blocks: the CTA holding a head's last request returns that head's f_b rows to
-        L2's normal eviction priority (prep thread ``pt``: row ``h*128 + pt``), so that a
-        launch leaves no evict-last lines behind (a CTA of the head started after it would
-        mark them again)."""
+    def _release_head_lines(self, g, pt, i0, i1, R):
+        """In blocks: the CTA holding a head's last request returns the L2 lines that head's
+        CTAs marked evict-last (its f_b rows, prep thread ``pt`` row ``h*128 + pt``, and its conv
+        weights and bias) to the normal priority, so that a launch leaves no evict-last lines
+        behind (a CTA of the head started after it would mark them again)."""
         for i in cutlass.range(i0, i1):
             r, h = self.ring.split_item(i, R)
             if r == R - 1:
                 N.l2_evict_normal_256(g.fb[h * D + pt, None].iterator)
+                self._head_conv_lines(g, h * D + pt, pt, False)
 
     # ------------------------------------------------------------------------ consumers
     def _slot_tensors(self, storage):
@@ -700,6 +701,31 @@ class KdaStream(Launch):
                 hw[4 * part + e] = g.cw[part, e, ch]
             if cutlass.const_expr(self.ks.has_bias):
                 hb[part] = g.cb[part * self.dim + ch]
+        if cutlass.const_expr(self.block):
+            self._head_conv_lines(g, ch, pt, True)
+
+    @cute.jit
+    def _head_conv_lines(self, g, ch, pt, mark):
+        """The L2 lines of a head's conv weights and bias (channel ``ch`` of prep thread ``pt``;
+        one thread per 128-byte line) marked evict-last by an L2 prefetch (``mark``: blocks
+        reuse them H * C items later, as the f_b rows) or returned to the normal priority."""
+        per_line = 64 if cutlass.const_expr(self.ks.cw_bf16) else 32
+        if pt % per_line == 0:
+            for part in cutlass.range_constexpr(3):
+                for e in cutlass.range_constexpr(4):
+                    a = cute.domain_offset((part, e, ch), g.cw).iterator
+                    if cutlass.const_expr(mark):
+                        N.prefetch_l2_evict_last(a)
+                    else:
+                        N.l2_evict_normal_line(a)
+        if cutlass.const_expr(self.ks.has_bias):
+            if pt % 32 == 0:
+                for part in cutlass.range_constexpr(3):
+                    a = cute.domain_offset((part * self.dim + ch,), g.cb).iterator
+                    if cutlass.const_expr(mark):
+                        N.prefetch_l2_evict_last(a)
+                    else:
+                        N.l2_evict_normal_line(a)
 
     @cute.jit
     def _load_head_gate(self, g, thr, hg, h, pt):
