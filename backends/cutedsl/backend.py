@@ -9,7 +9,7 @@ the state pages through a shared-memory ring (:mod:`kda.backends.cutedsl.stream`
 65 to 4095 items on bf16 pages and from 97 to 256 on fp32 pages with each consumer group
 preparing its own items; fp32 pages from 1024 items at T = 1-4: the same kernel on one CTA
 per 4 items, in blocks of 4 requests of one head), or one CTA per item (fp32 pages at
-T >= 5 above 96, and at T = 4 from 3072 items of at most 64 heads). Every kernel computes
+T >= 5 above 96, and at T = 4 from 3072 to 4096 items of 16-32 heads). Every kernel computes
 every value in the same order, so the two backends produce bit-identical outputs, states,
 windows and records.
 Design: ``docs/design.md``; compilation and caching: :mod:`kda.backends.cutedsl.cache`.
@@ -274,7 +274,7 @@ class KdaBackend(_CuteDslBackend):
     from 97 to 256 on fp32 pages with each consumer group preparing its own items; fp32 pages
     from 1024 items at T = 1-4: the same kernel on one CTA per 4 items, in blocks of 4
     requests), one CTA per item where the policy measured that faster (fp32 pages at T >= 5
-    above 96, and at T = 4 from 3072 items of at most 64 heads).
+    above 96, and at T = 4 from 3072 to 4096 items of 16-32 heads).
 
     The step reads only the host-side batch size to choose, so a CUDA graph captured at one
     batch size replays the kernel chosen for it; every kernel the policy names is compiled
@@ -288,8 +288,8 @@ class KdaBackend(_CuteDslBackend):
                    "ring above (prep warps ahead of consumer warps, or at T=1 each consumer "
                    "group preparing its own items; the same kernel on one "
                    "CTA per 4 items in blocks of 4 requests at T <= 4), one CTA per item where "
-                   "that measured faster (fp32 pages at T >= 5, and at T = 4 from 3072 items "
-                   "of <= 64 heads); "
+                   "that measured faster (fp32 pages at T >= 5, and at T = 4 from 3072 to "
+                   "4096 items of 16-32 heads); "
                    "mma.sync gate, PDL")
 
     def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:

@@ -8,7 +8,7 @@ state pool, softplus gate, SD layout; T=1 unless named).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 #: ``cutedsl``: the kernel for a batch of ``items = R * H`` (request, head) items at T tokens,
 #: by state pool dtype and T (a T takes the row of the largest key not above it), first match of (most
@@ -42,8 +42,8 @@ KERNEL_BY_ITEMS = {
                                 # H=12 R=64 77.0 against 79.2 wide; T=3 H=96 R=8 63.4 against 68.2
             (None, "stream4")),  # T=4 H=32 R=32: 99.4 us against 102.9 stream, 104.3 wide; H=96
                                  # R=16 148.5 against 159.3 wide; H=12 R=128 150.0 against 154.5;
-                                 # H=96 R=128 1168 against 1184; at T=4 from 3072 items
-                                 # wide where a step has at most 64 heads (WIDE_T4);
+                                 # H=96 R=128 1168 against 1184; at T=4 wide from 3072
+                                 # to 4096 items of 16-32 heads (WIDE_T4);
                                  # T=3 H=32 R=32 80.2 against 83.4 stream; T=2 H=32 R=32 60.3
                                  # against 62.6 stream
         5: ((48, "split8"),     # T=4 H=12 R=1: 5.1 us against 11.7 wide
@@ -86,21 +86,30 @@ PAGE_LAST = {
 }
 
 
-#: fp32 pages at T = 4: ``wide`` instead of the table's ``stream4`` from this many items where
-#: a step has at most this many heads (from items, most heads). One sweep of the two beside
-#: ``touch`` over head counts (H200, 2026-12-03, ``docs/design.md``): from 3072 items ``wide``
-#: is ahead by 0.3-1.8% at H = 16-48 (H=32 R=128 387.4 us against 393.5, R=512 1520.3 against
-#: 1535.6) and in most cells at H = 12 and 64 (by up to 1.0%), ``stream4`` by 1.5-4.4% from
-#: 96 heads (H=96 R=128 1153.6 against 1171.0); at T = 2 and 3 ``stream4`` leads at every
-#: head count measured.
-WIDE_T4 = (3072, 64)
+class WideRule(NamedTuple):
+    """Where ``wide`` replaces the table's ``stream4``: fp32 pages at T = 4, a range of items
+    and of heads per request (both ends included)."""
+    first_items: int
+    last_items: int
+    least_heads: int
+    most_heads: int
+
+
+#: fp32 pages at T = 4: ``wide`` instead of ``stream4`` from 3072 to 4096 items of 16-32
+#: heads. One sweep of the two beside ``touch`` (H200, 2026-12-03, ``docs/design.md``, with
+#: ``stream4``'s head lines held in L2): ``wide`` ahead at H=16 R=192 (294.4 us against 297.1)
+#: and H=32 R=128 (387.8 against 392.1), behind by 0.2% at H=32 R=96 (293.1 against 292.5);
+#: ``stream4`` ahead or level in the 9 other cells from 3072 items at H = 12-64 (by up to 1.6%,
+#: H=64 R=48 292.4 against 297.0).
+WIDE_T4 = WideRule(first_items=3072, last_items=4096, least_heads=16, most_heads=32)
 
 
 def wide_by_heads(items: int, T: int, state_bf16: bool, heads: int) -> bool:
     """Whether ``cutedsl`` runs ``wide`` for ``items`` items of ``heads`` heads at ``T``
     tokens where its table names ``stream4`` (:data:`WIDE_T4`)."""
-    from_items, most_heads = WIDE_T4
-    return not state_bf16 and T == 4 and items >= from_items and heads <= most_heads
+    r = WIDE_T4
+    return (not state_bf16 and T == 4 and r.first_items <= items <= r.last_items
+            and r.least_heads <= heads <= r.most_heads)
 
 
 def kernel_for(items: int, T: int, state_bf16: bool = False,
@@ -124,7 +133,7 @@ def kernels(T: int, state_bf16: bool = False, heads: Optional[int] = None) -> tu
     head-count rule names it."""
     kinds = tuple(dict.fromkeys(kind for _, kind in table(T, state_bf16)))
     if (heads is not None and "wide" not in kinds
-            and wide_by_heads(WIDE_T4[0], T, state_bf16, heads)):
+            and wide_by_heads(WIDE_T4.first_items, T, state_bf16, heads)):
         kinds += ("wide",)
     return kinds
 

@@ -641,23 +641,25 @@ def test_policy_table(T, bf16):
 
 
 def test_policy_wide_by_heads():
-    """WIDE_T4: fp32 pages at T = 4 run ``wide`` from 3072 items of at most 64 heads, where the
-    table names ``stream4``; nowhere else does the head count change the kernel."""
-    first, most_heads = policy.WIDE_T4
-    assert (first, most_heads) == (3072, 64)
-    for H in (1, 12, 32, 64):
-        assert policy.kernel_for(first, 4, False, H) == "wide"
-        assert policy.kernel_for(10 ** 7, 4, False, H) == "wide"
-        assert policy.kernel_for(first - 1, 4, False, H) == policy.kernel_for(first - 1, 4) == "stream4"
+    """WIDE_T4: fp32 pages at T = 4 run ``wide`` from 3072 to 4096 items of 16-32 heads, where
+    the table names ``stream4``; nowhere else does the head count change the kernel."""
+    r = policy.WIDE_T4
+    assert tuple(r) == (3072, 4096, 16, 32)
+    first, last = r.first_items, r.last_items
+    for H in (16, 24, 32):
+        assert policy.kernel_for(first, 4, False, H) == policy.kernel_for(last, 4, False, H) == "wide"
+        for items in (first - 1, last + 1, 10 ** 7):
+            assert policy.kernel_for(items, 4, False, H) == policy.kernel_for(items, 4) == "stream4"
         assert policy.kernels(4, False, H) == policy.kernels(4) + ("wide",)
-    for H in (65, 96, 128):
-        assert policy.kernel_for(first, 4, False, H) == policy.kernel_for(first, 4) == "stream4"
+    for H in (1, 12, 15, 33, 64, 96):
+        for items in (first, last):
+            assert policy.kernel_for(items, 4, False, H) == policy.kernel_for(items, 4) == "stream4"
         assert policy.kernels(4, False, H) == policy.kernels(4)
     assert policy.kernel_for(first, 4) == "stream4"      # heads=None: the row by items alone
     for T in range(1, 9):
         for bf in (False, True):
-            for H in (8, 32, 96):
-                for items in (1, 96, first - 1, first, 10 ** 6):
+            for H in (8, 16, 32, 96):
+                for items in (1, 96, first - 1, first, last, 10 ** 6):
                     if bf or T != 4:
                         assert policy.kernel_for(items, T, bf, H) == policy.kernel_for(items, T, bf)
                 if bf or T != 4:
@@ -689,9 +691,12 @@ def test_cutedsl_builds_every_policy_kernel_and_picks_by_items(monkeypatch, T, b
     kinds = policy.kernels(cfg.T, bf16, H)
     assert sorted(built, key=str) == sorted(((k, cfg, dev) for k in kinds), key=str)
     assert set(step.launchers) == set(kinds)
-    assert ("wide" in kinds) == (not bf16 and (T >= 5 or T == 4 and H <= policy.WIDE_T4[1]))
-    wide_from = -(-policy.WIDE_T4[0] // H)          # the head-count rule's first batch
-    batches = {1, wide_from - 1, wide_from}
+    r = policy.WIDE_T4
+    by_heads = r.least_heads <= H <= r.most_heads
+    assert ("wide" in kinds) == (not bf16 and (T >= 5 or T == 4 and by_heads))
+    wide_from = -(-r.first_items // H)          # the head-count rule's first and last batch
+    wide_to = r.last_items // H
+    batches = {1, wide_from - 1, wide_from, wide_to, wide_to + 1}
     for most, _ in policy.table(cfg.T, bf16)[:-1]:
         batches |= {max(1, most // H), most // H + 1}
     for R in sorted(batches):
@@ -699,8 +704,9 @@ def test_cutedsl_builds_every_policy_kernel_and_picks_by_items(monkeypatch, T, b
         step(SimpleNamespace(state_indices=torch.zeros(R, 2, dtype=torch.int32)))
         assert calls == [(policy.kernel_for(R * H, cfg.T, bf16, H), R)], (R, calls)
     if T == 4 and not bf16:
-        assert [policy.kernel_for(R * H, 4, False, H) for R in (wide_from - 1, wide_from)] == \
-            ["stream4", "wide" if H <= policy.WIDE_T4[1] else "stream4"]
+        w = "wide" if by_heads else "stream4"
+        assert [policy.kernel_for(R * H, 4, False, H)
+                for R in (wide_from - 1, wide_from, wide_to, wide_to + 1)] == ["stream4", w, w, "stream4"]
     ran = {policy.kernel_for(R * H, cfg.T, bf16, H) for R in batches}
     if H == 16:     # at 96 heads one request is above the first thresholds
         assert ran == set(kinds), "the batches cross every threshold"

@@ -273,12 +273,13 @@ def _threshold_batches(H):
     """(T, bf16, R, kind) on both sides of every threshold of KERNEL_BY_ITEMS and of the
     head-count rule WIDE_T4 for H heads, at each of DISPATCH_TS, for both state dtypes."""
     out = []
-    wide_from = -(-policy.WIDE_T4[0] // H)
+    r = policy.WIDE_T4
+    wide_from, wide_to = -(-r.first_items // H), r.last_items // H
     for T in DISPATCH_TS:
         for bf in (False, True):
             edges = [R for most, _ in policy.table(T, bf)[:-1] for R in (most // H, most // H + 1)]
-            if policy.wide_by_heads(policy.WIDE_T4[0], T, bf, H):
-                edges += [wide_from - 1, wide_from]
+            if policy.wide_by_heads(r.first_items, T, bf, H):
+                edges += [wide_from - 1, wide_from, wide_to, wide_to + 1]
             for R in edges:
                 case = (T, bf, R, policy.kernel_for(R * H, T, bf, H))
                 if R >= 1 and case not in out:
