@@ -112,28 +112,36 @@ def wide_by_heads(items: int, T: int, state_bf16: bool, heads: int) -> bool:
             and r.least_heads <= heads <= r.most_heads)
 
 
-def kernel_for(items: int, T: int, state_bf16: bool = False,
-               heads: Optional[int] = None) -> str:
-    """The kernel ``cutedsl`` runs for ``items`` (request, head) items of ``heads`` heads per
-    request at ``T`` tokens on a pool of fp32 (``state_bf16``: bf16) pages: the row of
-    :data:`KERNEL_BY_ITEMS`, then the head-count rule :data:`WIDE_T4` (``heads=None``: the row
-    by items alone)."""
+def table_kernel(items: int, T: int, state_bf16: bool = False) -> str:
+    """The kernel of :data:`KERNEL_BY_ITEMS`' row for ``items`` items at ``T`` tokens on fp32
+    (``state_bf16``: bf16) pages, before the head-count rule (what runs: :func:`kernel_for`)."""
     for most, kind in table(T, state_bf16):
         if most is None or items <= most:
-            if (kind == "stream4" and heads is not None
-                    and wide_by_heads(items, T, state_bf16, heads)):
-                return "wide"
             return kind
     raise AssertionError("every KERNEL_BY_ITEMS row ends with a catch-all entry")
 
 
-def kernels(T: int, state_bf16: bool = False, heads: Optional[int] = None) -> tuple:
+def kernel_for(items: int, T: int, state_bf16: bool, heads: int) -> str:
+    """The kernel ``cutedsl`` runs for ``items`` (request, head) items of ``heads`` heads per
+    request at ``T`` tokens on a pool of fp32 (``state_bf16``: bf16) pages: the row of
+    :data:`KERNEL_BY_ITEMS`, then the head-count rule :data:`WIDE_T4`."""
+    kind = table_kernel(items, T, state_bf16)
+    if kind == "stream4" and wide_by_heads(items, T, state_bf16, heads):
+        return "wide"
+    return kind
+
+
+def table_kernels(T: int, state_bf16: bool = False) -> tuple:
+    """The kernels of :data:`KERNEL_BY_ITEMS`' row for ``T`` tokens on fp32 (bf16) pages, in
+    table order, each once (before the head-count rule: :func:`kernels`)."""
+    return tuple(dict.fromkeys(kind for _, kind in table(T, state_bf16)))
+
+
+def kernels(T: int, state_bf16: bool, heads: int) -> tuple:
     """Every kernel ``cutedsl`` may run at ``T`` tokens on fp32 (bf16) pages for ``heads``
-    heads (``None``: the rows by items alone), in table order, ``wide`` last where only the
-    head-count rule names it."""
-    kinds = tuple(dict.fromkeys(kind for _, kind in table(T, state_bf16)))
-    if (heads is not None and "wide" not in kinds
-            and wide_by_heads(WIDE_T4.first_items, T, state_bf16, heads)):
+    heads per request, in table order, ``wide`` last where only the head-count rule names it."""
+    kinds = table_kernels(T, state_bf16)
+    if "wide" not in kinds and wide_by_heads(WIDE_T4.first_items, T, state_bf16, heads):
         kinds += ("wide",)
     return kinds
 

@@ -307,7 +307,7 @@ def test_resource_usage(kind, i):
         # 384 threads (3 warpgroups): 168 registers at most, no stack but STREAM_STACK's
         assert usage["REG"] <= 168 and usage["LOCAL"] == 0, usage
         assert usage["STACK"] == STREAM_STACK.get((kind, i), 0), usage
-    elif any(kind in policy.kernels(T, bf) for T in range(1, 9) for bf in (False, True)):
+    elif any(kind in policy.table_kernels(T, bf) for T in range(1, 9) for bf in (False, True)):
         assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"spills / stack: {usage}"
     else:
         assert usage["STACK"] <= 64 and usage["LOCAL"] == 0, f"spills / stack: {usage}"
@@ -519,7 +519,7 @@ def test_kernel_kinds():
             cache.kernel_object(bad, ks)
     names = cache.arg_names("wide")
     assert all(cache.arg_names(k) == names for bf in (False, True) for T in (1, 2)
-               for k in policy.kernels(T, bf))
+               for k in policy.table_kernels(T, bf))
     assert names[-1] == "stream" and "ncta" not in names
 
 
@@ -628,15 +628,15 @@ def test_policy_table(T, bf16):
     assert len(set(splits)) == len(splits)
     assert set(kinds[len(splits):]) <= {"stream", "streamg", "stream4", "wide"}
     assert "streamg" not in kinds or T == 1
-    assert policy.kernels(T, bf16) == tuple(dict.fromkeys(kinds))
+    assert policy.table_kernels(T, bf16) == tuple(dict.fromkeys(kinds))
     if T == 1:      # a kernel named twice is built once
-        assert policy.kernels(1, bf16) == (("split8", "split4", "streamg", "stream") if bf16 else
+        assert policy.table_kernels(1, bf16) == (("split8", "split4", "streamg", "stream") if bf16 else
                                            ("split8", "stream", "streamg", "stream4"))
     for m, kind in rows[:-1]:
-        assert policy.kernel_for(m, T, bf16) == kind
-        assert policy.kernel_for(m + 1, T, bf16) != kind
-    assert policy.kernel_for(1, T, bf16) == rows[0][1]
-    assert policy.kernel_for(10 ** 7, T, bf16) == rows[-1][1]
+        assert policy.table_kernel(m, T, bf16) == kind
+        assert policy.table_kernel(m + 1, T, bf16) != kind
+    assert policy.table_kernel(1, T, bf16) == rows[0][1]
+    assert policy.table_kernel(10 ** 7, T, bf16) == rows[-1][1]
     assert policy.table(T) == policy.table(T, False)
 
 
@@ -649,21 +649,20 @@ def test_policy_wide_by_heads():
     for H in (16, 24, 32):
         assert policy.kernel_for(first, 4, False, H) == policy.kernel_for(last, 4, False, H) == "wide"
         for items in (first - 1, last + 1, 10 ** 7):
-            assert policy.kernel_for(items, 4, False, H) == policy.kernel_for(items, 4) == "stream4"
-        assert policy.kernels(4, False, H) == policy.kernels(4) + ("wide",)
+            assert policy.kernel_for(items, 4, False, H) == policy.table_kernel(items, 4) == "stream4"
+        assert policy.kernels(4, False, H) == policy.table_kernels(4) + ("wide",)
     for H in (1, 12, 15, 33, 64, 96):
         for items in (first, last):
-            assert policy.kernel_for(items, 4, False, H) == policy.kernel_for(items, 4) == "stream4"
-        assert policy.kernels(4, False, H) == policy.kernels(4)
-    assert policy.kernel_for(first, 4) == "stream4"      # heads=None: the row by items alone
+            assert policy.kernel_for(items, 4, False, H) == policy.table_kernel(items, 4) == "stream4"
+        assert policy.kernels(4, False, H) == policy.table_kernels(4)
     for T in range(1, 9):
         for bf in (False, True):
             for H in (8, 16, 32, 96):
                 for items in (1, 96, first - 1, first, last, 10 ** 6):
                     if bf or T != 4:
-                        assert policy.kernel_for(items, T, bf, H) == policy.kernel_for(items, T, bf)
+                        assert policy.kernel_for(items, T, bf, H) == policy.table_kernel(items, T, bf)
                 if bf or T != 4:
-                    assert policy.kernels(T, bf, H) == policy.kernels(T, bf)
+                    assert policy.kernels(T, bf, H) == policy.table_kernels(T, bf)
 
 
 @pytest.mark.parametrize("H", [16, 96])
