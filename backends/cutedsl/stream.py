@@ -235,7 +235,7 @@ class KdaStream(Launch):
                            skip)
         else:
             self._prep_loop(storage, g, tid - self.prep0, i0, i1, R, slots, scale, eps, lb)
-            if cutlass.const_expr(self.fb_smem and self.block):
+            if cutlass.const_expr(self.block):
                 self._release_head_lines(g, tid - self.prep0, i0, i1, R)
         cute.arch.griddepcontrol_launch_dependents()
 
@@ -273,7 +273,8 @@ class KdaStream(Launch):
         for i in cutlass.range(i0, i1):
             r, h = self.ring.split_item(i, R)
             if r == R - 1:
-                N.l2_evict_normal_256(g.fb[h * D + pt, None].iterator)
+                if cutlass.const_expr(self.fb_smem):
+                    N.l2_evict_normal_256(g.fb[h * D + pt, None].iterator)
                 self._head_conv_lines(g, h * D + pt, pt, False)
 
     # ------------------------------------------------------------------------ consumers
