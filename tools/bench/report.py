@@ -1,11 +1,14 @@
-"""Regenerate the README's performance table from benchmark JSON files.
+"""Regenerate the README's performance table, and the run's tier summary, from benchmark JSON
+files.
 
     python3 -m tools.bench.report docs/results/<run>/bench-h200.json [more.json ...]
 
 Replaces the text between ``<!-- perf-table:begin -->`` and ``<!-- perf-table:end -->`` in
 README.md with one table per JSON (time in us and fraction of the copy-bandwidth floor per
-backend and peer), headed by the run's device, date, commit and command, so the README shows
-only measured numbers. ``--check`` exits non-zero when the README is not up to date.
+backend and peer), headed by the run's device, date, commit and command, and the text between
+``<!-- tiers:begin -->`` and ``<!-- tiers:end -->`` in the README.md beside the first JSON
+(where it has them) with ``cutedsl`` against ``touch`` per tier of items (:data:`TIERS`), so
+neither shows a number by hand. ``--check`` exits non-zero when either is not up to date.
 """
 
 from __future__ import annotations
@@ -16,6 +19,13 @@ import sys
 from typing import List
 
 BEGIN, END = "<!-- perf-table:begin -->", "<!-- perf-table:end -->"
+TIERS_BEGIN, TIERS_END = "<!-- tiers:begin -->", "<!-- tiers:end -->"
+#: Tiers of a step by its items (R * H), largest first: (name, least items); the small tier
+#: is summarized as the difference to the peer in us, the others as the ratio.
+TIERS = (("large", 4096), ("mid", 256), ("small", 1))
+#: Another backend counts as faster than ``cutedsl`` in a cell beyond this ratio (the runs'
+#: repeatability).
+FASTER = 1.005
 
 
 def load_run(path: str):
@@ -56,6 +66,60 @@ def table(path: str, root: str) -> str:
     return "\n".join(lines)
 
 
+def tiers(paths: List[str], backend: str = "cutedsl", peer: str = "touch") -> str:
+    """The tier summary of the runs ``paths``: per tier (:data:`TIERS`) and column (state dtype,
+    T) the range of ``backend``'s step time over ``peer``'s in the same cell, then the cells
+    where another backend of the project was faster than ``backend`` by more than
+    :data:`FASTER`."""
+    from kda.registry import BACKEND_NAMES
+
+    times, cols = {}, []
+    for p in paths:
+        for c in load_run(p)[1]:
+            sd = c.get("state_dtype", "fp32")
+            times.setdefault((sd, c["T"], c["H"], c["R"]), {})[c["backend"]] = c["time_us"]
+            if (sd, c["T"]) not in cols:
+                cols.append((sd, c["T"]))
+    ranges, slower = {}, []
+    for (sd, T, H, R), t in sorted(times.items()):
+        if backend not in t or peer not in t:
+            continue
+        name = next(n for n, least in TIERS if H * R >= least)
+        v = t[backend] - t[peer] if name == "small" else t[backend] / t[peer]
+        ranges.setdefault((name, sd, T), []).append(v)
+        for other, u in t.items():
+            if other != backend and other in BACKEND_NAMES and u * FASTER < t[backend]:
+                slower.append(f"{sd} T={T} H={H} R={R} (`{other}` {u:.1f} us against "
+                              f"{t[backend]:.1f})")
+
+    def cell(name, key):
+        v = ranges.get((name,) + key)
+        if not v:
+            return "-"
+        if name == "small":
+            return f"{min(v):+.1f} to {max(v):+.1f} us"
+        return f"{min(v):.2f}-{max(v):.2f}"
+
+    bounds = ", ".join(f"{n} >= {least}" for n, least in TIERS[:-1])
+    lines = [f"`{backend}` against `{peer}` of the same run (tiers by items = R * H: {bounds}, "
+             f"small below; small cells as the difference in us):", "",
+             "| tier | " + " | ".join(f"{sd} T={T}" for sd, T in cols) + " |",
+             "|---|" + "---|" * len(cols)]
+    lines += [f"| {n} | " + " | ".join(cell(n, k) for k in cols) + " |" for n, _ in TIERS]
+    lines.append("")
+    if slower:
+        lines.append(f"`{backend}` is the fastest backend in every cell but these, where another "
+                     f"is faster by more than {100 * (FASTER - 1):.1f}%: " + "; ".join(slower) + ".")
+    else:
+        lines.append(f"`{backend}` is the fastest backend in every cell: no other is faster by "
+                     f"more than {100 * (FASTER - 1):.1f}%.")
+    return "\n".join(lines)
+
+
+def _replace(text: str, begin: str, end: str, body: str) -> str:
+    return text[: text.index(begin)] + begin + "\n" + body + "\n" + text[text.index(end):]
+
+
 def render(paths: List[str], root: str) -> str:
     body = "\n\n".join(table(p, root) for p in paths)
     cmd = " ".join(["python3 -m tools.bench.report"] + [os.path.relpath(p, root) for p in paths])
@@ -84,10 +148,21 @@ def main(argv: List[str]) -> int:
         print(f"{readme}: no {BEGIN} ... {END} markers", file=sys.stderr)
         return 2
     new = text[: text.index(BEGIN)] + render(paths, root) + text[text.index(END) + len(END):]
+    updates = [(readme, text, new)]
+    run_readme = os.path.join(root, os.path.dirname(paths[0]), "README.md")
+    if os.path.isfile(run_readme):
+        with open(run_readme) as f:
+            run_text = f.read()
+        if TIERS_BEGIN in run_text and TIERS_END in run_text:
+            full = [os.path.join(root, p) for p in paths]
+            updates.append((run_readme, run_text,
+                            _replace(run_text, TIERS_BEGIN, TIERS_END, tiers(full))))
     if check:
-        return 0 if new == text else 1
-    with open(readme, "w") as f:
-        f.write(new)
+        return 0 if all(old == new for _, old, new in updates) else 1
+    for path, old, new in updates:
+        if old != new:
+            with open(path, "w") as f:
+                f.write(new)
     return 0
 
 

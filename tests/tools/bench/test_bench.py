@@ -16,9 +16,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 
 
 def test_readme_table_is_generated_from_committed_results(monkeypatch):
-    """README's generated block is what the runs behind ``auto``'s tables generate
-    (kda.auto.SOURCE: the fp32 reference run, then the bf16-state run), all of them GPU runs
-    of committed results."""
+    """README's generated block, and the tier summary in the run's own README, are what the
+    runs behind ``auto``'s tables generate (kda.auto.SOURCE: the fp32 reference run, then the
+    bf16-state run), all of them GPU runs of committed results."""
     from kda import auto
 
     rel = [p for paths in auto.SOURCE.values() for p in paths]
@@ -28,7 +28,42 @@ def test_readme_table_is_generated_from_committed_results(monkeypatch):
     monkeypatch.chdir(ROOT)
     monkeypatch.delenv("BUILD_WORKSPACE_DIRECTORY", raising=False)
     assert report.main(["--check", *rel]) == 0, \
-        "README.md's table is stale: run python3 -m tools.bench.report " + " ".join(rel)
+        "README.md's table or the run's tier summary is stale: run python3 -m tools.bench.report " \
+        + " ".join(rel)
+
+
+def _run(path, sd, cells):
+    meta = {"device": "NVIDIA H200", "date": "d", "commit": "c", "copy_bandwidth_Bps": 4e12,
+            "timing": "t", "gate": "softplus", "layout": "SD", "gpu": True}
+    json.dump({"meta": meta, "cells": [
+        {"backend": b, "H": H, "T": T, "R": R, "time_us": t, "floor_us": 1.0, "frac": 0.5,
+         "state_dtype": sd} for b, H, T, R, t in cells]}, open(path, "w"))
+    return str(path)
+
+
+def test_tiers_summary_by_items(tmp_path):
+    """The tier summary: per tier and (state dtype, T) the range of cutedsl over touch (the
+    small tier as us over touch), '-' for an empty tier, and the cells another backend of
+    the project won by more than 0.5% (a peer never counts)."""
+    fp = _run(tmp_path / "a.json", "fp32", [
+        ("touch", 32, 1, 128, 100.0), ("cutedsl", 32, 1, 128, 105.0), ("cuda", 32, 1, 128, 104.0),
+        ("touch", 12, 1, 512, 200.0), ("cutedsl", 12, 1, 512, 218.0),
+        ("touch", 32, 1, 8, 10.0), ("cutedsl", 32, 1, 8, 12.5), ("touch_ring", 32, 1, 8, 9.0),
+        ("touch", 12, 1, 1, 3.0), ("cutedsl", 12, 1, 1, 2.9), ("cuda", 12, 1, 1, 2.89)])
+    bf = _run(tmp_path / "b.json", "bf16", [
+        ("touch", 32, 4, 128, 50.0), ("cutedsl", 32, 4, 128, 60.0),
+        ("cutedsl_wide", 32, 4, 128, 59.9)])
+    text = report.tiers([fp, bf])
+    assert "| tier | fp32 T=1 | bf16 T=4 |" in text
+    assert "| large | 1.05-1.09 | 1.20-1.20 |" in text
+    assert "| mid | 1.25-1.25 | - |" in text
+    assert "| small | -0.1 to -0.1 us | - |" in text
+    # cuda 104.0 against 105.0 (1.0%) counts; cuda 2.89 against 2.9 and wide 59.9 against 60.0
+    # do not (under 0.5%), nor does the touch_ring peer
+    assert "fp32 T=1 H=32 R=128 (`cuda` 104.0 us against 105.0)" in text
+    assert "R=1 (" not in text and "cutedsl_wide" not in text and "touch_ring" not in text
+    only_fast = report.tiers([bf])
+    assert "fastest backend in every cell: no other is faster by more than 0.5%" in only_fast
 
 
 def test_bench_cpu_run_writes_json(tmp_path, capsys):
