@@ -275,7 +275,7 @@ class KdaStream(Launch):
             if r == R - 1:
                 if cutlass.const_expr(self.fb_smem):
                     N.l2_evict_normal_256(g.fb[h * D + pt, None].iterator)
-                self._head_conv_lines(g, h * D + pt, pt, False)
+                self._head_conv_lines(g, h * D + pt, pt, N.l2_evict_normal_line)
 
     # ------------------------------------------------------------------------ consumers
     def _slot_tensors(self, storage):
@@ -703,30 +703,22 @@ class KdaStream(Launch):
             if cutlass.const_expr(self.ks.has_bias):
                 hb[part] = g.cb[part * self.dim + ch]
         if cutlass.const_expr(self.block):
-            self._head_conv_lines(g, ch, pt, True)
+            self._head_conv_lines(g, ch, pt, N.prefetch_l2_evict_last)
 
     @cute.jit
-    def _head_conv_lines(self, g, ch, pt, mark):
-        """The L2 lines of a head's conv weights and bias (channel ``ch`` of prep thread ``pt``;
-        one thread per 128-byte line) marked evict-last by an L2 prefetch (``mark``: blocks
-        reuse them H * C items later, as the f_b rows) or returned to the normal priority."""
+    def _head_conv_lines(self, g, ch, pt, hint):
+        """``hint`` (:func:`ptx.prefetch_l2_evict_last`: blocks reuse them H * C items later, as
+        the f_b rows; or :func:`ptx.l2_evict_normal_line`) on each L2 line of a head's conv
+        weights and bias (channel ``ch`` of prep thread ``pt``; one thread per 128-byte line)."""
         per_line = 64 if cutlass.const_expr(self.ks.cw_bf16) else 32
         if pt % per_line == 0:
             for part in cutlass.range_constexpr(3):
                 for e in cutlass.range_constexpr(4):
-                    a = cute.domain_offset((part, e, ch), g.cw).iterator
-                    if cutlass.const_expr(mark):
-                        N.prefetch_l2_evict_last(a)
-                    else:
-                        N.l2_evict_normal_line(a)
+                    hint(cute.domain_offset((part, e, ch), g.cw).iterator)
         if cutlass.const_expr(self.ks.has_bias):
             if pt % 32 == 0:
                 for part in cutlass.range_constexpr(3):
-                    a = cute.domain_offset((part * self.dim + ch,), g.cb).iterator
-                    if cutlass.const_expr(mark):
-                        N.prefetch_l2_evict_last(a)
-                    else:
-                        N.l2_evict_normal_line(a)
+                    hint(cute.domain_offset((part * self.dim + ch,), g.cb).iterator)
 
     @cute.jit
     def _load_head_gate(self, g, thr, hg, h, pt):
