@@ -65,6 +65,16 @@ class KdaConfig:
       beta_activated: False (default): ``beta`` is bf16 raw logits and the op applies the
         sigmoid; True: ``beta`` is fp32 already passed through the sigmoid by the engine,
         used as it is. Never inferred from beta's dtype.
+      early_reads: False (default): every kernel waits for its programmatic-launch (PDL)
+        predecessor before it reads anything that kernel may write. True: ``cutedsl``'s
+        persistent streamed kernel on fp32 pages reads ``state_indices``,
+        ``num_accepted_tokens``, its first conv windows and its first state pages before that
+        wait (the activations still after it), which takes its first items' load latency off
+        the step (fp32 H=12 R=8 T=1: 6.5 us against 7.3 on an H200). Allowed only where the kernel launched just before the step on
+        its stream writes none of ``state``, ``conv_state``, ``state_indices`` and
+        ``num_accepted_tokens`` (in a model's forward pass that kernel is a projection; two
+        steps on one pool back to back on a stream must leave this False): the contract,
+        section 6, "Launch order". The other kernels and backends ignore it.
 
     Construction checks every field and stores the numbers as Python ``int`` / ``float`` /
     ``bool`` (numpy scalars are accepted).
@@ -92,6 +102,7 @@ class KdaConfig:
     norm_weight_dtype: torch.dtype = torch.float32
     beta_activated: bool = False
     state_dtype: torch.dtype = torch.float32
+    early_reads: bool = False
 
     def __post_init__(self):
         for name in ("num_heads", "T", "window", "gate_mode"):
@@ -133,7 +144,7 @@ class KdaConfig:
                 raise KdaArgumentError(name, f"expected a float > 0 that is finite and normal in "
                                              f"fp32 (the kernels' precision: [{FP32_MIN_NORMAL:.4g}, "
                                              f"3.403e+38]), got {val!r} (fp32: {f32!r})")
-        for name in ("has_conv_bias", "record", "beta_activated"):
+        for name in ("has_conv_bias", "record", "beta_activated", "early_reads"):
             val = getattr(self, name)
             # a bool, or numpy's bool_ (dtype kind "b")
             if not (isinstance(val, bool) or getattr(getattr(val, "dtype", None), "kind", "") == "b"):
@@ -152,7 +163,7 @@ class KdaConfig:
                       lower_bound=None if lb is None else float(lb),
                       gate_mode=int(self.gate_mode), has_conv_bias=bool(self.has_conv_bias),
                       record=bool(self.record), beta_activated=bool(self.beta_activated),
-                      scale=float(self.scale),
+                      early_reads=bool(self.early_reads), scale=float(self.scale),
                       norm_eps=float(self.norm_eps))
         for name, val in normal.items():
             object.__setattr__(self, name, val)
@@ -182,6 +193,8 @@ class KdaConfig:
             parts.append("beta32")
         if self.state_dtype == torch.bfloat16:
             parts.append("st16")
+        if self.early_reads:
+            parts.append("early")
         return "-".join(parts)
 
 

@@ -39,7 +39,8 @@ def alloc_out(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def validated_step(args: KdaArgs, *, scale, norm_eps, lower_bound, gate_mode,
-                   beta_activated=False, backend: Optional[str]) -> Tuple[StepFn, KdaArgs]:
+                   beta_activated=False, early_reads=False,
+                   backend: Optional[str]) -> Tuple[StepFn, KdaArgs]:
     """Everything :func:`kda.kda_decode` does before launching.
 
     Returns:
@@ -53,7 +54,8 @@ def validated_step(args: KdaArgs, *, scale, norm_eps, lower_bound, gate_mode,
         missing = "kg_record" if args.kg_record is None else "v_record"
         raise KdaArgumentError(missing, "record mode needs both v_record and kg_record, got only one")
     cfg = config_from_args(args, scale=scale, norm_eps=norm_eps, lower_bound=lower_bound,
-                           gate_mode=gate_mode, beta_activated=beta_activated)
+                           gate_mode=gate_mode, beta_activated=beta_activated,
+                           early_reads=early_reads)
     if args.out is None and isinstance(args.x, torch.Tensor):
         args = args._replace(out=alloc_out(args.x, cfg.dim))
     validate_args(cfg, args)

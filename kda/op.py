@@ -53,6 +53,7 @@ def kda_decode(
     lower_bound: Optional[float] = None,
     gate_mode: int = 0,
     beta_activated: bool = False,
+    early_reads: bool = False,
     backend: Optional[str] = None,
 ) -> torch.Tensor:
     """One fused KDA decode step for R requests x H heads; returns ``out``.
@@ -89,6 +90,11 @@ def kda_decode(
       beta_activated: False: ``beta`` is bf16 raw logits; True: fp32, already activated by the
         engine (vLLM's Kimi-Linear layer computes ``sigmoid(beta)`` itself). Never inferred
         from beta's dtype: a dtype that does not match is an error naming ``beta``.
+      early_reads: False (default), or True to let the streamed CuTe DSL kernel read
+        ``state_indices``, ``num_accepted_tokens`` and their first windows and pages before
+        waiting for the kernel launched before them (PDL), when that kernel writes none of
+        them (:attr:`kda.config.KdaConfig.early_reads`; the contract, section 6, "Launch
+        order").
       v_record: [slots, H, T, 128] fp32 and kg_record: [slots, H, T, 256] bf16, both or
         neither: record mode (state read but not written; u, raw k and raw gate recorded at
         row ``state_indices[r, 0]``).
@@ -131,10 +137,11 @@ def kda_decode(
             args = args._replace(out=alloc_out(x, A_log.shape[0] * HEAD_DIM))
         return torch_op.call(args, scale=_host(scale), norm_eps=_host(norm_eps),
                              lower_bound=_host(lower_bound), gate_mode=_host(gate_mode),
-                             beta_activated=_host(beta_activated), backend=backend)
+                             beta_activated=_host(beta_activated),
+                             early_reads=_host(early_reads), backend=backend)
     step, args = validated_step(args, scale=scale, norm_eps=norm_eps, lower_bound=lower_bound,
                                 gate_mode=gate_mode, beta_activated=beta_activated,
-                                backend=backend)
+                                early_reads=early_reads, backend=backend)
     if state_indices.shape[0]:
         step(args)
     return args.out
@@ -265,7 +272,7 @@ class KdaDecode:
         self._check_device(args.x)
         got = config_from_args(args, scale=c.scale, norm_eps=c.norm_eps,
                                lower_bound=c.lower_bound, gate_mode=c.gate_mode,
-                               beta_activated=c.beta_activated)
+                               beta_activated=c.beta_activated, early_reads=c.early_reads)
         for field in ("num_heads", "T", "window", "conv_layout", "has_conv_bias", "record",
                       "conv_state_dtype", "conv_weight_dtype", "norm_weight_dtype",
                       "state_dtype"):
@@ -279,4 +286,5 @@ class KdaDecode:
                                             f"configuration), got {have}")
         return torch_op.call(args, scale=c.scale, norm_eps=c.norm_eps, lower_bound=c.lower_bound,
                              gate_mode=c.gate_mode, beta_activated=c.beta_activated,
+                             early_reads=c.early_reads,
                              backend=self.backend.name)

@@ -95,7 +95,8 @@ def call_public(args: KdaArgs, cfg: KdaConfig, backend: Optional[str]) -> torch.
     import kda
     return kda.kda_decode(**args._asdict(), scale=cfg.scale, norm_eps=cfg.norm_eps,
                           lower_bound=cfg.lower_bound, gate_mode=cfg.gate_mode,
-                          beta_activated=cfg.beta_activated, backend=backend)
+                          beta_activated=cfg.beta_activated, early_reads=cfg.early_reads,
+                          backend=backend)
 
 
 def _randn(shape, dtype, device, gen, scale=1.0, offset=0.0):

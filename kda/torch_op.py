@@ -41,7 +41,7 @@ _LIB.define(
     "Tensor state_indices, Tensor output_gate, Tensor norm_weight, "
     "Tensor? num_accepted_tokens, Tensor(c!)? v_record, Tensor(d!)? kg_record, Tensor(e!) out, "
     "float scale, float norm_eps, float? lower_bound, int gate_mode, bool beta_activated, "
-    "str backend) -> ()")
+    "bool early_reads, str backend) -> ()")
 _NT = len(KdaArgs._fields)
 
 #: (argument metadata, scalars, requested backend) -> validated step function: the op
@@ -51,17 +51,18 @@ _STEPS: Dict[tuple, StepFn] = {}
 
 def _decode(*operands) -> None:
     """The op's implementation: the :class:`KdaArgs` tensors, then scale, norm_eps,
-    lower_bound, gate_mode, beta_activated, backend ("" = the default choice)."""
+    lower_bound, gate_mode, beta_activated, early_reads, backend ("" = the default choice)."""
     args = KdaArgs(*operands[:_NT])
-    scale, norm_eps, lower_bound, gate_mode, beta_activated, backend = operands[_NT:]
+    scale, norm_eps, lower_bound, gate_mode, beta_activated, early_reads, backend = operands[_NT:]
     explicit = None if backend == "" else backend
-    key = (metadata_key(args), scale, norm_eps, lower_bound, gate_mode, beta_activated,
+    key = (metadata_key(args), scale, norm_eps, lower_bound, gate_mode, beta_activated, early_reads,
            registry.requested_name(explicit))
     step = _STEPS.get(key)
     if step is None:
         step, args = validated_step(args, scale=scale, norm_eps=norm_eps,
                                     lower_bound=lower_bound, gate_mode=gate_mode,
-                                    beta_activated=beta_activated, backend=explicit)
+                                    beta_activated=beta_activated, early_reads=early_reads,
+                                    backend=explicit)
         _STEPS[key] = step
     if args.state_indices.shape[0]:
         step(args)
@@ -108,7 +109,8 @@ def decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias
            state_indices, output_gate, norm_weight, *, num_accepted_tokens=None, v_record=None,
            kg_record=None, out: torch.Tensor, scale: Optional[float] = None,
            norm_eps: float = 1e-5, lower_bound: Optional[float] = None, gate_mode: int = 0,
-           beta_activated: bool = False, backend: Optional[str] = None) -> torch.Tensor:
+           beta_activated: bool = False, early_reads: bool = False,
+           backend: Optional[str] = None) -> torch.Tensor:
     """:func:`kda.kda_decode` through ``torch.ops.kda.decode``; returns ``out``.
 
     Same arguments and errors as :func:`kda.kda_decode`, except that ``out`` is required (a
@@ -127,17 +129,18 @@ def decode(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias
                    state_indices, output_gate, norm_weight, num_accepted_tokens, v_record,
                    kg_record, out)
     return call(args, scale=scale, norm_eps=norm_eps, lower_bound=lower_bound,
-                gate_mode=gate_mode, beta_activated=beta_activated, backend=backend)
+                gate_mode=gate_mode, beta_activated=beta_activated, early_reads=early_reads,
+                backend=backend)
 
 
 def call(args: KdaArgs, *, scale=None, norm_eps=1e-5, lower_bound=None, gate_mode=0,
-         beta_activated=False, backend: Optional[str] = None) -> torch.Tensor:
+         beta_activated=False, early_reads=False, backend: Optional[str] = None) -> torch.Tensor:
     """:func:`decode` on a :class:`KdaArgs` record (``args.out`` required); returns it."""
     if not isinstance(args.out, torch.Tensor):
         raise KdaArgumentError("out", "required by the custom op: expected a bfloat16 tensor "
                                       f"[R*T, H*128] to write into, got {type(args.out).__name__}")
     # before the op's conversions
-    check_scalar_types(scale, norm_eps, lower_bound, gate_mode, beta_activated)
+    check_scalar_types(scale, norm_eps, lower_bound, gate_mode, beta_activated, early_reads)
     if torch.compiler.is_compiling():
         # Tracing (fake tensors carry their devices): the fake kernel cannot raise our error
         # (fake propagation wraps it in a TorchRuntimeError) and a meta tensor beside real
@@ -145,5 +148,6 @@ def call(args: KdaArgs, *, scale=None, norm_eps=1e-5, lower_bound=None, gate_mod
         check_devices(args)
     torch.ops.kda.decode(*args, HEAD_DIM ** -0.5 if scale is None else float(scale),
                          float(norm_eps), lower_bound, int(gate_mode), bool(beta_activated),
+                         bool(early_reads),
                          backend or "")
     return args.out

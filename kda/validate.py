@@ -85,10 +85,12 @@ def conv_layout_of(conv_state: torch.Tensor) -> Optional[str]:
     return None
 
 
-def check_scalar_types(scale, norm_eps, lower_bound, gate_mode, beta_activated=False) -> None:
+def check_scalar_types(scale, norm_eps, lower_bound, gate_mode, beta_activated=False,
+                       early_reads=False) -> None:
     """The call's scalars are host numbers of the right kind: ``scale`` (None allowed),
     ``norm_eps`` and ``lower_bound`` (None allowed) real numbers, ``gate_mode`` an int (not a
-    bool), ``beta_activated`` a bool. Values are checked by :class:`kda.config.KdaConfig`.
+    bool), ``beta_activated`` and ``early_reads`` bools. Values are checked by
+    :class:`kda.config.KdaConfig`.
 
     Raises:
       KdaArgumentError: named after the offending scalar.
@@ -104,15 +106,14 @@ def check_scalar_types(scale, norm_eps, lower_bound, gate_mode, beta_activated=F
     if isinstance(gate_mode, bool) or not isinstance(gate_mode, numbers.Integral):
         raise KdaArgumentError("gate_mode", f"expected the int 0 or 1, got {type(gate_mode).__name__} "
                                             f"{gate_mode!r}")
-    # a bool, or numpy's bool_ (dtype kind "b")
-    if not (isinstance(beta_activated, bool)
-            or getattr(getattr(beta_activated, "dtype", None), "kind", "") == "b"):
-        raise KdaArgumentError("beta_activated", f"expected a bool, got "
-                                                 f"{type(beta_activated).__name__} {beta_activated!r}")
+    for name, val in (("beta_activated", beta_activated), ("early_reads", early_reads)):
+        # a bool, or numpy's bool_ (dtype kind "b")
+        if not (isinstance(val, bool) or getattr(getattr(val, "dtype", None), "kind", "") == "b"):
+            raise KdaArgumentError(name, f"expected a bool, got {type(val).__name__} {val!r}")
 
 
 def config_from_args(args: KdaArgs, *, scale=None, norm_eps=1e-5, lower_bound=None,
-                     gate_mode=0, beta_activated=False) -> KdaConfig:
+                     gate_mode=0, beta_activated=False, early_reads=False) -> KdaConfig:
     """Derive the static :class:`KdaConfig` of a call from its tensors (metadata only) and
     scalars.
 
@@ -151,7 +152,7 @@ def config_from_args(args: KdaArgs, *, scale=None, norm_eps=1e-5, lower_bound=No
                                              "positions has neither layout)")
     if scale is None:
         scale = D ** -0.5
-    check_scalar_types(scale, norm_eps, lower_bound, gate_mode, beta_activated)
+    check_scalar_types(scale, norm_eps, lower_bound, gate_mode, beta_activated, early_reads)
     try:
         return KdaConfig(
             num_heads=H, T=T, window=conv_state.shape[2], conv_layout=layout,
@@ -162,7 +163,7 @@ def config_from_args(args: KdaArgs, *, scale=None, norm_eps=1e-5, lower_bound=No
             conv_weight_dtype=getattr(args.conv_weight, "dtype", torch.float32),
             norm_weight_dtype=getattr(args.norm_weight, "dtype", torch.float32),
             beta_activated=beta_activated,
-            state_dtype=getattr(args.state, "dtype", torch.float32))
+            state_dtype=getattr(args.state, "dtype", torch.float32), early_reads=early_reads)
     except KdaArgumentError as e:
         arg = FIELD_ARG.get(e.arg, e.arg)
         if arg == e.arg:

@@ -83,8 +83,13 @@ class WarpRing:
     """Device code of the consumers' stages for one :class:`RingShape`, T tokens and a state
     dtype. ``storage`` is the kernel's shared-memory struct, which holds :meth:`fields`."""
 
-    def __init__(self, shape: RingShape, T: int, st_dtype, H: int = 1, block: int = 0):
+    def __init__(self, shape: RingShape, T: int, st_dtype, H: int = 1, block: int = 0,
+                 early_reads: bool = False):
         self.shape = shape
+        #: :meth:`walk` issues its first slot-id loads and page copies, then waits for the
+        #: PDL predecessor (:attr:`kda.config.KdaConfig.early_reads`); else the caller waits
+        #: before the walk
+        self.early_reads = early_reads
         #: 0: items head-major; C: in blocks of C requests, head-major inside (H heads)
         self.block = block
         self.H = H
@@ -241,6 +246,9 @@ class WarpRing:
             if nq <= q:
                 pend[0] = Int32(0)
             self._issue(storage, state, ctr, pend, w, lane)
+        if cutlass.const_expr(self.early_reads):
+            # the pages are written only after this wait (by the items' units)
+            cute.arch.griddepcontrol_wait()
         for q in cutlass.range(nq, unroll=1):
             if (q % 32 == 0) & (q > 0):
                 for f in cutlass.range_constexpr(F):

@@ -39,14 +39,18 @@ class KernelStatic:
       state_bf16: the state pool is bf16: each page is widened to fp32 on load and every state
         written is rounded once to nearest even (the kernels move it with 8-byte accesses in
         the fp32 build's column layout, so all arithmetic is the fp32 build's); else fp32.
+      early_reads: the streamed kernel reads slot ids, windows and pages before
+        ``griddepcontrol.wait`` (:attr:`kda.config.KdaConfig.early_reads`; the backend passes
+        it where it measured faster, ``stream`` on fp32 pages, and False to the others; the
+        streamed builds serve it either way).
       row_bytes: 16, 8, 4 or 2: the widest access every row of x, f_a, output_gate and out
         allows (:func:`kda.backend.row_bytes`, computed by the launcher for each call), the
         alignment the kernel's pointers to them assume. The wide kernel stages those rows with
         16-byte copies at 16, else with narrower copies or element loads (:mod:`common`); the
         split kernel reads them element by element either way.
 
-    Both kernels are launched with programmatic dependent launch and read nothing a
-    predecessor may write (slot ids, windows, pages, activations) before
+    Every kernel is launched with programmatic dependent launch and, unless ``early_reads``,
+    reads nothing a predecessor may write (slot ids, windows, pages, activations) before
     ``griddepcontrol.wait``. The wide kernel triggers its dependents after each CTA's last
     write; the split kernel reads the model weights before its wait and triggers right after
     it (a dependent reads this kernel's outputs only after its own wait, which waits for
@@ -68,12 +72,14 @@ class KernelStatic:
     beta_activated: bool = False
     row_bytes: int = 16
     state_bf16: bool = False
+    early_reads: bool = False
 
     @classmethod
-    def from_config(cls, cfg: KdaConfig, page_last: bool = True,
-                    row_bytes: int = 16) -> "KernelStatic":
+    def from_config(cls, cfg: KdaConfig, page_last: bool = True, row_bytes: int = 16,
+                    early_reads: bool = False) -> "KernelStatic":
         """The static part of ``cfg`` (scale, norm_eps and lower_bound's value excluded), for
-        rows of ``row_bytes`` alignment."""
+        rows of ``row_bytes`` alignment; ``early_reads`` as given (the caller decides whether
+        the kernel honours ``cfg.early_reads``)."""
         return cls(H=cfg.num_heads, T=cfg.T, L=cfg.window, layout=cfg.conv_layout,
                    bounded=cfg.lower_bound is not None, gate_mode=cfg.gate_mode,
                    has_bias=cfg.has_conv_bias, record=cfg.record,
@@ -81,7 +87,7 @@ class KernelStatic:
                    cw_bf16=cfg.conv_weight_dtype == torch.bfloat16,
                    nw_bf16=cfg.norm_weight_dtype == torch.bfloat16, page_last=page_last,
                    beta_activated=cfg.beta_activated, row_bytes=row_bytes,
-                   state_bf16=cfg.state_dtype == torch.bfloat16)
+                   state_bf16=cfg.state_dtype == torch.bfloat16, early_reads=early_reads)
 
     def tag(self) -> str:
         """A file-name friendly identifier, e.g. ``H32_T1_L3_SD_sp_g0``."""
@@ -102,6 +108,8 @@ class KernelStatic:
             parts.append(f"rows{self.row_bytes}")
         if self.state_bf16:
             parts.append("st16")
+        if self.early_reads:
+            parts.append("er")
         return "_".join(parts)
 
 

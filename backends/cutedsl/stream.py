@@ -64,6 +64,8 @@ PREP = 128         # prep threads (one warpgroup)
 PREP_BAR = 1       # named barrier of the prep warps
 FB_ROW = D + 8     # padded f_b row in shared memory (bf16): a warp's fragment loads hit 32 banks
 SMEM_MAX = 232448 - 1024   # sm_90: dynamic shared memory a CTA may opt into, less the reserve
+OPS_WINDOW = 1        # _load_ops: an item's conv-window history
+OPS_ACTIVATIONS = 2   # _load_ops: its x, output-gate logits and beta
 
 
 class KdaStream(Launch):
@@ -111,7 +113,10 @@ class KdaStream(Launch):
             raise ValueError(f"group_prep: expected T = 1, block = 0 and 32-row units (a "
                              f"group's thread per channel), got T={ks.T}, block={block}, "
                              f"rows={shape.rows}")
-        self.ring = WarpRing(shape, ks.T, self.st, ks.H, block)
+        # early_reads: the walk and the prep wait for the PDL predecessor after their first
+        # slot ids, pages and windows (group_prep keeps the one wait before the walk)
+        self.early = ks.early_reads and not group_prep
+        self.ring = WarpRing(shape, ks.T, self.st, ks.H, block, early_reads=self.early)
         self.units = shape.units
         self.rows = shape.rows
         # item slots: the one being prepared and one per consumer group; an item's epilogue
@@ -208,8 +213,9 @@ class KdaStream(Launch):
         cute.arch.sync_threads()
         i0, i1 = self.ring.item_range(R * self.H, block, ctas)
         if tid < self.prep0:
-            # every consumer read (slot ids, pages) may be a predecessor's output
-            cute.arch.griddepcontrol_wait()
+            if cutlass.const_expr(not self.early):
+                # every consumer read (slot ids, pages) may be a predecessor's output
+                cute.arch.griddepcontrol_wait()
             u = warp_i % self.units
             stores = self._slot_tensors(storage)
             gp = None
@@ -512,8 +518,9 @@ class KdaStream(Launch):
             self._load_head_gate(g, thr, hg, fbs[0], pt)
             if cutlass.const_expr(self.fb_smem):
                 self._stage_fb(storage, g, pt, fbs[0])
-        # every other read (slot ids, windows, activations) may be a predecessor's output
-        cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(not self.early):
+            # every other read (slot ids, windows, activations) may be a predecessor's output
+            cute.arch.griddepcontrol_wait()
         # slot ids ``ahead`` items ahead, operands one item ahead; with the L2 prefetch, the
         # rows of the item after next into L2 (their loads then hit L2)
         ahead = 3 if self.prefetch else 2
@@ -538,7 +545,13 @@ class KdaStream(Launch):
         self._step(rh, i0 + ahead - 1, R)
         self._load_si(g, raw, i0 + ahead - 1, rh, R)
         ops = self._ops_regs(g)
-        self._load_ops(g, dsc, ops, pt)
+        if cutlass.const_expr(self.early):
+            # the first window before the wait, the activations (a predecessor's output) after
+            self._load_ops(g, dsc, ops, pt, OPS_WINDOW)
+            cute.arch.griddepcontrol_wait()
+            self._load_ops(g, dsc, ops, pt, OPS_ACTIVATIONS)
+        else:
+            self._load_ops(g, dsc, ops, pt)
         s_fa = self._fa_rows(storage)
         for st in cutlass.range_constexpr(2):
             for t in cutlass.range_constexpr(self.T, 8):
@@ -648,21 +661,25 @@ class KdaStream(Launch):
         return hist, xs, ogs
 
     @cute.jit
-    def _load_ops(self, g, dsc, ops, pt):
-        """The operands of prep thread ``pt`` for the item in ``dsc`` (if live) into ``ops``."""
+    def _load_ops(self, g, dsc, ops, pt, which=OPS_WINDOW | OPS_ACTIVATIONS):
+        """The operands of prep thread ``pt`` for the item in ``dsc`` (if live) into ``ops``:
+        ``which`` of its window history (:data:`OPS_WINDOW`) and its activations, x, the
+        output gate and beta (:data:`OPS_ACTIVATIONS`)."""
         T = self.T
         hist, xs, ogs, bs = ops
         if dsc[5] != 0:
             c_hist, c_x, c_og = self._op_coords(dsc, pt)
             for part in cutlass.range_constexpr(0 if self.group_prep else 3):
-                for e in cutlass.range_constexpr(3):
-                    hist[3 * part + e] = g.cs[c_hist[part][e]]
-                if cutlass.const_expr(self.x_ahead):
+                if cutlass.const_expr(which & OPS_WINDOW):
+                    for e in cutlass.range_constexpr(3):
+                        hist[3 * part + e] = g.cs[c_hist[part][e]]
+                if cutlass.const_expr(self.x_ahead and which & OPS_ACTIVATIONS):
                     for t in cutlass.range_constexpr(T):
                         xs[part * T + t] = g.x[c_x[part][t]]
-            for t in cutlass.range_constexpr(T):
-                ogs[t] = g.og[c_og[t]]
-            bs[0] = g.beta[dsc[0] * T + pt % T, dsc[1]]
+            if cutlass.const_expr(which & OPS_ACTIVATIONS):
+                for t in cutlass.range_constexpr(T):
+                    ogs[t] = g.og[c_og[t]]
+                bs[0] = g.beta[dsc[0] * T + pt % T, dsc[1]]
 
     @cute.jit
     def _prefetch(self, g, dsc, pt):

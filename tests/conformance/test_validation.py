@@ -235,7 +235,8 @@ def test_meta_tensors_are_rejected_by_device():
 @pytest.mark.parametrize("over,arg", [({"lower_bound": "-3"}, "lower_bound"), ({"gate_mode": True}, "gate_mode"),
                                        ({"gate_mode": 1.0}, "gate_mode"), ({"scale": "x"}, "scale"),
                                        ({"beta_activated": 1}, "beta_activated"),
-                                       ({"beta_activated": "yes"}, "beta_activated")])
+                                       ({"beta_activated": "yes"}, "beta_activated"),
+                                       ({"early_reads": 1}, "early_reads")])
 def test_scalar_types_are_checked(over, arg):
     a = make_case(CaseSpec(CFG1, R=2))
     with pytest.raises(KdaArgumentError) as ei:

@@ -20,7 +20,7 @@ BAD = [
     ("scale", True, "finite float"), ("scale", 1e-320, "fp32"), ("scale", 1e39, "fp32"),
     ("norm_eps", None, "finite float"), ("norm_eps", float("nan"), "finite"),
     ("has_conv_bias", "yes", "bool"), ("record", 1, "bool"), ("beta_activated", "yes", "bool"),
-    ("beta_activated", None, "bool"),
+    ("beta_activated", None, "bool"), ("early_reads", "yes", "bool"),
     ("conv_state_dtype", torch.float16, "expected dtype bfloat16 or float32, got float16"),
     ("conv_weight_dtype", torch.int32, "float32"),
     ("norm_weight_dtype", torch.float64, "float32"),

@@ -108,7 +108,8 @@ def test_custom_op_refuses_scalars_of_the_wrong_kind_before_writing():
     before = clone_args(a)
     for over, arg in (({"gate_mode": 1.5}, "gate_mode"), ({"gate_mode": True}, "gate_mode"),
                       ({"scale": "a"}, "scale"), ({"norm_eps": None}, "norm_eps"),
-                      ({"beta_activated": 1}, "beta_activated")):
+                      ({"beta_activated": 1}, "beta_activated"),
+                      ({"early_reads": "yes"}, "early_reads")):
         with pytest.raises(KdaArgumentError) as ei:
             kda.torch_op.decode(*_args(a), out=a.out, backend="reference", **over)
         assert ei.value.arg == arg, over

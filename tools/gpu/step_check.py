@@ -5,6 +5,7 @@ program the GPU session runs under compute-sanitizer (memcheck, racecheck, syncc
     python3 -m tools.gpu.step_check cuda 4 3 2 bf16      # ... with a bf16 state pool
     python3 -m tools.gpu.step_check cutedsl:streamg 8 100 1 bf16   # one kernel of the family
     python3 -m tools.gpu.step_check cutedsl:streamg 8 100 1 fp32 record   # record mode at T=1
+    python3 -m tools.gpu.step_check cutedsl:stream 12 32 1 fp32 early     # KdaConfig.early_reads
 
 The second step runs the DS layout with gate_mode 1, in record mode at T > 1 (and at T=1 with
 ``record``).
@@ -12,6 +13,7 @@ The second step runs the DS layout with gate_mode 1, in record mode at T > 1 (an
 Exit status 0 when every buffer matches the reference (kda.testing.compare_step), else 1.
 """
 
+import dataclasses
 import sys
 
 import torch
@@ -21,15 +23,19 @@ from kda.testing import CaseSpec, call_public, compare_step, expected_after, mak
 
 def main(argv) -> int:
     backend, H, R, T = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
-    if argv[4:5] not in ([], ["fp32"], ["bf16"]) or argv[5:] not in ([], ["record"]):
+    words = argv[5:]
+    if argv[4:5] not in ([], ["fp32"], ["bf16"]) or any(w not in ("record", "early") for w in words) \
+            or len(set(words)) != len(words):
         print(f"step_check: after the tokens, a state dtype (fp32 or bf16) and then 'record' "
-              f"may follow, got {argv[4:]}", file=sys.stderr)
+              f"and / or 'early' may follow, got {argv[4:]}", file=sys.stderr)
         return 2
     bf16_state = argv[4:5] == ["bf16"]
-    record = T > 1 or argv[5:] == ["record"]
+    record = T > 1 or "record" in words
+    early = "early" in words
     failures = 0
     for cfg in (make_config(H, T, "SD", lb=-5.0, bias=True, bf16_state=bf16_state),
                 make_config(H, T, "DS", gm=1, record=record, bf16_state=bf16_state)):
+        cfg = dataclasses.replace(cfg, early_reads=early)
         args = make_case(CaseSpec(cfg, R=R, seed=H * 100 + R), "cuda")
         before, expected = expected_after(cfg, args)
         if ":" in backend:      # cutedsl:KIND, the kernel KIND of the CuTe DSL family

@@ -23,8 +23,12 @@ and 64-bit slot offsets are the conformance suite's (``tests/conformance``). Her
   * three chained steps on the same buffers (programmatic dependent launch back to back)
     match three reference steps, for ``cutedsl`` at a batch of each of its kernels and for
     ``cutedsl_wide``;
+  * the ``early_reads`` builds give the wide kernel's bits and match the reference, also
+    as the contract allows them: behind another layer's step that writes their output gate;
   * every compile / load is recorded.
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -262,6 +266,59 @@ def test_stream_chained_steps(T, R, device, require_backend):
     """Three streamed steps back to back on the same buffers (PDL chain) == reference x3."""
     spec = CaseSpec(make_config(32, T), R=R, seed=31 + T)
     _check_three_steps(_launcher("stream", spec.cfg, device, require_backend), spec, device)
+
+
+def _early(cfg):
+    return dataclasses.replace(cfg, early_reads=True)
+
+
+#: ``early_reads`` builds (slot ids, first windows and pages read before the PDL wait; the
+#: persistent walk on fp32 pages): T = 1-8, both layouts and gates, record mode, conv bias,
+#: packed rows, null slots, CTAs of one and of many items.
+EARLY_CASES = [
+    ("stream", CaseSpec(_early(make_config(12, 1, lb=-5.0, bias=True)), R=32, null_frac=0.2,
+                        seed=81)),
+    ("stream", CaseSpec(_early(make_config(8, 1, "DS", gm=1)), R=100, null_frac=0.3, seed=82)),
+    ("stream", CaseSpec(_early(make_config(32, 4, beta_act=True)), R=20, packed=True, seed=83)),
+    ("stream", CaseSpec(_early(make_config(16, 2, "DS", record=True, gm=1)), R=30,
+                        null_frac=0.3, seed=85)),
+    ("stream", CaseSpec(_early(make_config(12, 4, lb=-5.0, bias=True)), R=37, null_frac=0.2,
+                        seed=86)),
+    ("stream", CaseSpec(_early(make_config(4, 8, cs32=True)), R=9, seed=87)),
+]
+
+
+@pytest.mark.parametrize("kind,spec", EARLY_CASES, ids=[f"{k}-{s.id}" for k, s in EARLY_CASES])
+def test_early_reads_bit_identical_to_wide(kind, spec, device, require_backend):
+    """The ``early_reads`` builds == wide bit for bit, and the reference."""
+    run = _launcher(kind, spec.cfg, device, require_backend)
+    assert run.ks.early_reads
+    _check_beside_wide(kind, run, spec.cfg, make_case(spec, device), device, require_backend)
+
+
+@pytest.mark.parametrize("H,R", [(12, 8), (12, 32)], ids=["96-items", "384-items"])
+def test_early_reads_behind_another_layer(H, R, device, require_backend):
+    """``early_reads`` as the contract allows it: two layers' steps back to back, three times
+    (PDL chain), each behind the other layer's step, which writes none of its caches or slot
+    ids but does write its output gate (the first layer's ``out`` is the second's
+    ``output_gate``, an activation read after the wait) == the reference step by step."""
+    cfg = _early(make_config(H, 1, lb=-5.0))
+    step = _step("cutedsl", cfg, device, require_backend)
+    assert policy.kernel_for(R * H, 1, False, H) == "stream"
+    a1 = make_case(CaseSpec(cfg, R=R, null_frac=0.1, seed=91), device)
+    a2 = make_case(CaseSpec(cfg, R=R, null_frac=0.1, seed=92), device)
+    a2 = a2._replace(output_gate=a1.out)
+    for _ in range(3):
+        ref1, ref2 = clone_args(a1), clone_args(a2)
+        step(a1)
+        step(a2)
+        torch.cuda.synchronize()
+        before1, expected1 = expected_after(cfg, ref1)
+        ref2 = ref2._replace(output_gate=a1.out.clone())   # what the first step wrote
+        before2, expected2 = expected_after(cfg, ref2)
+        errors = [f"layer 1: {e}" for e in compare_step(a1, expected1, before1)]
+        errors += [f"layer 2: {e}" for e in compare_step(a2, expected2, before2)]
+        assert not errors, "\n".join(errors)
 
 
 #: T of the dispatch tests: a row of each key of KERNEL_BY_ITEMS (fp32 T = 2-4: split8, stream,
