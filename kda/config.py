@@ -70,11 +70,12 @@ class KdaConfig:
         persistent streamed kernel on fp32 pages reads ``state_indices``,
         ``num_accepted_tokens``, its first conv windows and its first state pages before that
         wait (the activations still after it), which takes its first items' load latency off
-        the step (fp32 H=12 R=8 T=1: 6.5 us against 7.3 on an H200). Allowed only where the kernel launched just before the step on
-        its stream writes none of ``state``, ``conv_state``, ``state_indices`` and
-        ``num_accepted_tokens`` (in a model's forward pass that kernel is a projection; two
-        steps on one pool back to back on a stream must leave this False): the contract,
-        section 6, "Launch order". The other kernels and backends ignore it.
+        the step (``kda.backends.cutedsl.policy.reads_early``). Allowed only where the kernel
+        launched just before the step on its stream writes none of ``state``,
+        ``conv_state``, ``state_indices`` and ``num_accepted_tokens`` (in a model's forward
+        pass that kernel is a projection; two steps on one pool back to back on a stream must
+        leave this False): the contract, section 6, "Launch order". The other kernels and
+        backends ignore it.
 
     Construction checks every field and stores the numbers as Python ``int`` / ``float`` /
     ``bool`` (numpy scalars are accepted).

@@ -91,12 +91,7 @@ def kernel_static(kind: str, cfg: KdaConfig, row_bytes: int = 16) -> KernelStati
     if kind == "wide":
         return KernelStatic.from_config(cfg, page_last=policy.page_last(cfg.T),
                                         row_bytes=row_bytes)
-    # early reads where they measured faster (H200): the persistent walk on fp32 pages (H=12
-    # T=1 R=8 6.5 us against 7.3, R=32 1.150-1.160 of touch against 1.199-1.203; T=4 R=32
-    # 37.7-37.9 us against 38.8); bf16 pages (H=96 R=128 1.187 against 1.177-1.179, T=4 H=32
-    # R=128 1.173 against 1.167-1.168) and blocks of 4 requests (H=32 R=128 1.086 against
-    # 1.082-1.083) are slower. The others build as without it.
-    early = cfg.early_reads and kind == "stream" and cfg.state_dtype == torch.float32
+    early = cfg.early_reads and policy.reads_early(kind, cfg.state_dtype == torch.bfloat16)
     return KernelStatic.from_config(cfg, row_bytes=row_bytes, early_reads=early)
 
 

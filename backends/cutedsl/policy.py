@@ -146,6 +146,16 @@ def kernels(T: int, state_bf16: bool, heads: int) -> tuple:
     return kinds
 
 
+def reads_early(kind: str, state_bf16: bool) -> bool:
+    """Whether kernel ``kind`` on fp32 (``state_bf16``: bf16) pages honours
+    ``KdaConfig.early_reads``: where that measured faster, the persistent walk on fp32 pages
+    (H=12 T=1 R=8 6.5 us against 7.3, R=32 1.150-1.160 of touch against 1.199-1.203; T=4 R=32
+    37.7-37.9 us against 38.8). On bf16 pages (H=96 R=128 1.187 against 1.177-1.179, T=4 H=32
+    R=128 1.173 against 1.167-1.168) and in blocks of 4 requests (H=32 R=128 1.086 against
+    1.082-1.083) it is slower; the other kernels have no early path (H200, 2026-12-03)."""
+    return kind == "stream" and not state_bf16
+
+
 def page_last(T: int) -> bool:
     """Whether the wide kernel at ``T`` tokens commits its state page last (:data:`PAGE_LAST`)."""
     return PAGE_LAST[min(T, max(PAGE_LAST))]

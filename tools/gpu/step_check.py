@@ -24,8 +24,8 @@ from kda.testing import CaseSpec, call_public, compare_step, expected_after, mak
 def main(argv) -> int:
     backend, H, R, T = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
     words = argv[5:]
-    if argv[4:5] not in ([], ["fp32"], ["bf16"]) or any(w not in ("record", "early") for w in words) \
-            or len(set(words)) != len(words):
+    bad_words = any(w not in ("record", "early") for w in words) or len(set(words)) != len(words)
+    if argv[4:5] not in ([], ["fp32"], ["bf16"]) or bad_words:
         print(f"step_check: after the tokens, a state dtype (fp32 or bf16) and then 'record' "
               f"and / or 'early' may follow, got {argv[4:]}", file=sys.stderr)
         return 2

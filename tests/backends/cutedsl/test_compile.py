@@ -111,11 +111,12 @@ def _check_state_stores(ptx, cfg, stores):
 
 
 def _check_stream_ptx(ptx, cfg, early=False):
-    """The streamed kernel (``early``: built with ``early_reads``): the gate on the tensor cores (each prep warp 2 tiles of 16
-    features x 8 k-steps), the state moved as 32-row units by bulk copies on mbarriers (the
-    first items of each warp, then one refill per unit), a proxy fence before a stage is
-    refilled, state stores per 4-column chunk, pass of 16 rows and token (on bf16 pages at
-    T > 1 the passes and tokens are loops: one copy of a token's stores)."""
+    """The streamed kernel (``early``: built with ``early_reads``): the gate on the tensor
+    cores (each prep warp 2 tiles of 16 features x 8 k-steps), the state moved as 32-row
+    units by bulk copies on mbarriers (the first items of each warp, then one refill per
+    unit), a proxy fence before a stage is refilled, state stores per 4-column chunk, pass
+    of 16 rows and token (on bf16 pages at T > 1 the passes and tokens are loops: one copy of
+    a token's stores)."""
     assert len(re.findall(MMA, ptx)) == 2 * 8
     unit = 32 * D * (2 if cfg.state_dtype == bf16 else 4)
     copies = _bulk_copies(ptx)
