@@ -1,4 +1,5 @@
-"""``python3 -m kda``: which backends run here, and why the others do not."""
+"""``python3 -m kda``: which backends run here, and why the others do not; which schedule
+table ``cutedsl`` uses on this GPU."""
 
 from rich.console import Console
 from rich.table import Table
@@ -13,7 +14,22 @@ def main() -> None:
     for name, why, description in status():
         table.add_row(name, "yes" if why is None else "[red]no[/red]",
                       description if why is None else why)
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    console.print(_schedules())
+
+
+def _schedules() -> str:
+    """Which schedule table ``cutedsl`` uses here (:func:`kda.backends.cutedsl.tables.describe`)."""
+    import torch
+
+    from kda.backends.cutedsl import tables
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    try:
+        return tables.describe(name)
+    except ValueError as e:         # a broken table file: say so rather than fail the report
+        return f"cutedsl schedules: {e}"
 
 
 if __name__ == "__main__":

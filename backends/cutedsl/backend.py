@@ -1,17 +1,15 @@
 """The ``cutedsl`` and ``cutedsl_wide`` backends: the fused KDA decode step as one CuTe DSL
 kernel launch (nvidia-cutlass-dsl 4.8.1).
 
-``cutedsl_wide`` runs one CTA per (request, head) item (:mod:`kda.backends.cutedsl.wide`).
-``cutedsl`` picks by the batch's load, T and the state pool dtype
-(:func:`kda.backends.cutedsl.policy.kernel_for`): at small batches each item runs on a cluster
-of 4 or 8 CTAs (:mod:`kda.backends.cutedsl.split`), above that on persistent CTAs that stream
-the state pages through a shared-memory ring (:mod:`kda.backends.cutedsl.stream`; at T=1 from
-65 to 4095 items on bf16 pages and from 97 to 256 on fp32 pages with each consumer group
-preparing its own items; fp32 pages from 1024 items at T = 1-4: the same kernel on one CTA
-per 4 items, in blocks of 4 requests of one head), or one CTA per item (fp32 pages at
-T >= 5 above 96, and at T = 4 from 3072 to 4096 items of 16-32 heads). Every kernel computes
-every value in the same order, so the two backends produce bit-identical outputs, states,
-windows and records.
+A kernel of the family is compiled for a :class:`kda.backends.cutedsl.problem.Problem` (the
+step's shapes and dtypes) and a :class:`kda.backends.cutedsl.schedule.Schedule` (how the
+kernel lays out the work). ``cutedsl_wide`` runs one CTA per (request, head) item
+(:func:`kda.backends.cutedsl.schedule.wide`). ``cutedsl`` runs the schedule its policy picks
+for the batch's load on the GPU it runs on (:func:`kda.backends.cutedsl.policy.schedule_for`:
+the GPU's measured table, else the default in SM waves): each item on a cluster of CTAs at
+small batches, persistent CTAs streaming the state pages through a shared-memory ring above,
+or one CTA per item where that measured faster. Every schedule computes every value in the
+same order, so the two backends produce bit-identical outputs, states, windows and records.
 Design: ``docs/design.md``; compilation and caching: :mod:`kda.backends.cutedsl.cache`.
 
 Host path: a built step keeps one ctypes buffer holding every kernel argument (17 pointers,
@@ -23,14 +21,13 @@ on torch's current stream). No device values are read, nothing is allocated, not
 synchronized, so the step can be captured in a CUDA graph.
 
 Rows: the kernels are compiled for rows of x, f_a, output_gate and out that are 16-byte
-aligned (:attr:`KernelStatic.row_bytes`). A call whose rows are not (an engine's packed
+aligned (:attr:`Problem.row_bytes`). A call whose rows are not (an engine's packed
 projection with H % 8 != 0 heads; :func:`kda.backend.row_bytes`, from the addresses and
 strides the launcher reads anyway) runs the build for its alignment, compiled (or loaded from
 the cache) on the first such call: run one eager step with those tensors before capturing a
 CUDA graph, as for every new batch size.
 
-Both kernels are launched with programmatic dependent launch. The measured choices (the
-kernel by load, the wide kernel's page-last by T) are :mod:`kda.backends.cutedsl.policy`.
+Every kernel is launched with programmatic dependent launch.
 
 Environment:
   KDA_CACHE_DIR       compile cache root (kernels go to ``$KDA_CACHE_DIR/cutedsl``;
@@ -42,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import logging
 import os
 import struct
 import threading
@@ -51,12 +49,11 @@ import torch
 
 from kda.backend import (Backend, StepFn, current_stream_handle, gpu_reason,
                          kernel_config_reasons, widest_access)
-from kda.backends.cutedsl import policy
-from kda.backends.cutedsl.static import KernelStatic, SmemPlan
+from kda.backends.cutedsl import policy, tables
+from kda.backends.cutedsl import schedule as S
+from kda.backends.cutedsl.problem import MAX_T, Problem
+from kda.backends.cutedsl.static import SmemPlan
 from kda.config import KdaArgs, KdaConfig
-
-#: Tokens per request the kernels support (the gate MMA has 8 token columns).
-MAX_T = 8
 
 _import_lock = threading.Lock()
 _import_error: Optional[str] = None
@@ -85,19 +82,19 @@ def import_cutedsl() -> Optional[str]:
         return _import_error
 
 
-def kernel_static(kind: str, cfg: KdaConfig, row_bytes: int = 16) -> KernelStatic:
-    """What kernel ``kind`` ("wide" / "stream" / "streamC" / "splitC") is compiled for to serve ``cfg`` on rows of
-    ``row_bytes`` alignment."""
-    if kind == "wide":
-        return KernelStatic.from_config(cfg, page_last=policy.page_last(cfg.T),
-                                        row_bytes=row_bytes)
-    early = cfg.early_reads and policy.reads_early(kind, cfg.state_dtype == torch.bfloat16)
-    return KernelStatic.from_config(cfg, row_bytes=row_bytes, early_reads=early)
-
-
 def sm_count(device_index: int) -> int:
     """The multiprocessors of CUDA device ``device_index``."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+_logged_tables = set()
+
+
+def _log_table_once(device_index: int) -> None:
+    """Log once per device which schedule table ``cutedsl`` uses there."""
+    if device_index not in _logged_tables:
+        _logged_tables.add(device_index)
+        log.info("%s", tables.describe(torch.cuda.get_device_name(device_index)))
 
 
 def _f32_bits(x: float) -> int:
@@ -132,6 +129,8 @@ def _set_carveout(compiled, smem_bytes: int, device_index: int) -> bool:
         return False
 
 
+log = logging.getLogger("kda")
+
 #: Indices of the row tensors' addresses (x, f_a, output_gate, out) and of their row strides
 #: (x_rs, fa_rs, og_rs, out_rs) in a launch's argument values.
 _ROW_PTRS = tuple(KdaArgs._fields.index(n) for n in ("x", "f_a", "output_gate", "out"))
@@ -139,28 +138,30 @@ _ROW_STRIDES = tuple(len(KdaArgs._fields) + i for i in (2, 3, 5, 6))
 
 
 class _Launcher:
-    """The step function of one (kind, config, device): fills the argument buffer and launches.
+    """The step function of one (schedule, config, device): fills the argument buffer and
+    launches.
 
     A call on rows of another alignment than its build's (:func:`kda.backend.row_bytes`) runs
     the build for that alignment (made on first need, shared by the launchers of every
     alignment).
 
     Args (constructor):
-      kind: "wide", "stream", "streamC" or "splitC". cfg: the config. device: a CUDA device. compiled: the
-      CuTe DSL ``JitCompiledFunction`` from :func:`kda.backends.cutedsl.cache.get_kernel`. ks: its
-      :class:`kda.backends.cutedsl.static.KernelStatic`.
+      sched: the :class:`Schedule`. cfg: the config. device: a CUDA device. compiled: the CuTe
+      DSL ``JitCompiledFunction`` from :func:`kda.backends.cutedsl.cache.get_kernel`. pb: its
+      :class:`Problem`.
     """
 
-    def __init__(self, kind: str, cfg: KdaConfig, device: torch.device, compiled, ks):
+    def __init__(self, sched: S.Schedule, cfg: KdaConfig, device: torch.device, compiled,
+                 pb: Problem):
         from kda.backends.cutedsl import cache
 
-        self.kind = kind
+        self.sched = sched
         self.cfg = cfg
         self.H, self.T = cfg.num_heads, cfg.T
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", self.device_index)
         self.exe = compiled.to(self.device_index)
-        names = cache.arg_names(kind)
+        names = cache.arg_names()
         self.nargs = len(names)
         self.buf = (ctypes.c_uint64 * self.nargs)()
         base = ctypes.addressof(self.buf)
@@ -175,10 +176,10 @@ class _Launcher:
         self.buf[idx["scale"]] = _f32_bits(cfg.scale)
         self.buf[idx["eps"]] = _f32_bits(cfg.norm_eps)
         self.buf[idx["lb"]] = _f32_bits(lb)
-        self.ks = ks
+        self.pb = pb
         # the wide kernel's shared memory leaves room for 2 CTAs per SM with the carveout hint
-        self.carveout_set = kind == "wide" and _set_carveout(compiled, SmemPlan(ks.T).total,
-                                                             self.device_index)
+        self.carveout_set = sched.rows == S.Rows.CTA and _set_carveout(
+            compiled, SmemPlan(pb.T).total, self.device_index)
         # fast path: the launcher's packed argument array is built once (its entries are the
         # fixed addresses of self.buf's slots); fall back to the executor's own packing.
         self._capi = None
@@ -189,7 +190,7 @@ class _Launcher:
             self._result = self.exe.cuda_result
         except AttributeError:
             self._capi = None
-        self.by_rows = {ks.row_bytes: self}     # the launchers by row alignment
+        self.by_rows = {pb.row_bytes: self}     # the launchers by row alignment
 
     def for_rows(self, row_bytes: int) -> "_Launcher":
         """The launcher of the build for rows of ``row_bytes`` alignment (compiled or loaded
@@ -198,9 +199,9 @@ class _Launcher:
         if launcher is None:
             from kda.backends.cutedsl import cache
 
-            ks = dataclasses.replace(self.ks, row_bytes=row_bytes)
-            launcher = _Launcher(self.kind, self.cfg, self.device, cache.get_kernel(self.kind, ks),
-                                 ks)
+            pb = dataclasses.replace(self.pb, row_bytes=row_bytes)
+            launcher = _Launcher(self.sched, self.cfg, self.device,
+                                 cache.get_kernel(pb, self.sched), pb)
             launcher.by_rows = self.by_rows
             self.by_rows[row_bytes] = launcher
         return launcher
@@ -209,7 +210,7 @@ class _Launcher:
         if self._capi is not None:
             self._capi(self._packed)
             if self._result is not None and self._result.value != 0:
-                raise RuntimeError(f"cutedsl {self.kind} launch failed: CUDA error "
+                raise RuntimeError(f"cutedsl {self.sched.name} launch failed: CUDA error "
                                    f"{self._result.value}")
         else:
             self.exe.run_compiled_program(self.addrs)
@@ -228,9 +229,9 @@ class _Launcher:
         # kda.backend.row_bytes, from the addresses and row strides (bf16 rows) read above
         rows = widest_access([vals[i] for i in _ROW_PTRS],
                              [2 * vals[i] for i in _ROW_STRIDES] if R * self.T > 1 else ())
-        launcher = self if rows == self.ks.row_bytes else self.for_rows(rows)
+        launcher = self if rows == self.pb.row_bytes else self.for_rows(rows)
         launcher.buf[0:len(vals)] = vals
-        launcher.buf[launcher.i_ctas] = policy.ctas(self.kind, R * self.H, self.sms)
+        launcher.buf[launcher.i_ctas] = policy.ctas(self.sched, R * self.H, self.sms)
         launcher.buf[launcher.i_stream] = current_stream_handle(self.device)
         launcher._launch()
 
@@ -257,65 +258,78 @@ class _CuteDslBackend(Backend):
         return reasons
 
     @staticmethod
-    def launcher(kind: str, cfg: KdaConfig, device: torch.device) -> "_Launcher":
-        """Compile (or load) kernel ``kind`` for ``cfg`` and return its launcher."""
+    def launcher(sched: S.Schedule, cfg: KdaConfig, device: torch.device) -> "_Launcher":
+        """Compile (or load) the kernel of ``cfg`` with ``sched`` and return its launcher."""
         why = import_cutedsl()
         if why is not None:
             raise RuntimeError(why)
         from kda.backends.cutedsl import cache
 
-        ks = kernel_static(kind, cfg)
-        return _Launcher(kind, cfg, device, cache.get_kernel(kind, ks), ks)
+        pb = Problem.from_config(cfg)
+        return _Launcher(sched, cfg, device, cache.get_kernel(pb, sched), pb)
 
 
 class KdaBackend(_CuteDslBackend):
-    """``cutedsl``: the kernel by load, T and state dtype
-    (:func:`kda.backends.cutedsl.policy.kernel_for`): each item on a cluster of CTAs at small
-    batches, persistent streaming CTAs above (at T=1 from 65 to 4095 items on bf16 pages and
-    from 97 to 256 on fp32 pages with each consumer group preparing its own items; fp32 pages
-    from 1024 items at T = 1-4: the same kernel on one CTA per 4 items, in blocks of 4
-    requests), one CTA per item where the policy measured that faster (fp32 pages at T >= 5
-    above 96, and at T = 4 from 3072 to 4096 items of 16-32 heads).
+    """``cutedsl``: the schedule :func:`kda.backends.cutedsl.policy.schedule_for` picks by the
+    batch's load, T, the state dtype and the GPU (its measured table, else the default in SM
+    waves).
 
     The step reads only the host-side batch size to choose, so a CUDA graph captured at one
-    batch size replays the kernel chosen for it; every kernel the policy names is compiled
-    when the step is built.
+    batch size replays the kernel chosen for it; every schedule the policy may pick for the
+    configuration is compiled when the step is built.
     """
 
     name = "cutedsl"
     description = ("CuTe DSL: each (request, head) on a cluster of 4-8 CTAs (value rows split, "
                    "decays and outputs exchanged through distributed shared memory) at small "
                    "batches, persistent CTAs streaming the state pages through a shared-memory "
-                   "ring above (prep warps ahead of consumer warps, or at T=1 each consumer "
-                   "group preparing its own items; the same kernel on one "
-                   "CTA per 4 items in blocks of 4 requests at T <= 4), one CTA per item where "
-                   "that measured faster (fp32 pages at T >= 5, and at T = 4 from 3072 to "
-                   "4096 items of 16-32 heads); "
-                   "mma.sync gate, PDL")
+                   "ring above (prep warps ahead of consumer warps, or each consumer group "
+                   "preparing its own items; CTAs of a few items in blocks of requests), one "
+                   "CTA per item where that measured faster; the schedule by SM waves or the "
+                   "GPU's measured table; mma.sync gate, PDL")
 
     def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:
-        bf16 = cfg.state_dtype == torch.bfloat16
-        H, T = cfg.num_heads, cfg.T
-        launchers = {kind: self.launcher(kind, cfg, device) for kind in policy.kernels(T, bf16, H)}
+        pb = Problem.from_config(cfg)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        sms = sm_count(index)
+        table = tables.for_device(torch.cuda.get_device_name(index))
+        _log_table_once(index)
+        launchers = {s: self.launcher(s, cfg, device)
+                     for s in policy.schedules(pb, sms, cfg.early_reads, table)}
+        chosen = {}         # R -> the schedule for R requests
+        by_batch = {}       # R -> its launcher
+
+        def choose(R: int) -> S.Schedule:
+            """The schedule this step runs for a batch of ``R`` requests."""
+            s = chosen.get(R)
+            if s is None:
+                s = chosen[R] = policy.schedule_for(pb, R * pb.H, sms, cfg.early_reads, table)
+            return s
 
         def step(a: KdaArgs) -> None:
-            launchers[policy.kernel_for(a.state_indices.shape[0] * H, T, bf16, H)](a)
+            R = a.state_indices.shape[0]
+            launcher = by_batch.get(R)
+            if launcher is None:
+                launcher = by_batch[R] = launchers[choose(R)]
+            launcher(a)
 
-        step.launchers = launchers    # for tests
+        step.launchers = launchers
+        step.choose = choose
         return step
 
 
 class KdaWideBackend(_CuteDslBackend):
-    """``cutedsl_wide``: one CTA per item (:mod:`kda.backends.cutedsl.wide`)."""
+    """``cutedsl_wide``: one CTA per item (:func:`kda.backends.cutedsl.schedule.wide`)."""
 
     name = "cutedsl_wide"
     description = "CuTe DSL wide kernel: one 256-thread CTA per (request, head), mma.sync gate"
 
     def build(self, cfg: KdaConfig, device: torch.device) -> StepFn:
-        return self.launcher("wide", cfg, device)
+        return self.launcher(S.wide(Problem.from_config(cfg)), cfg, device)
 
 
-def compile_seconds(kind: Optional[str] = None) -> float:
-    """Seconds this process spent compiling / loading CuTe DSL kernels (for the benchmark)."""
+def compile_seconds(name: Optional[str] = None) -> float:
+    """Seconds this process spent compiling / loading CuTe DSL kernels (for the benchmark;
+    optionally those of one schedule name)."""
     from kda.backends.cutedsl import cache
-    return cache.compile_seconds(kind)
+    return cache.compile_seconds(name)

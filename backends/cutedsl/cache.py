@@ -1,6 +1,7 @@
 """Compile cache of the CuTe DSL kernels: in memory and on disk, with compile-time records.
 
-A kernel is compiled once per (kind, :class:`KernelStatic`, target architecture, source hash).
+A kernel is compiled once per (:class:`kda.backends.cutedsl.problem.Problem`,
+:class:`kda.backends.cutedsl.schedule.Schedule`, target architecture, source hash).
 The compiled host launcher + cubin is exported as an object file
 (``JitCompiledFunction.export_to_c``) into the cache directory (``$KDA_CACHE_DIR/cutedsl``,
 default ``~/.cache/kda/cutedsl``) and loaded back with ``cutlass.runtime.load_module`` by
@@ -24,8 +25,9 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
-from kda.backends.cutedsl import policy
-from kda.backends.cutedsl.static import KernelStatic, default_cache_dir
+from kda.backends.cutedsl.problem import Problem
+from kda.backends.cutedsl.schedule import Rows, Schedule
+from kda.backends.cutedsl.static import default_cache_dir
 from kda.config import KdaArgs
 
 log = logging.getLogger("kda")
@@ -39,8 +41,8 @@ def _sources() -> List[str]:
 
 #: Pointer arguments, in kernel order, which is :class:`kda.config.KdaArgs`' field order (the
 #: launcher passes the record's tensors as they come): (name, dtype key, assumed alignment in
-#: bytes). "rows": the row tensors' alignment, :attr:`KernelStatic.row_bytes`; "beta": fp32
-#: (4 bytes) with :attr:`KernelStatic.beta_activated`, else bf16 (2).
+#: bytes). "rows": the row tensors' alignment, :attr:`Problem.row_bytes`; "beta": fp32
+#: (4 bytes) with :attr:`Problem.beta_activated`, else bf16 (2).
 POINTER_ARGS = (
     ("x", "bf16", "rows"), ("cw", "cw", 4), ("cb", "f32", 4), ("cs", "cs", 16),
     ("fa", "bf16", "rows"), ("fb", "bf16", 4), ("beta", "beta", "beta"), ("alog", "f32", 4),
@@ -58,17 +60,17 @@ SCALAR_ARGS = (
 )
 
 
-def arg_names(kind: str) -> List[str]:
-    """Runtime argument names of a kernel (every kind takes the same) in order, the CUDA
-    stream last."""
+def arg_names() -> List[str]:
+    """Runtime argument names of every kernel of the family, in order, the CUDA stream last."""
     return [n for n, _, _ in POINTER_ARGS] + [n for n, _ in SCALAR_ARGS] + ["stream"]
 
 
 @dataclasses.dataclass
 class CompileRecord:
-    """One kernel made available: compiled (``source="compile"``) or loaded from disk."""
+    """One kernel made available: compiled (``source="compile"``) or loaded from disk;
+    ``name``: its schedule's :attr:`Schedule.name`."""
 
-    kind: str
+    name: str
     tag: str
     arch: str
     source: str
@@ -77,7 +79,7 @@ class CompileRecord:
 
 #: Every compile / disk load of this process, in order.
 COMPILE_LOG: List[CompileRecord] = []
-_mem: Dict[Tuple[str, KernelStatic, str], object] = {}
+_mem: Dict[Tuple[Problem, Schedule, str], object] = {}
 _lock = threading.Lock()
 _src_hash: Optional[str] = None
 
@@ -108,33 +110,33 @@ def target_arch() -> str:
     return str(CuTeDSL._get_dsl().envar.arch)
 
 
-def _dtype(key: str, ks: KernelStatic):
+def _dtype(key: str, pb: Problem):
     from cutlass import BFloat16, Float32, Int32
     if key == "cw":
-        key = "bf16" if ks.cw_bf16 else "f32"
+        key = "bf16" if pb.cw_bf16 else "f32"
     elif key == "cs":
-        key = "bf16" if ks.cs_bf16 else "f32"
+        key = "bf16" if pb.cs_bf16 else "f32"
     elif key == "nw":
-        key = "bf16" if ks.nw_bf16 else "f32"
+        key = "bf16" if pb.nw_bf16 else "f32"
     elif key == "beta":
-        key = "f32" if ks.beta_activated else "bf16"
+        key = "f32" if pb.beta_activated else "bf16"
     elif key == "st":
-        key = "bf16" if ks.state_bf16 else "f32"
+        key = "bf16" if pb.state_bf16 else "f32"
     return {"bf16": BFloat16, "f32": Float32, "i32": Int32}[key]
 
 
-def assumed_align(align, ks: KernelStatic) -> int:
-    """A :data:`POINTER_ARGS` alignment for ``ks``, in bytes."""
+def assumed_align(align, pb: Problem) -> int:
+    """A :data:`POINTER_ARGS` alignment for ``pb``, in bytes."""
     if align == "rows":
-        return ks.row_bytes
+        return pb.row_bytes
     if align == "beta":
-        return 4 if ks.beta_activated else 2
+        return 4 if pb.beta_activated else 2
     return align
 
 
-def compile_args(kind: str, ks: KernelStatic) -> list:
+def compile_args(pb: Problem) -> list:
     """Fake arguments for ``cute.compile``: null pointers with the alignments the kernel assumes
-    (the row tensors' from ``ks.row_bytes``: a launch passes them only on rows that have it)."""
+    (the row tensors' from ``pb.row_bytes``: a launch passes them only on rows that have it)."""
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64
@@ -142,9 +144,9 @@ def compile_args(kind: str, ks: KernelStatic) -> list:
 
     args = []
     for _, key, align in POINTER_ARGS:
-        dt = _dtype(key, ks)
+        dt = _dtype(key, pb)
         args.append(make_ptr(dt, 0, cute.AddressSpace.gmem,
-                             assumed_align=min(assumed_align(align, ks), 16)))
+                             assumed_align=min(assumed_align(align, pb), 16)))
     scalars = SCALAR_ARGS
     for _, k in scalars:
         args.append({"i32": Int32(1), "i64": Int64(1), "f32": Float32(1.0)}[k])
@@ -152,65 +154,56 @@ def compile_args(kind: str, ks: KernelStatic) -> list:
     return args
 
 
-def kernel_object(kind: str, ks: KernelStatic):
-    """The kernel object of ``kind``: "wide" (:class:`KdaWide`), "splitC" (:class:`KdaSplit`
-    on clusters of C CTAs), "stream" (:class:`KdaStream`, persistent), "streamg" (persistent, the
-    consumer groups preparing their own items; T = 1) or "streamC" (:class:`KdaStream` on CTAs
-    of C items in blocks of C requests, C in 2, 4, 8, 16).
+def kernel_object(pb: Problem, sched: Schedule):
+    """The kernel object serving ``pb`` with ``sched``, by how the schedule cuts an item's
+    rows: :class:`KdaWide` (``Rows.CTA``), :class:`KdaSplit` (``Rows.CLUSTER``) or
+    :class:`KdaStream` (``Rows.WARP``).
 
     Raises:
-      ValueError: an unknown kind (or "streamg" at T > 1).
+      ValueError: a schedule that cannot serve ``pb`` (:meth:`Schedule.check`).
     """
-    if kind == "wide":
+    sched.check(pb)
+    if sched.rows == Rows.CTA:
         from kda.backends.cutedsl.wide import KdaWide
-        return KdaWide(ks)
-    if kind == "stream":
-        from kda.backends.cutedsl.stream import KdaStream
-        return KdaStream(ks)
-    if kind == "streamg":
-        from kda.backends.cutedsl.stream import KdaStream
-        return KdaStream(ks, group_prep=True)
-    block = policy.block_of(kind)
-    if block in policy.STREAM_BLOCKS and kind == f"stream{block}":
-        from kda.backends.cutedsl.stream import KdaStream
-        return KdaStream(ks, block=block)
-    if kind.startswith("split") and kind[5:].isdigit():
+        return KdaWide(pb, sched)
+    if sched.rows == Rows.CLUSTER:
         from kda.backends.cutedsl.split import KdaSplit
-        return KdaSplit(ks, int(kind[5:]))
-    raise ValueError(f"kind: expected 'wide', 'stream', 'streamg', 'streamC' (C in 2, 4, 8, 16) or 'splitC' "
-                     f"(C in 2, 4, 8), got {kind!r}")
+        return KdaSplit(pb, sched)
+    from kda.backends.cutedsl.stream import KdaStream
+    return KdaStream(pb, sched)
 
 
-def compile_kernel(kind: str, ks: KernelStatic, options: Optional[str] = None):
-    """Trace and compile ``kind`` for ``ks`` (no GPU needed). Returns (compiled, seconds)."""
+def compile_kernel(pb: Problem, sched: Schedule, options: Optional[str] = None):
+    """Trace and compile the kernel of ``pb`` and ``sched`` (no GPU needed). Returns
+    (compiled, seconds)."""
     import cutlass.cute as cute
-    obj = kernel_object(kind, ks)
+    obj = kernel_object(pb, sched)
     t0 = time.perf_counter()
     if options:
-        compiled = cute.compile(obj.launch, *compile_args(kind, ks), options=options)
+        compiled = cute.compile(obj.launch, *compile_args(pb), options=options)
     else:
-        compiled = cute.compile(obj.launch, *compile_args(kind, ks))
+        compiled = cute.compile(obj.launch, *compile_args(pb))
     return compiled, time.perf_counter() - t0
 
 
-def _prefix(kind: str, ks: KernelStatic, arch: str) -> str:
-    tag = f"kda_{kind}_{ks.tag()}_{arch}_{source_hash()}"
+def _prefix(pb: Problem, sched: Schedule, arch: str) -> str:
+    tag = f"kda_{sched.tag()}_{pb.tag()}_{arch}_{source_hash()}"
     return "".join(c if c.isalnum() else "_" for c in tag)
 
 
-def get_kernel(kind: str, ks: KernelStatic, use_disk: bool = True):
+def get_kernel(pb: Problem, sched: Schedule, use_disk: bool = True):
     """The compiled kernel (a CuTe DSL ``JitCompiledFunction``), from memory, disk or compiled.
 
     Raises:
       Any CuTe DSL compilation error (a bug: every supported configuration compiles).
     """
     arch = target_arch()
-    key = (kind, ks, arch)
+    key = (pb, sched, arch)
     with _lock:
         fn = _mem.get(key)
         if fn is not None:
             return fn
-        prefix = _prefix(kind, ks, arch)
+        prefix = _prefix(pb, sched, arch)
         cache_dir = default_cache_dir()
         path = os.path.join(cache_dir, prefix + ".o")
         fn = None
@@ -221,14 +214,14 @@ def get_kernel(kind: str, ks: KernelStatic, use_disk: bool = True):
                 import cutlass.cute.export  # noqa: F401
                 from cutlass.runtime import load_module
                 fn = load_module(path)[prefix]
-                _record(kind, ks, arch, "disk", time.perf_counter() - t0)
+                _record(pb, sched, arch, "disk", time.perf_counter() - t0)
             except Exception as e:  # noqa: BLE001 - a stale or broken file: recompile
                 log.warning("cutedsl: cannot load %s (%s: %s); recompiling", path,
                             type(e).__name__, e)
                 fn = None
         if fn is None:
-            fn, secs = compile_kernel(kind, ks)
-            _record(kind, ks, arch, "compile", secs)
+            fn, secs = compile_kernel(pb, sched)
+            _record(pb, sched, arch, "compile", secs)
             if use_disk:
                 _export(fn, cache_dir, prefix)
         _mem[key] = fn
@@ -248,13 +241,46 @@ def _export(fn, cache_dir: str, prefix: str) -> None:
                     type(e).__name__, e)
 
 
-def _record(kind: str, ks: KernelStatic, arch: str, source: str, seconds: float) -> None:
-    rec = CompileRecord(kind, ks.tag(), arch, source, seconds)
+def _record(pb: Problem, sched: Schedule, arch: str, source: str, seconds: float) -> None:
+    rec = CompileRecord(sched.name, f"{sched.tag()}_{pb.tag()}", arch, source, seconds)
     COMPILE_LOG.append(rec)
-    log.info("cutedsl: %s kernel %s for %s: %s in %.2f s", kind, rec.tag, arch,
+    log.info("cutedsl: %s kernel %s for %s: %s in %.2f s", rec.name, rec.tag, arch,
              "compiled" if source == "compile" else "loaded from disk", seconds)
 
 
-def compile_seconds(kind: Optional[str] = None) -> float:
-    """Total seconds spent compiling / loading kernels in this process (optionally one kind)."""
-    return sum(r.seconds for r in COMPILE_LOG if kind is None or r.kind == kind)
+def compile_seconds(name: Optional[str] = None) -> float:
+    """Total seconds spent compiling / loading kernels in this process (optionally those of
+    one schedule name)."""
+    return sum(r.seconds for r in COMPILE_LOG if name is None or r.name == name)
+
+
+def _compile_one(pb: Problem, sched: Schedule) -> Tuple[str, float]:
+    """A worker of :func:`precompile`: the kernel into the disk cache."""
+    from kda.backends.cutedsl.backend import import_cutedsl
+    why = import_cutedsl()
+    if why is not None:
+        raise RuntimeError(why)
+    t0 = time.perf_counter()
+    get_kernel(pb, sched)
+    return f"{sched.name} {pb.tag()}", time.perf_counter() - t0
+
+
+def precompile(builds, jobs: Optional[int] = None) -> List[Tuple[str, float]]:
+    """Compile the (problem, schedule) pairs ``builds`` into the disk cache in ``jobs``
+    processes at once (default: one per CPU), so that a later process loads them instead of
+    compiling one after the other (a tuning run compiles some 200). Returns (build, seconds)
+    per pair, in order.
+
+    Raises:
+      Whatever a compile raises (a bug: every pair a schedule accepts compiles).
+    """
+    import concurrent.futures
+    import multiprocessing
+
+    builds = list(dict.fromkeys(builds))
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(builds)))
+    if jobs == 1:
+        return [_compile_one(pb, s) for pb, s in builds]
+    ctx = multiprocessing.get_context("spawn")      # no forked CUDA or MLIR state
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        return list(pool.map(_compile_one, *zip(*builds)))

@@ -51,14 +51,16 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from kda.backends.cutedsl import item, ptx as P
-from kda.backends.cutedsl.static import KernelStatic, SmemPlan
+from kda.backends.cutedsl.problem import Problem
+from kda.backends.cutedsl.static import SmemPlan
 
 D = 128
 NTHREADS = 256
 
 
 class ItemMath:
-    """Per-item device code for one :class:`KernelStatic` configuration.
+    """Per-item device code for one :class:`Problem` and the one-CTA schedule's
+    ``page_last`` (:class:`kda.backends.cutedsl.schedule.Schedule`).
 
     The methods are called while a kernel is traced. ``p`` is the kernel's
     ``SimpleNamespace`` of runtime values (pointers, strides, thread coordinates, the shared
@@ -67,12 +69,13 @@ class ItemMath:
     window history (q or v channel: 0..2, k channel: 3..5) and the raw beta logit (6).
     """
 
-    def __init__(self, ks: KernelStatic):
-        self.ks = ks
-        self.T = ks.T
-        self.H = ks.H
-        self.dim = ks.H * D
-        self.plan = SmemPlan(ks.T)
+    def __init__(self, pb: Problem, page_last: bool):
+        self.pb = pb
+        self.page_last = page_last
+        self.T = pb.T
+        self.H = pb.H
+        self.dim = pb.H * D
+        self.plan = SmemPlan(pb.T)
 
     # ------------------------------------------------------------------ item descriptors
     # The slot ids of a request are T+1 raw values: state_indices[r, 0..T-1] and (T > 1) the
@@ -132,16 +135,16 @@ class ItemMath:
     # ------------------------------------------------------------------------- staging
     def issue_first(self, p, desc, wreg):
         """A kernel's first item: the window history, the x / output-gate rows and beta as one
-        cp.async group, then, with :attr:`KernelStatic.page_last`, the state page as a group of
+        cp.async group, then, with ``page_last``, the state page as a group of
         its own (phase A may then run while it lands); without it the page is issued first, in
         that one group."""
-        if not self.ks.page_last:
+        if not self.page_last:
             self.issue_state(p, desc)
         self.load_window(p, desc, wreg)
         self.issue_operands(p, desc)
         self.load_beta(p, desc, wreg)
         P.cp_async_commit()
-        if self.ks.page_last:
+        if self.page_last:
             self.issue_state(p, desc)
             P.cp_async_commit()
 
@@ -150,7 +153,7 @@ class ItemMath:
         16 bytes each (fp32), or 8 (bf16, into [16 chunk][256 thread][8 bytes])."""
         h, src, live = desc[1], desc[2], desc[5]
         base = p.state + (Int64(src) * p.state_ss + Int64(h * (D * D) + p.row0 * D + 4 * p.l8))
-        if self.ks.state_bf16:
+        if self.pb.state_bf16:
             offs = [(j * 2048, _chunk_offset(j) // 2) for j in range(16)]
             P.cp_async8_multi(p.sb + self.plan.ST + p.tid * 8, base, offs, live)
         else:
@@ -159,8 +162,8 @@ class ItemMath:
 
     def issue_operands(self, p, desc):
         """cp.async the token rows of x (q|k|v of head h) and output gate (if live): 16-byte
-        copies, or with :attr:`KernelStatic.row_bytes` < 16 :meth:`_issue_rows_narrow`."""
-        if self.ks.row_bytes != 16:
+        copies, or with :attr:`Problem.row_bytes` < 16 :meth:`_issue_rows_narrow`."""
+        if self.pb.row_bytes != 16:
             self._issue_rows_narrow(p, desc)
             return
         T, dim, pl = self.T, self.dim, self.plan
@@ -192,7 +195,7 @@ class ItemMath:
         pairs of 16-bit loads per 8-byte piece and one shared store (complete at once; the
         barrier after the wait publishes them with the copies)."""
         T, dim, pl = self.T, self.dim, self.plan
-        rb = self.ks.row_bytes
+        rb = self.pb.row_bytes
         ew = 2 if rb == 4 else 4                # elements per piece
         per = D // ew                           # pieces per 128-element row
         r, h, live = desc[0], desc[1], desc[5]
@@ -223,12 +226,12 @@ class ItemMath:
 
     def _window_ptr(self, p, cslot, ch, pos):
         """Address of conv_state[cslot, ch, pos] in either layout (64-bit slot offset)."""
-        if (self.ks.layout == "SD"):
+        if (self.pb.layout == "SD"):
             return p.cs + (Int64(cslot) * p.cs_ss + Int64(pos * (3 * self.dim) + ch))
-        return p.cs + (Int64(cslot) * p.cs_ss + Int64(ch * self.ks.L + pos))
+        return p.cs + (Int64(cslot) * p.cs_ss + Int64(ch * self.pb.L + pos))
 
     def _load_raw(self, gp, pred):
-        if (self.ks.cs_bf16):
+        if (self.pb.cs_bf16):
             return P.gld_cg_u16_or0(gp, pred)
         return P.gld_cg_b32_or0(gp, pred)
 
@@ -244,8 +247,8 @@ class ItemMath:
         """
         h, cslot, off, live = desc[1], desc[3], desc[4], desc[5]
         tid = p.tid
-        if self.ks.layout == "SD":
-            esz = 2 if self.ks.cs_bf16 else 4
+        if self.pb.layout == "SD":
+            esz = 2 if self.pb.cs_bf16 else 4
             pieces = 256 // 16 * esz // 2          # 16-byte pieces per 128-channel part
             n = 9 * pieces
             for i in range((n + NTHREADS - 1) // NTHREADS):
@@ -269,22 +272,22 @@ class ItemMath:
 
     def _history(self, p, part, d, wreg, base):
         """Raw history values (3) of channel (part, d): from SW (SD) or ``wreg[base..]`` (DS)."""
-        if self.ks.layout == "SD":
-            esz = 2 if self.ks.cs_bf16 else 4
+        if self.pb.layout == "SD":
+            esz = 2 if self.pb.cs_bf16 else 4
             addr = p.sb + self.plan.SW + (part * D) * esz + d * esz
-            if self.ks.cs_bf16:
+            if self.pb.cs_bf16:
                 return [P.sld_u16(addr + pos * (3 * D * esz)) for pos in range(3)]
             return [P.sld_b32(addr + pos * (3 * D * esz)) for pos in range(3)]
         return [wreg[base], wreg[base + 1], wreg[base + 2]]
 
     def load_beta(self, p, desc, wreg):
         """Raw beta of token tid-128 (threads 128 .. 128+T-1): the bf16 logit's bits, or with
-        :attr:`KernelStatic.beta_activated` the fp32 value's."""
+        :attr:`Problem.beta_activated` the fp32 value's."""
         r, h, live = desc[0], desc[1], desc[5]
         tb = p.tid - 128
         ok = live & Int32(tb >= 0) & Int32(tb < self.T)
         gp = p.beta + (Int64(r * self.T + tb) * p.beta_rs + h)
-        if self.ks.beta_activated:
+        if self.pb.beta_activated:
             wreg[6] = P.gld_nc_b32_or0(gp, ok)
         else:
             wreg[6] = P.gld_nc_u16_or0(gp, ok)
@@ -294,7 +297,7 @@ class ItemMath:
         stores, or element stores on rows that are not 16-byte aligned)."""
         r, h = desc[0], desc[1]
         tid = p.tid
-        if self.ks.row_bytes != 16:
+        if self.pb.row_bytes != 16:
             for i in range((self.T * D + NTHREADS - 1) // NTHREADS):
                 idx = tid + NTHREADS * i
                 t = idx >> 7
@@ -315,10 +318,10 @@ class ItemMath:
         [w1, w2, x_0 .. x_{T-1}] (positions 0..T+1), raw values in the cache dtype.
         ``w`` (4 taps) and ``acc0`` (bias or 0) come from :meth:`head_loads`.
         """
-        ks, T, dim = self.ks, self.T, self.dim
+        pb, T, dim = self.pb, self.T, self.dim
         ch = part * dim + h * D + d
         store_ok = Int32(1)
-        if (ks.cs_bf16):
+        if (pb.cs_bf16):
             hist = [P.bf16_bits_to_f32(hr) for hr in hist_raw]
         else:
             hist = [P.f32_from_bits(hr) for hr in hist_raw]
@@ -327,7 +330,7 @@ class ItemMath:
         xs = [P.bf16_bits_to_f32(xr) for xr in xraw]
         ys = item.conv_silu(hist + xs, w, acc0, T)
         # window rewrite: all history was read (registers) before this point
-        if (ks.cs_bf16):
+        if (pb.cs_bf16):
             new = [hist_raw[1], hist_raw[2]] + xraw
             for pos in range(T + 2):
                 P.gst_b16(self._window_ptr(p, cslot, ch, pos), new[pos], store_ok)
@@ -344,7 +347,7 @@ class ItemMath:
         threads 0-127 only), the f_b A fragments of the gate MMA (``fb``), the two dt_bias
         values of this thread's MMA rows and A_log[h].
         """
-        ks, dim = self.ks, self.dim
+        pb, dim = self.pb, self.dim
         tid = p.tid
         d = tid & 127
         part_a = (tid >> 7) * 2
@@ -353,14 +356,14 @@ class ItemMath:
         hp.wa, hp.wb = [], []
         for e in range(4):
             pa = p.cw + (part_a * (4 * dim) + e * dim + h * D + d)
-            pb = p.cw + (4 * dim + e * dim + h * D + d)
-            if ks.cw_bf16:
+            pk = p.cw + (4 * dim + e * dim + h * D + d)
+            if pb.cw_bf16:
                 hp.wa.append(P.bf16_bits_to_f32(P.gld_nc_u16(pa)))
-                hp.wb.append(P.bf16_bits_to_f32(P.gld_nc_u16_or0(pb, is_qk)))
+                hp.wb.append(P.bf16_bits_to_f32(P.gld_nc_u16_or0(pk, is_qk)))
             else:
                 hp.wa.append(P.gld_nc_f32(pa))
-                hp.wb.append(P.gld_nc_f32_or0(pb, is_qk))
-        if ks.has_bias:
+                hp.wb.append(P.gld_nc_f32_or0(pk, is_qk))
+        if pb.has_bias:
             hp.ba = P.gld_nc_f32(p.cb + (part_a * dim + h * D + d))
             hp.bb = P.gld_nc_f32_or0(p.cb + (dim + h * D + d), is_qk)
         else:
@@ -382,7 +385,7 @@ class ItemMath:
         T, r = self.T, desc[0]
         gvalid = Int32(p.g < T)
         fa_row = p.fa + (Int64(r * T + p.g) * p.fa_rs + 2 * p.tig)
-        load = P.gld_nc_u16x2_or0 if self.ks.row_bytes == 2 else P.gld_nc_b32_or0
+        load = P.gld_nc_u16x2_or0 if self.pb.row_bytes == 2 else P.gld_nc_b32_or0
         return [(load(fa_row + 16 * s, gvalid), load(fa_row + (16 * s + 8), gvalid))
                 for s in range(8)]
 
@@ -396,14 +399,14 @@ class ItemMath:
         waiting for the staging; it only writes CA (free once the previous item's phase B is
         over).
         """
-        ks, T, pl = self.ks, self.T, self.plan
+        pb, T, pl = self.pb, self.T, self.plan
         r, h, cslot = desc[0], desc[1], desc[3]
         g, tig = p.g, p.tig
         krow = p.warp * 16 + g
         a = hp.fb
         b = self.gate_b(p, desc)
         zero = Float32(0.0)
-        if (ks.gate_mode == 0):
+        if (pb.gate_mode == 0):
             c = (zero, zero, zero, zero)
             for s in range(8):
                 c = P.mma_bf16(*a[s], *b[s], *c)
@@ -416,7 +419,7 @@ class ItemMath:
             c = tuple(P.fadd(P.fadd(P.fadd(chains[0][i], chains[1][i]), chains[2][i]),
                              chains[3][i]) for i in range(4))
         A = P.fexp(hp.alog)
-        if (ks.bounded):
+        if (pb.bounded):
             coef = A
         else:
             coef = P.fsub(zero, A)
@@ -427,12 +430,12 @@ class ItemMath:
             valid = Int32(t < T)
             rg = P.bf16_round(c[i])
             xg = P.fadd(rg, hp.dtb[i // 2])
-            if (ks.bounded):
+            if (pb.bounded):
                 gk = P.fmul(p.lb, P.sigmoid(P.fmul(coef, xg)))
             else:
                 gk = P.fmul(coef, P.softplus(xg))
             P.sst_f32(p.sb + pl.CA + (t * D + kk) * 4, P.fexp(gk), valid)
-            if (ks.record):
+            if (pb.record):
                 P.gst_b16(p.kgrec + (rec_base + Int64(t * (2 * D) + D + kk)),
                           P.f32_bits(rg) >> 16, valid)
 
@@ -460,7 +463,7 @@ class ItemMath:
         """The staged state page: shared -> registers (own chunks only: no barrier needed; bf16
         widened to fp32)."""
         for j in range(16):
-            if self.ks.state_bf16:
+            if self.pb.state_bf16:
                 s0, s1, s2, s3 = P.sld_bf16x4(p.sb + (self.plan.ST + j * 2048) + p.tid * 8)
             else:
                 s0, s1, s2, s3 = P.sld_v4(p.sb + (self.plan.ST + j * 4096) + p.tid * 16)
@@ -479,7 +482,7 @@ class ItemMath:
 
     def _conv_qk(self, p, desc, wreg, hp):
         """Threads 0-127: q and k channel ``tid``; per-warp sums of squares; k record."""
-        ks, T, pl = self.ks, self.T, self.plan
+        pb, T, pl = self.pb, self.T, self.plan
         r, h, cslot = desc[0], desc[1], desc[3]
         d = p.tid
         yq = self._conv(p, h, cslot, 0, d, self._history(p, 0, d, wreg, 0), hp.wa, hp.ba)
@@ -493,7 +496,7 @@ class ItemMath:
             sk = P.warp_sum(P.fmul(yk[t], yk[t]))
             P.sst_f32(p.sb + pl.CRQ + (t * 4 + p.warp) * 4, sq, lane0)
             P.sst_f32(p.sb + pl.CRK + (t * 4 + p.warp) * 4, sk, lane0)
-            if ks.record:
+            if pb.record:
                 P.gst_b16(p.kgrec + (rec_base + Int64(t * (2 * D) + d)),
                           P.f32_bits(yk[t]) >> 16, Int32(1))
 
@@ -506,7 +509,7 @@ class ItemMath:
         for t in range(T):
             P.sst_f32(p.sb + pl.CV + (t * D + d) * 4, yv[t])
         addr = p.sb + pl.CB + d * 4
-        if self.ks.beta_activated:      # the engine's sigmoid(beta), used as it is
+        if self.pb.beta_activated:      # the engine's sigmoid(beta), used as it is
             beta = P.f32_from_bits(wreg[6])
         else:
             beta = P.sigmoid(P.bf16_bits_to_f32(wreg[6]))
@@ -540,7 +543,7 @@ class ItemMath:
         base = p.state + (Int64(slot) * p.state_ss + Int64(h * (D * D) + p.row0 * D + 4 * p.l8))
         for j in range(16):
             x = [S[j // 4, 4 * (j % 4) + e] for e in range(4)]
-            if self.ks.state_bf16:
+            if self.pb.state_bf16:
                 P.gst_bf16x4_off(base, _chunk_offset(j) // 2, *x, ok)
             else:
                 P.gst_v4_f32_off(base, _chunk_offset(j), *x, ok)
@@ -553,7 +556,7 @@ class ItemMath:
         out = bf16(ob * rsqrt(mean(ob^2) + eps) * norm_weight * sigmoid(gate)). Contains two
         block barriers.
         """
-        ks, T, pl = self.ks, self.T, self.plan
+        pb, T, pl = self.pb, self.T, self.plan
         r, h, src, cslot = desc[0], desc[1], desc[2], desc[3]
         sb = p.sb
         lane_l0 = Int32(p.l8 == 0)
@@ -563,7 +566,7 @@ class ItemMath:
 
             def emit(m, u, ob, tb=tb, t=t):     # on every lane: stores predicated on lane 0
                 P.sst_f32(sb + pl.CO + tb + (p.row0 + 32 * m) * 4, ob, lane_l0)
-                if ks.record:
+                if pb.record:
                     P.gst_f32(p.vrec + (rec_base + Int64(t * D) + Int64(p.row0 + 32 * m)), u,
                               lane_l0)
 
@@ -572,11 +575,11 @@ class ItemMath:
                         _smem_row(sb + pl.CQ + tb), beta,
                         lambda m, tb=tb: P.sld_f32(sb + pl.CV + tb + (p.row0 + 32 * m) * 4),
                         p.l8, emit, lane0_only=False)
-            if T > 1 and not ks.record:
+            if T > 1 and not pb.record:
                 dst = P.sld_b32(sb + pl.SL + q * 64 + 4 * t)
                 ok = Int32(dst > 0) & Int32(dst < p.slots)
                 self._store_state(p, dst, h, S, ok)
-        if (T == 1 and not ks.record):
+        if (T == 1 and not pb.record):
             self._store_state(p, src, h, S, Int32(1))
         P.bar_sync()
         self._epilogue(p, r, h, ogr)
@@ -634,21 +637,21 @@ def _chunk_offset(j):
     return ((j // 4) * 32 * D + 32 * (j % 4)) * 4
 
 
-def load_norm_weight(ks: KernelStatic, nw_ptr, tid):
+def load_norm_weight(pb: Problem, nw_ptr, tid):
     """norm_weight[tid % 128] as fp32 (shared by all heads: loaded once per CTA)."""
     v = tid & 127
-    if ks.nw_bf16:
+    if pb.nw_bf16:
         return P.bf16_bits_to_f32(P.gld_nc_u16(nw_ptr + v))
     return P.gld_nc_f32(nw_ptr + v)
 
 
-def make_params(ks: KernelStatic, sb, tid, a) -> SimpleNamespace:
+def make_params(pb: Problem, sb, tid, a) -> SimpleNamespace:
     """The SimpleNamespace of runtime values the ItemMath methods read: the kernel's arguments
     ``a`` (:class:`kda.backends.cutedsl.args.KernelArgs`), the shared-memory base ``sb`` and
     the thread's coordinates."""
     p = SimpleNamespace(sb=sb, **thread_coords(tid), **a._asdict())
-    p.nwv = load_norm_weight(ks, p.nw, tid)
+    p.nwv = load_norm_weight(pb, p.nw, tid)
     return p
 
 
-__all__ = ["ItemMath", "make_params", "KernelStatic", "SmemPlan", "D", "NTHREADS"]
+__all__ = ["ItemMath", "make_params", "Problem", "SmemPlan", "D", "NTHREADS"]

@@ -17,7 +17,7 @@ from cutlass import BFloat16, Float32
 from cutlass.cute.nvgpu import warp
 
 from kda.backends.cutedsl import ptx as N
-from kda.backends.cutedsl.static import KernelStatic
+from kda.backends.cutedsl.problem import Problem
 
 
 def gate_mma(lane):
@@ -46,33 +46,33 @@ def smem_fragment(mma, lane, rows: cute.Tensor, operand: str):
 
 
 @cute.jit
-def gate_tile(ks: cutlass.Constexpr, mma, thr, rA: cute.Tensor, rB: cute.Tensor,
+def gate_tile(pb: cutlass.Constexpr, mma, thr, rA: cute.Tensor, rB: cute.Tensor,
               emit: cutlass.Constexpr):
     """One 16-feature tile: A = ``rA`` (the fragment of 16 f_b rows), B = ``rB`` (the f_a
     fragment of up to 8 tokens); for each of this lane's accumulator values ``i`` whose token
     ``t`` is below T, ``emit(i, f16, t, rg)`` with ``f16`` the feature within the tile and
     ``rg`` the bf16-rounded projection (as fp32)."""
-    chains = 1 if ks.gate_mode == 0 else 4
+    chains = 1 if pb.gate_mode == 0 else 4
     acc = [mma.make_fragment_C(mma.partition_shape_C((16, 8))) for _ in range(chains)]
     for q in cutlass.range_constexpr(chains):
         acc[q].fill(0.0)
     for s in cutlass.range_constexpr(cute.size(rA, mode=[2])):
-        q = 0 if ks.gate_mode == 0 else s // 2
+        q = 0 if pb.gate_mode == 0 else s // 2
         cute.gemm(mma, acc[q], rA[None, None, s], rB[None, None, s], acc[q])
     cC = thr.partition_C(cute.make_identity_tensor((16, 8)))
     for i in cutlass.range_constexpr(cute.size(acc[0])):
         f16, t = cC[i]
-        if t < ks.T:
+        if t < pb.T:
             cval = acc[0][i]
-            if cutlass.const_expr(ks.gate_mode == 1):
+            if cutlass.const_expr(pb.gate_mode == 1):
                 cval = N.fadd(N.fadd(N.fadd(acc[0][i], acc[1][i]), acc[2][i]), acc[3][i])
             emit(i, f16, t, N.bf16_round(cval))
 
 
-def decay(ks: KernelStatic, A, lb, xg):
+def decay(pb: Problem, A, lb, xg):
     """alpha = exp(g) of gate input ``xg`` (fp32), ``A`` = exp(A_log[h]), ``lb`` the lower
     bound (bounded gate only)."""
-    if ks.bounded:
+    if pb.bounded:
         gk = N.fmul(lb, N.sigmoid(N.fmul(A, xg)))
     else:
         gk = N.fmul(N.fsub(Float32(0.0), A), N.softplus(xg))

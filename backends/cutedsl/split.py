@@ -48,7 +48,8 @@ from kda.backends.cutedsl import item, ptx as N
 from kda.backends.cutedsl.args import KernelArgs, Launch
 from kda.backends.cutedsl.item import chunk, reg_chunk, state_regs, store4
 from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile, smem_fragment
-from kda.backends.cutedsl.static import KernelStatic
+from kda.backends.cutedsl.problem import Problem
+from kda.backends.cutedsl.schedule import Rows, Schedule
 
 D = 128
 MAIN = 128          # conv / norm / recurrence / epilogue threads (warps 0-3)
@@ -80,24 +81,24 @@ class Views(NamedTuple):
     out: cute.Tensor
 
 
-def make_views(ks: KernelStatic, a: KernelArgs):
+def make_views(pb: Problem, a: KernelArgs):
     """The kernels' global tensors (:class:`Views`) over the argument pointers of ``a``, for
-    ``ks``: every kernel of the family indexes its arguments through these layouts."""
+    ``pb``: every kernel of the family indexes its arguments through these layouts."""
     R, slots = a.R, a.slots
-    T, H, dim = ks.T, ks.H, ks.H * D
-    L = ks.L
+    T, H, dim = pb.T, pb.H, pb.H * D
+    L = pb.L
     N_ = R * T
     v = {}
-    if ks.row_bytes > 2:
+    if pb.row_bytes > 2:
         # every row pitch is a multiple of the rows' alignment (kda.backend.row_bytes)
-        x_rs, fa_rs, og_rs, out_rs = (cute.assume(s, divby=ks.row_bytes // 2)
+        x_rs, fa_rs, og_rs, out_rs = (cute.assume(s, divby=pb.row_bytes // 2)
                                       for s in (a.x_rs, a.fa_rs, a.og_rs, a.out_rs))
     else:
         x_rs, fa_rs, og_rs, out_rs = a.x_rs, a.fa_rs, a.og_rs, a.out_rs
     v["x"] = cute.make_tensor(a.x, cute.make_layout((N_, 3 * dim), stride=(x_rs, 1)))
     v["cw"] = cute.make_tensor(a.cw, cute.make_layout((3, 4, dim), stride=(4 * dim, dim, 1)))
     v["cb"] = cute.make_tensor(a.cb, cute.make_layout((3 * dim,)))
-    if ks.layout == "SD":
+    if pb.layout == "SD":
         v["cs"] = cute.make_tensor(a.cs, cute.make_layout((slots, 3 * dim, L),
                                                         stride=(a.cs_ss, 1, 3 * dim)))
     else:
@@ -110,7 +111,7 @@ def make_views(ks: KernelStatic, a: KernelArgs):
     v["dtb"] = cute.make_tensor(a.dtb, cute.make_layout((dim,)))
     # (the slot stride is a multiple of 16 bytes)
     v["state"] = cute.make_tensor(a.state, cute.make_layout(
-        (slots, H, D, D), stride=(cute.assume(a.state_ss, divby=8 if ks.state_bf16 else 4),
+        (slots, H, D, D), stride=(cute.assume(a.state_ss, divby=8 if pb.state_bf16 else 4),
                                   D * D, D, 1)))
     v["si"] = cute.make_tensor(a.si, cute.make_layout((R, T), stride=(T, 1)))
     v["og"] = cute.make_tensor(a.og, cute.make_layout((N_, dim), stride=(og_rs, 1)))
@@ -126,29 +127,30 @@ def make_views(ks: KernelStatic, a: KernelArgs):
 
 
 class KdaSplit(Launch):
-    """The split kernel for one :class:`KernelStatic` and cluster size; ``launch`` is what gets
-    compiled."""
+    """The split kernel for one :class:`Problem` and a ``Rows.CLUSTER`` :class:`Schedule`
+    (its cluster size); ``launch`` is what gets compiled."""
 
-    def __init__(self, ks: KernelStatic, cluster: int):
-        if cluster not in CLUSTERS:
-            raise ValueError(f"cluster: expected one of {CLUSTERS}, got {cluster!r}")
-        self.ks = ks
-        self.C = cluster
+    def __init__(self, pb: Problem, sched: Schedule):
+        if sched.rows != Rows.CLUSTER:
+            raise ValueError(f"KdaSplit: expected a rows=CLUSTER schedule, got {sched.name}")
+        self.pb = pb
+        self.sched = sched
+        self.C = sched.cluster
         self.rows = D // self.C            # value rows of one CTA
         self.F = D // self.C               # gate features of one CTA
         self.passes = self.rows // GROUPS
         self.wave = min(2, self.passes)
-        self.T = ks.T
-        self.H = ks.H
-        self.dim = ks.H * D
+        self.T = pb.T
+        self.H = pb.H
+        self.dim = pb.H * D
 
     # ------------------------------------------------------------------------------ kernel
     @cute.kernel
     def kernel(self, a: KernelArgs):
-        ks, T, C, dim = self.ks, self.T, self.C, self.dim
+        pb, T, C, dim = self.pb, self.T, self.C, self.dim
         tid, _, _ = cute.arch.thread_idx()
         rank, h, r = cute.arch.block_idx()
-        g = make_views(ks, a)
+        g = make_views(pb, a)
         slots, scale, eps, lb = a.slots, a.scale, a.eps, a.lb
 
         smem = cutlass.memory.SmemAllocator()
@@ -209,7 +211,7 @@ class KdaSplit(Launch):
         bq = Float32(0.0)
         bk = Float32(0.0)
         bv = Float32(0.0)
-        if cutlass.const_expr(ks.has_bias):
+        if cutlass.const_expr(pb.has_bias):
             bq = g.cb[ch]
             bk = g.cb[dim + ch]
             bv = g.cb[2 * dim + vch]
@@ -296,7 +298,7 @@ class KdaSplit(Launch):
     def _main(self, g, tid, rank, h, r, cslot, src, off, slots, wq, wk, wv, bq, bk, bv, nwv,
               xq, xk, xv, ogr, braw, scale, eps, s_state, s_q, s_k, s_a, s_o, s_v, s_b, s_red,
               s_win, bars):
-        ks, T, C, dim = self.ks, self.T, self.C, self.dim
+        pb, T, C, dim = self.pb, self.T, self.C, self.dim
         warp_i = tid // 32
         lane = tid % 32
         n0 = r * T
@@ -309,7 +311,7 @@ class KdaSplit(Launch):
                 for pos in cutlass.range_constexpr(T + 2):
                     s_win[i, pos, tid] = win[pos]
         if tid < T:
-            if cutlass.const_expr(ks.beta_activated):
+            if cutlass.const_expr(pb.beta_activated):
                 s_b[tid] = Float32(braw)      # the engine's sigmoid(beta), used as it is
             else:
                 s_b[tid] = N.sigmoid(Float32(braw))
@@ -327,7 +329,7 @@ class KdaSplit(Launch):
             if lane == 0:
                 s_red[t, 0, warp_i] = sq
                 s_red[t, 1, warp_i] = sk
-            if cutlass.const_expr(ks.record):
+            if cutlass.const_expr(pb.record):
                 if rank == 0:
                     g.kgrec[cslot, h, t, tid] = BFloat16(yk[t])
         cute.arch.barrier(barrier_id=1, number_of_threads=MAIN)
@@ -390,7 +392,7 @@ class KdaSplit(Launch):
         4*(l8 + 8c) .. +3 (c = 0..3); per token :func:`kda.backends.cutedsl.item.token`,
         each row's ``o`` sent to the CTA that owns the token.
         """
-        ks, T, C = self.ks, self.T, self.C
+        pb, T, C = self.pb, self.T, self.C
         grp = tid // LANES
         l8 = tid % LANES
         W = self.wave
@@ -399,7 +401,7 @@ class KdaSplit(Launch):
             for w in cutlass.range_constexpr(W):
                 row = (w0 + w) * GROUPS + grp
                 for c in cutlass.range_constexpr(4):
-                    if cutlass.const_expr(ks.state_bf16):   # widened to fp32 (exactly)
+                    if cutlass.const_expr(pb.state_bf16):   # widened to fp32 (exactly)
                         raw = cute.make_rmem_tensor(cute.make_layout((4,)), BFloat16)
                         cute.autovec_copy(chunk(s_state[row, None], l8, c), raw)
                         for e in cutlass.range_constexpr(4):
@@ -411,17 +413,17 @@ class KdaSplit(Launch):
                     grow = rank * self.rows + (w0 + w) * GROUPS + grp
                     cute.arch.store_async_dsmem(s_o.iterator + (t * D + grow), N.f32_bits(ob),
                                                 bars + 2 + t, Int32(t % C))
-                    if cutlass.const_expr(ks.record):
+                    if cutlass.const_expr(pb.record):
                         g.vrec[cslot, h, t, grow] = u
 
                 b_t = s_b[t]
                 item.token(S, s_a[t, None], s_k[t, None], s_q[t, None], b_t,
                             lambda w, t=t, w0=w0: s_v[t, (w0 + w) * GROUPS + grp], l8, emit)
-                if cutlass.const_expr(not ks.record and T > 1):
+                if cutlass.const_expr(not pb.record and T > 1):
                     dst = g.si[r, t]
                     if (dst > 0) & (dst < slots):
                         self._store_rows(g, dst, h, rank, w0, grp, l8, S)
-            if cutlass.const_expr(not ks.record and T == 1):
+            if cutlass.const_expr(not pb.record and T == 1):
                 self._store_rows(g, src, h, rank, w0, grp, l8, S)
 
     def _store_rows(self, g, slot, h, rank, w0, grp, l8, S):
@@ -431,7 +433,7 @@ class KdaSplit(Launch):
             row = rank * self.rows + (w0 + w) * GROUPS + grp
             for c in range(4):
                 store4(reg_chunk(S, w, c), chunk(g.state[slot, h, row, None], l8, c),
-                       self.ks.state_bf16)
+                       self.pb.state_bf16)
 
     # --------------------------------------------------------------------------- gate warp
     @cute.jit
@@ -441,7 +443,7 @@ class KdaSplit(Launch):
         (gate_mode 0: one chain over the 8 k-steps; 1: four chains of two, summed
         ((c0+c1)+c2)+c3), then x = rg + dt_bias, the decay, sent to every CTA's s_a (``alog``:
         A_log[h]; ``s_dtb``: dt_bias of the F features)."""
-        ks, C, F = self.ks, self.C, self.F
+        pb, C, F = self.pb, self.C, self.F
         A = N.fexp(alog)
         cute.arch.mbarrier_wait(bar_fb, 0)
         # dt_bias of the lane's accumulator values [tile][value], read before the MMA
@@ -453,14 +455,14 @@ class KdaSplit(Launch):
 
             def emit(i, f16, t, rg, mt=mt):
                 feat = rank * F + 16 * mt + f16
-                alpha = decay(ks, A, lb, N.fadd(rg, dtb[mt][i]))
-                if cutlass.const_expr(ks.record):
+                alpha = decay(pb, A, lb, N.fadd(rg, dtb[mt][i]))
+                if cutlass.const_expr(pb.record):
                     g.kgrec[cslot, h, t, D + feat] = BFloat16(rg)
                 for q in cutlass.range_constexpr(C):
                     cute.arch.store_async_dsmem(s_a.iterator + (t * D + feat),
                                                 N.f32_bits(alpha), bar_alpha, Int32(q))
 
-            gate_tile(ks, mma, thr, rA, rB, emit)
+            gate_tile(pb, mma, thr, rA, rB, emit)
 
     # -------------------------------------------------------------------------------- host
     def _launch(self, a: KernelArgs, stream):

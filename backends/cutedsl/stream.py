@@ -19,7 +19,7 @@ of a few consecutive requests (:class:`kda.backends.cutedsl.ring.WarpRing`). Two
   ``groups + 1`` item slots; ``groups`` items later, once the item's consumers are done, the
   gated RMSNorm of its ``o`` and ``out`` (dead items: zeros).
 
-Built with ``group_prep`` (T = 1), each consumer group prepares its own items: its 128
+With ``Prep.GROUP`` (T = 1), each consumer group prepares its own items: its 128
 threads (thread ``c``: q, k and v channel ``c``) do the conv + SiLU, the window rewrite and
 the q / k norms of the item before its units, and the gated RMSNorm of its ``o`` after them,
 with the item's operands loaded one group item ahead; the prep warpgroup keeps the gate and
@@ -33,7 +33,7 @@ a dead item too, so that every warp passes every phase of its slots) and *free* 
 -> the next prep of that slot, one arrival per prep thread once its reads of the slot are
 done). A slot holds its item's warp sums of the q / k norms and of the RMSNorm too, so the
 prep warps sync once per norm, between their sums and their reads, and never to hand a
-slot back. With ``group_prep`` the group's epilogue frees the slot (one arrival per lane
+slot back. With ``Prep.GROUP`` the group's epilogue frees the slot (one arrival per lane
 of each unit warp) and *done* is not used.
 
 Every value is computed in the order of the other kernels of the family (the item arithmetic
@@ -56,77 +56,60 @@ from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile, smem_fragment
 from kda.backends.cutedsl.ring import RingShape, WarpRing
 from kda.backends.cutedsl.item import chunk, reg_chunk, state_regs, store4
 from kda.backends.cutedsl.split import make_views
-from kda.backends.cutedsl.static import KernelStatic
+from kda.backends.cutedsl.problem import Problem
+from kda.backends.cutedsl.schedule import FB_ROW, PREP_THREADS, Prep, Rows, Schedule
 
 D = 128
-CONSUMERS = 8      # consumer warps: 8 + 4 prep warps = 3 warpgroups, 168 registers a thread
-PREP = 128         # prep threads (one warpgroup)
+PREP = PREP_THREADS   # prep threads (one warpgroup)
 PREP_BAR = 1       # named barrier of the prep warps
-FB_ROW = D + 8     # padded f_b row in shared memory (bf16): a warp's fragment loads hit 32 banks
-SMEM_MAX = 232448 - 1024   # sm_90: dynamic shared memory a CTA may opt into, less the reserve
 OPS_WINDOW = 1        # _load_ops: an item's conv-window history
 OPS_ACTIVATIONS = 2   # _load_ops: its x, output-gate logits and beta
 
 
 class KdaStream(Launch):
-    """The streamed kernel for one :class:`KernelStatic`; ``launch`` is what gets compiled.
-
-    Args:
-      ks: the static configuration. shape: the consumers' stages (default: a 128 KiB ring).
-      block: 0 for the persistent head-major walk (the launcher's grid: one CTA per SM);
-        C for items in blocks of C requests, the launcher's grid one CTA per C items
-        (:func:`kda.backends.cutedsl.policy.ctas`).
-      group_prep: the consumer groups prepare their own items (see the module docstring);
-        T = 1, the persistent walk, 32-row units.
+    """The streamed kernel for one :class:`Problem` and a ``Rows.WARP`` :class:`Schedule`;
+    ``launch`` is what gets compiled. The schedule's fields it reads: ``prep`` (``GROUP``:
+    the consumer groups prepare their own items, see the module docstring), ``items`` and
+    ``block`` (the launcher's grid, :func:`kda.backends.cutedsl.policy.ctas`), the ring
+    (``unit_rows``, ``consumers``, ``depth``) and the flags ``early_reads``, ``stage_fb``,
+    ``prefetch``, ``x_ahead``, ``walk``, ``token_loop``.
 
     Raises:
-      ValueError: ``group_prep`` with T > 1, ``block`` or units other than 32 rows.
+      ValueError: a schedule of another kernel, or one that cannot serve ``pb``
+      (:meth:`Schedule.check`).
     """
 
-    def __init__(self, ks: KernelStatic, shape: RingShape = None, block: int = 0,
-                 group_prep: bool = False):
-        self.ks = ks
-        self.block = block
-        self.group_prep = group_prep
-        # the item after next into L2, below T = 8 (there its slot-id registers would spill)
-        self.prefetch = ks.T < 8
-        # x of the next item is read ahead into registers where its 3T values fit (at T >= 5
-        # the prep warps' registers are full: x is read where it is used, from L2)
-        self.x_ahead = ks.T <= 4
-        # T = 1: the prep walks (request, head) item to item, without the divisions of
-        # ``split_item`` on its chain (there the prep warps set the pace); at T > 1 it splits
-        # each item's index (carrying (r, h) from the slot-id loads measures slower there)
-        self.walk = ks.T == 1
-        self.T = ks.T
-        self.H = ks.H
-        # bf16 pages at T > 1: the consumers' passes and tokens run as loops, one copy of a
-        # token's code, since the unrolled body misses the instruction cache (ncu: a third of
-        # the consumers' samples without an instruction); on fp32 pages and at T = 1 the
-        # unrolled body measures faster
-        self.token_loop = ks.state_bf16 and ks.T > 1
-        self.dim = ks.H * D
-        self.st = BFloat16 if ks.state_bf16 else Float32
-        if shape is None:      # a 128 KiB ring: 8 x 16 KiB fp32 units, 16 x 8 KiB bf16 units
-            shape = RingShape(rows=32, consumers=CONSUMERS, depth=2 if ks.state_bf16 else 1)
+    def __init__(self, pb: Problem, sched: Schedule):
+        if sched.rows != Rows.WARP:
+            raise ValueError(f"KdaStream: expected a rows=WARP schedule, got {sched.name}")
+        sched.check(pb)
+        self.pb = pb
+        self.sched = sched
+        self.block = sched.block
+        self.group_prep = sched.prep == Prep.GROUP
+        self.prefetch = sched.prefetch
+        self.x_ahead = sched.x_ahead
+        self.walk = sched.walk
+        self.T = pb.T
+        self.H = pb.H
+        self.token_loop = sched.token_loop
+        self.dim = pb.H * D
+        self.st = BFloat16 if pb.state_bf16 else Float32
+        shape = RingShape(rows=sched.unit_rows, consumers=sched.consumers, depth=sched.depth)
         self.shape = shape
-        if group_prep and (ks.T != 1 or block or shape.rows != 32):
-            raise ValueError(f"group_prep: expected T = 1, block = 0 and 32-row units (a "
-                             f"group's thread per channel), got T={ks.T}, block={block}, "
-                             f"rows={shape.rows}")
         # early_reads: the walk and the prep wait for the PDL predecessor after their first
-        # slot ids, pages and windows (group_prep keeps the one wait before the walk)
-        self.early = ks.early_reads and not group_prep
-        self.ring = WarpRing(shape, ks.T, self.st, ks.H, block, early_reads=self.early)
+        # slot ids, pages and windows
+        self.early = sched.early_reads
+        self.ring = WarpRing(shape, pb.T, self.st, pb.H, self.block, early_reads=self.early)
         self.units = shape.units
         self.rows = shape.rows
         # item slots: the one being prepared and one per consumer group; an item's epilogue
-        # runs LAG items after its prep, once its group is done with it. With group_prep the
-        # prep (gate, output gate, beta) runs up to 4 items ahead of the groups
-        self.LAG = 4 if group_prep else shape.groups
+        # runs LAG items after its prep, once its group is done with it (Schedule.lag)
+        self.LAG = sched.lag
         self.NI = self.LAG + 1
         self.prep0 = 32 * shape.consumers      # first prep thread
         self.threads = self.prep0 + PREP
-        T, NI = ks.T, self.NI
+        T, NI = pb.T, self.NI
         fields = dict(self.ring.fields())
         fields.update({
             "ready": cute.struct.MemRange[Int64, NI],
@@ -146,23 +129,20 @@ class KdaStream(Launch):
             "fabar": cute.struct.MemRange[Int64, 2],
             "fa": cute.struct.Align[cute.struct.MemRange[BFloat16, 2 * 8 * FB_ROW], 16],
         })
-        if group_prep:
+        if self.group_prep:
             # each group's warp sums: [group][q, k, o^2][warp] (the o^2 sums apart, since a
             # warp may still read an item's while the group's next conv writes the q / k sums)
             fields["gred"] = cute.struct.Align[
                 cute.struct.MemRange[Float32, shape.groups * 3 * 4], 16]
-        self.Storage = cute.struct(type("KdaStreamStorage", (), {"__annotations__": fields}))
-        # the head's f_b rows (the gate's A operand) staged in shared memory when the head
-        # changes, where they fit beside the stages and slots (T <= 7); else read from L2
-        with_fb = dict(fields)
-        with_fb.update({
-            "fbbar": cute.struct.MemRange[Int64, 1],
-            "fb": cute.struct.Align[cute.struct.MemRange[BFloat16, D * FB_ROW], 16],
-        })
-        staged = cute.struct(type("KdaStreamStorage", (), {"__annotations__": with_fb}))
-        self.fb_smem = staged.__sizeof__() <= SMEM_MAX
+        # stage_fb: the head's f_b rows (the gate's A operand) staged in shared memory when
+        # the head changes; else read from L2
+        self.fb_smem = sched.stage_fb
         if self.fb_smem:
-            self.Storage = staged
+            fields.update({
+                "fbbar": cute.struct.MemRange[Int64, 1],
+                "fb": cute.struct.Align[cute.struct.MemRange[BFloat16, D * FB_ROW], 16],
+            })
+        self.Storage = cute.struct(type("KdaStreamStorage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------------ views
     def _slots(self, storage, name):
@@ -191,7 +171,7 @@ class KdaStream(Launch):
         block, _, _ = cute.arch.block_idx()
         warp_i = cute.arch.make_warp_uniform(tid // 32)
         lane = tid % 32
-        g = make_views(self.ks, a)
+        g = make_views(self.pb, a)
         R, slots, scale, eps, lb, ctas = a.R, a.slots, a.scale, a.eps, a.lb, a.ctas
         storage = cutlass.memory.SmemAllocator().allocate(self.Storage)
         self.ring.init(storage, tid)
@@ -325,7 +305,7 @@ class KdaStream(Launch):
         """Pass ``p`` of a unit: its 16 rows from the stage into registers (lane: 4 rows x 16
         key columns), the stage refilled after the last pass's read, then the T tokens, each
         token's state stored at T > 1 (at T = 1 once, after the token)."""
-        ks, T = self.ks, self.T
+        pb, T = self.pb, self.T
         s_q, s_k, s_a, s_v, s_o, s_b = stores[:6]
         S = state_regs(4)
         for m in cutlass.range_constexpr(4):
@@ -341,7 +321,7 @@ class KdaStream(Launch):
         if cutlass.const_expr(self.token_loop):
             for t in cutlass.range(T, unroll=1):
                 self._token(g, S, s_q, s_k, s_a, s_v, s_o, s_b, slot, t, base, h, dst[0], l8)
-                if cutlass.const_expr(not ks.record):
+                if cutlass.const_expr(not pb.record):
                     d = dst[0]             # dst[t], selected (a register list has no run-time index)
                     for tt in cutlass.range_constexpr(1, T):
                         d = Int32(cutlass.select_(t == tt, dst[tt], d))
@@ -350,10 +330,10 @@ class KdaStream(Launch):
         else:
             for t in cutlass.range_constexpr(T):
                 self._token(g, S, s_q, s_k, s_a, s_v, s_o, s_b, slot, t, base, h, dst[0], l8)
-                if cutlass.const_expr(not ks.record and T > 1):
+                if cutlass.const_expr(not pb.record and T > 1):
                     if (dst[t] > 0) & (dst[t] < slots):
                         self._store(g, S, dst[t], h, base, l8)
-        if cutlass.const_expr(not ks.record and T == 1):
+        if cutlass.const_expr(not pb.record and T == 1):
             self._store(g, S, dst[0], h, base, l8)
 
     @cute.jit
@@ -363,7 +343,7 @@ class KdaStream(Launch):
         record."""
         def emit(m, u, ob):
             s_o[slot, t, base + 4 * m] = ob
-            if cutlass.const_expr(self.ks.record):
+            if cutlass.const_expr(self.pb.record):
                 g.vrec[cslot, h, t, base + 4 * m] = u
 
         b_t = s_b[slot, t]
@@ -376,7 +356,7 @@ class KdaStream(Launch):
         for m in range(4):
             for c in range(4):
                 store4(reg_chunk(S, m, c), chunk(g.state[slot, h, base + 4 * m, None], l8, c),
-                       self.ks.state_bf16)
+                       self.pb.state_bf16)
 
     # ------------------------------------------------------------ group prep (T = 1)
     def _group_start(self, g, w, lane, i0, i1, R, slots):
@@ -457,7 +437,7 @@ class KdaStream(Launch):
         if lane == 0:
             red[grp, 0, u] = sq
             red[grp, 1, u] = sk
-        if cutlass.const_expr(self.ks.record):
+        if cutlass.const_expr(self.pb.record):
             g.kgrec[cslot, h, 0, c] = BFloat16(yk[0])
         cute.arch.barrier(barrier_id=2 + grp, number_of_threads=self.units * 32)
         iq = item.inv_norm(item.quarter_sum(lambda i: red[grp, 0, i]))
@@ -690,7 +670,7 @@ class KdaStream(Launch):
             if dsc[5] != 0:
                 c_hist, c_x, c_og = self._op_coords(dsc, pt)
                 for part in cutlass.range_constexpr(3):
-                    for e in cutlass.range_constexpr(3 if self.ks.layout == "SD" else 1):
+                    for e in cutlass.range_constexpr(3 if self.pb.layout == "SD" else 1):
                         N.prefetch_l2(cute.domain_offset(c_hist[part][e], g.cs).iterator)
                     for t in cutlass.range_constexpr(T):
                         N.prefetch_l2(cute.domain_offset(c_x[part][t], g.x).iterator)
@@ -717,7 +697,7 @@ class KdaStream(Launch):
         for part in cutlass.range_constexpr(3):
             for e in cutlass.range_constexpr(4):
                 hw[4 * part + e] = g.cw[part, e, ch]
-            if cutlass.const_expr(self.ks.has_bias):
+            if cutlass.const_expr(self.pb.has_bias):
                 hb[part] = g.cb[part * self.dim + ch]
         if cutlass.const_expr(self.block):
             self._head_conv_lines(g, ch, pt, N.prefetch_l2_evict_last)
@@ -727,12 +707,12 @@ class KdaStream(Launch):
         """``hint`` (:func:`ptx.prefetch_l2_evict_last`: blocks reuse them H * C items later, as
         the f_b rows; or :func:`ptx.l2_evict_normal_line`) on each L2 line of a head's conv
         weights and bias (channel ``ch`` of prep thread ``pt``; one thread per 128-byte line)."""
-        per_line = 64 if cutlass.const_expr(self.ks.cw_bf16) else 32
+        per_line = 64 if cutlass.const_expr(self.pb.cw_bf16) else 32
         if pt % per_line == 0:
             for part in cutlass.range_constexpr(3):
                 for e in cutlass.range_constexpr(4):
                     hint(cute.domain_offset((part, e, ch), g.cw).iterator)
-        if cutlass.const_expr(self.ks.has_bias):
+        if cutlass.const_expr(self.pb.has_bias):
             if pt % 32 == 0:
                 for part in cutlass.range_constexpr(3):
                     hint(cute.domain_offset((part * self.dim + ch,), g.cb).iterator)
@@ -753,7 +733,7 @@ class KdaStream(Launch):
         its operands and head parameters; its f_a rows in stage ``j % 2``) into slot ``j % NI``: conv,
         window, norms, beta, output gate, gate and decay; then *ready* (a dead item: *ready*
         only). Each register set is refilled for the next item (``dn``) once it is used."""
-        ks, T, dim = self.ks, self.T, self.dim
+        pb, T, dim = self.pb, self.T, self.dim
         slot = j % self.NI
         r, h, cslot, live = desc[0], desc[1], desc[2], desc[5]
         # the next live item starts a new head
@@ -798,7 +778,7 @@ class KdaStream(Launch):
                 if lane == 0:
                     s_red[slot, t, 0, pw] = sq
                     s_red[slot, t, 1, pw] = sk
-                if cutlass.const_expr(ks.record):
+                if cutlass.const_expr(pb.record):
                     g.kgrec[cslot, h, t, pt] = BFloat16(yk[t])
             self._beta(s_b, slot, pt, bs)
         self._load_ops(g, dn, ops, pt)
@@ -844,7 +824,7 @@ class KdaStream(Launch):
     def _beta(self, s_b, slot, pt, bs):
         """The item's beta per token into its slot (threads ``pt < T``)."""
         if pt < self.T:
-            if cutlass.const_expr(self.ks.beta_activated):
+            if cutlass.const_expr(self.pb.beta_activated):
                 s_b[slot, pt] = Float32(bs[0])      # the engine's sigmoid(beta), as it is
             else:
                 s_b[slot, pt] = N.sigmoid(Float32(bs[0]))
@@ -858,13 +838,13 @@ class KdaStream(Launch):
         Every history value of the item was read before. The values went through fp32
         exactly (a widening), so a bf16 cache gets its bits back as the high half of the
         fp32 bits (any NaN payload included), an fp32 cache the fp32."""
-        ks, T, dim = self.ks, self.T, self.dim
+        pb, T, dim = self.pb, self.T, self.dim
         ys = [self._conv(hc, hv[3 * p:3 * p + 3], xv[p * T:(p + 1) * T], p) for p in range(3)]
-        cs16 = cute.recast_tensor(g.cs, Int16) if ks.cs_bf16 else None
+        cs16 = cute.recast_tensor(g.cs, Int16) if pb.cs_bf16 else None
         for part in cutlass.range_constexpr(3):
             new = [hv[3 * part + 1], hv[3 * part + 2]] + xv[part * T:(part + 1) * T]
             for pos in cutlass.range_constexpr(T + 2):
-                if cutlass.const_expr(ks.cs_bf16):
+                if cutlass.const_expr(pb.cs_bf16):
                     cs16[cslot, part * dim + ch, pos] = Int16(N.f32_bits(new[pos]) >> 16)
                 else:
                     g.cs[cslot, part * dim + ch, pos] = new[pos]
@@ -876,7 +856,7 @@ class KdaStream(Launch):
         hw, hb = hc
         w = [Float32(hw[4 * part + e]) for e in range(4)]
         bias = Float32(0.0)
-        if self.ks.has_bias:
+        if self.pb.has_bias:
             bias = Float32(hb[part])
         seq = hist + xs
         return item.conv_silu(seq, w, bias, self.T)
@@ -891,7 +871,7 @@ class KdaStream(Launch):
         register waits for them), chunks of the rows' alignment (16 bytes at most; element
         stores for 2-byte aligned rows); every prep thread then arrives on the stage's
         barrier once its copies have landed."""
-        T, rb = self.T, min(self.ks.row_bytes, 16)
+        T, rb = self.T, min(self.pb.row_bytes, 16)
         bar = storage.fabar.data_ptr() + st
         s_fa = self._fa_rows(storage)
         if cutlass.const_expr(rb >= 4):
@@ -926,7 +906,7 @@ class KdaStream(Launch):
         (gate_mode 0: one chain over the 8 k-steps; 1: four chains of two, summed
         ((c0+c1)+c2)+c3), x = rg + dt_bias, the decay into the slot (``hg``: the head's
         dt_bias values of the thread's accumulators and A_log)."""
-        ks = self.ks
+        pb = self.pb
         s_a = self._slots(storage, "a")
         pw = pt // 32
         A = N.fexp(hg[8])
@@ -942,11 +922,11 @@ class KdaStream(Launch):
 
             def emit(i, f16, t, rg, mt=mt, mi=mi):
                 feat = 16 * mt + f16
-                s_a[slot, t, feat] = decay(ks, A, lb, N.fadd(rg, hg[4 * mi + i]))
-                if cutlass.const_expr(ks.record):
+                s_a[slot, t, feat] = decay(pb, A, lb, N.fadd(rg, hg[4 * mi + i]))
+                if cutlass.const_expr(pb.record):
                     g.kgrec[cslot, h, t, D + feat] = BFloat16(rg)
 
-            gate_tile(ks, mma, thr, rA, rB, emit)
+            gate_tile(pb, mma, thr, rA, rB, emit)
 
     @cute.jit
     def _epilogue(self, storage, g, pt, j, eps, nwv):

@@ -6,7 +6,7 @@ Grid = R*H CTAs, CTA ``b`` processes item ``b`` (request ``b // H``, head ``b % 
   2. (after ``griddepcontrol.wait``, for programmatic dependent launch: everything below
      may read the predecessor's output) load the window history, stage x / output-gate rows
      and load beta (cp.async group 1), then stage the state page (group 2; with
-     ``KernelStatic.page_last`` off, the page first and everything one group);
+     ``Schedule.page_last`` off, the page first and everything one group);
   3. the gate projection (:meth:`ItemMath.gate`, no staged data needed) while the staging
      lands; wait for group 1, a barrier, :meth:`ItemMath.phase_a` while the page lands;
      wait for the page, a barrier, :meth:`ItemMath.phase_b` (or zeros for a dead item);
@@ -30,18 +30,22 @@ from kda.backends.cutedsl import ptx as P
 from kda.backends.cutedsl.args import KernelArgs, Launch
 from kda.backends.cutedsl.common import NTHREADS, ItemMath, make_params
 from kda.backends.cutedsl.item import state_regs
-from kda.backends.cutedsl.static import KernelStatic, SmemPlan, carveout_percent
+from kda.backends.cutedsl.problem import Problem
+from kda.backends.cutedsl.schedule import Rows, Schedule
+from kda.backends.cutedsl.static import SmemPlan, carveout_percent
 
 
 class KdaWide(Launch):
-    """The wide kernel for one :class:`KernelStatic`; ``launch`` is what gets compiled."""
+    """The wide kernel for one :class:`Problem` and a ``Rows.CTA`` :class:`Schedule`;
+    ``launch`` is what gets compiled."""
 
-    kind = "wide"
-
-    def __init__(self, ks: KernelStatic):
-        self.ks = ks
-        self.math = ItemMath(ks)
-        self.plan = SmemPlan(ks.T)
+    def __init__(self, pb: Problem, sched: Schedule):
+        if sched.rows != Rows.CTA:
+            raise ValueError(f"KdaWide: expected a rows=CTA schedule, got {sched.name}")
+        self.pb = pb
+        self.sched = sched
+        self.math = ItemMath(pb, sched.page_last)
+        self.plan = SmemPlan(pb.T)
 
     @cute.kernel
     def kernel(self, a: KernelArgs):
@@ -50,7 +54,7 @@ class KdaWide(Launch):
         item, _, _ = cute.arch.block_idx()
         smem = SmemAllocator()
         buf = smem.allocate(self.plan.total, byte_alignment=128)
-        p = make_params(self.ks, Int32(buf.toint()), Int32(tid), a)
+        p = make_params(self.pb, Int32(buf.toint()), Int32(tid), a)
         desc = cute.make_rmem_tensor(cute.make_layout((8,)), Int32)
         wreg = cute.make_rmem_tensor(cute.make_layout((8,)), Int32)
         S = state_regs(4)                    # the thread's 4 rows of the page
@@ -68,14 +72,14 @@ class KdaWide(Launch):
         live = desc[5]
         if live != 0:
             self.math.gate(p, desc, hp)      # needs no staged data: overlaps the staging
-        if cutlass.const_expr(self.ks.page_last):
+        if cutlass.const_expr(self.sched.page_last):
             P.cp_async_wait_group(1)          # the operands (the page may still be landing)
         else:
             P.cp_async_wait_all()
         P.bar_sync()
         if live != 0:
             self.math.phase_a(p, desc, hp, wreg, ogr)
-        if cutlass.const_expr(self.ks.page_last):
+        if cutlass.const_expr(self.sched.page_last):
             # the page: each thread reads back only the chunks it copied itself, so its own
             # wait suffices (the barrier below is phase A's)
             P.cp_async_wait_group(0)
@@ -93,6 +97,6 @@ class KdaWide(Launch):
         """R*H CTAs of 256 threads on ``stream`` (``a.ctas``: the streamed kernel's grid,
         unused here)."""
         self.kernel(a).launch(
-            grid=[a.R * self.ks.H, 1, 1], block=[NTHREADS, 1, 1], stream=stream,
+            grid=[a.R * self.pb.H, 1, 1], block=[NTHREADS, 1, 1], stream=stream,
             use_pdl=True, min_blocks_per_mp=2,
             preferred_smem_carveout=carveout_percent(self.plan.total))

@@ -24,7 +24,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 from typing import List
 
@@ -87,18 +86,6 @@ for _name, _least in (("sets", 1), ("iters", 1), ("warmup", 0)):
     flags.register_validator(_name, lambda v, _l=_least: v is None or v >= _l,
                              message=f"--{_name} must be >= {_least}")
 flags.register_validator("max_items", lambda v: v >= 1, message="--max_items must be >= 1")
-
-
-def _git_commit() -> str:
-    if os.environ.get("KDA_COMMIT"):     # set by whoever ships the tree to a machine without .git
-        return os.environ["KDA_COMMIT"]
-    try:
-        root = os.environ.get("BUILD_WORKSPACE_DIRECTORY") or os.path.dirname(os.path.dirname(
-            os.path.dirname(os.path.abspath(__file__))))
-        return subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip() or "unknown"
-    except Exception:  # noqa: BLE001
-        return "unknown"
 
 
 def default_tag(device_name: str, now: datetime.datetime) -> str:
@@ -224,7 +211,7 @@ def main(argv):
         tag = FLAGS.tag or default_tag(dev_name, now)
         meta = {
             "date": now.isoformat(timespec="seconds"),
-            "device": dev_name, "gpu": gpu, "commit": _git_commit(),
+            "device": dev_name, "gpu": gpu, "commit": harness.git_commit(),
             "command": " ".join(["python3 -m tools.bench.bench"] + sys.argv[1:]),
             "env": {k: v for k, v in sorted(os.environ.items())
                     if k.startswith("KDA_") or k == "TRITON_INTERPRET"},

@@ -14,7 +14,9 @@ say so: they are not GPU timings.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
+import subprocess
 import time
 from typing import Callable, List
 
@@ -218,3 +220,17 @@ def peer_step(name: str) -> Callable[[Workload], Callable[[int], None]]:
         fn = peers.make_peer(name, wl.cfg, wl.args)
         return lambda i: fn(wl.indices[i], wl.accepted[i])
     return make
+
+
+def git_commit() -> str:
+    """The commit the results name: ``$KDA_COMMIT`` (set by whoever ships the tree to a machine
+    without .git), else git's short HEAD, else "unknown"."""
+    if os.environ.get("KDA_COMMIT"):     # set by whoever ships the tree to a machine without .git
+        return os.environ["KDA_COMMIT"]
+    try:
+        root = os.environ.get("BUILD_WORKSPACE_DIRECTORY") or os.path.dirname(os.path.dirname(
+            os.path.dirname(os.path.abspath(__file__))))
+        return subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001
+        return "unknown"

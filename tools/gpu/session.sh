@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One lease of the GPU machine: every check that needs the H200, in parallel where nothing is
+# One lease of the GPU machine: every check that needs the GPU, in parallel where nothing is
 # being timed, within a time budget ($KDA_BUDGET seconds, default 560). There is no Bazel on
 # that machine: plain python3 + pytest from the repo root, after the staged wheels are installed.
 #
@@ -7,10 +7,10 @@
 #   bench    alone: the benchmark (the backends in $KDA_BENCH_BACKENDS, default
 #            $KDA_GPU_BACKENDS = every GPU backend; the fla-core and touch peers; the default
 #            grid of tools/bench/bench.py, or other flags in $KDA_BENCH_FLAGS)
-#            -> $OUT/bench-h200.json
+#            -> $OUT/bench-<gpu>.json (gpu: the device name's last word, e.g. h200, h100)
 #   hot      alone: the benchmark with --hot_state (every request of a step on one slot, so the
 #            state stays in L2: the kernels' compute / latency bound) for $KDA_HOT_BACKENDS
-#            (default all), R 128 and 512, T 1 and 5 -> $OUT/bench-hot-h200.json
+#            (default all), R 128 and 512, T 1 and 5 -> $OUT/bench-hot-<gpu>.json
 #   ncu      alone: one Nsight Compute profile (speed of light, memory, warp stats) per backend
 #            ($KDA_NCU_BACKENDS, default all) at H=32 R=$KDA_NCU_BATCHES (default 128)
 #            T=$KDA_NCU_TOKENS (default 1)
@@ -31,7 +31,7 @@
 # Stages run in the order above; tests/kdatools/serve/bigmem/full run together in the
 # background.
 # $KDA_STAGES picks stages (default: all of them). $OUT gets summary.txt (also printed),
-# logs.tgz (every log) and bench-h200.json.
+# logs.tgz (every log) and the bench JSON.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/kda-gpu-out}
@@ -62,6 +62,7 @@ finish() {
 }
 trap finish EXIT
 
+GPU_TAG=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())" 2>/dev/null || echo gpu)
 python3 - > "$L/env.log" 2>&1 <<'PY'
 import sys, torch, kda
 print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())
@@ -80,7 +81,7 @@ wait
 if want bench; then
   t0=$SECONDS
   B=${KDA_BENCH_BACKENDS:-$GPU}
-  timeout "$(left)" python3 -m tools.bench.bench --backends="${B// /,}" --out_dir="$OUT" --tag=h200 \
+  timeout "$(left)" python3 -m tools.bench.bench --backends="${B// /,}" --out_dir="$OUT" --tag="$GPU_TAG" \
     --noplot ${KDA_BENCH_FLAGS:-} > "$L/bench.log" 2>&1
   echo "bench rc=$? $((SECONDS - t0))s" >> "$L/_rc"
   tail -n 30 "$L/bench.log" >> "$OUT/summary.txt"
@@ -91,7 +92,7 @@ if want hot; then       # alone: every request on one slot per set (state in L2)
   B=${KDA_HOT_BACKENDS:-$GPU}
   timeout "$(left)" python3 -m tools.bench.bench --backends="${B// /,}" --hot_state \
     --peers=touch,touch_rows32,fla_recurrent --batches=128,512 --tokens=1,5 --noplot \
-    --out_dir="$OUT" --tag=hot-h200 > "$L/hot.log" 2>&1
+    --out_dir="$OUT" --tag="hot-$GPU_TAG" > "$L/hot.log" 2>&1
   echo "hot rc=$? $((SECONDS - t0))s" >> "$L/_rc"
   tail -n 12 "$L/hot.log" >> "$OUT/summary.txt"
 fi
@@ -150,10 +151,10 @@ if want sanitize; then
          --report-api-errors no \
          python3 -m tools.gpu.step_check cutedsl 4 3 2 $sd
       # the streamed kernel (800 items at T=2, about 6 per CTA so that its item slots and
-      # stages are reused: policy.kernel_for names it for both dtypes)
+      # stages are reused)
       bg "sanitize-$tool-stream-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
          --error-exitcode 9 --report-api-errors no \
-         python3 -m tools.gpu.step_check cutedsl 8 100 2 $sd
+         python3 -m tools.gpu.step_check cutedsl:stream 8 100 2 $sd
       # the persistent kernel with the groups preparing their items (T=1, 800 items; its
       # second step in record mode)
       bg "sanitize-$tool-streamg-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \

@@ -3,9 +3,11 @@ program the GPU session runs under compute-sanitizer (memcheck, racecheck, syncc
 
     python3 -m tools.gpu.step_check cutedsl 4 3 2        # backend, heads, requests, tokens
     python3 -m tools.gpu.step_check cuda 4 3 2 bf16      # ... with a bf16 state pool
-    python3 -m tools.gpu.step_check cutedsl:streamg 8 100 1 bf16   # one kernel of the family
+    python3 -m tools.gpu.step_check cutedsl:streamg 8 100 1 bf16   # one schedule of the family
     python3 -m tools.gpu.step_check cutedsl:streamg 8 100 1 fp32 record   # record mode at T=1
-    python3 -m tools.gpu.step_check cutedsl:stream 12 32 1 fp32 early     # KdaConfig.early_reads
+    python3 -m tools.gpu.step_check cutedsl:stream+early 12 32 1 fp32 early  # early reads
+
+``cutedsl:NAME`` runs the schedule of that name (:mod:`tools.schedules`).
 
 The second step runs the DS layout with gate_mode 1, in record mode at T > 1 (and at T=1 with
 ``record``).
@@ -38,9 +40,11 @@ def main(argv) -> int:
         cfg = dataclasses.replace(cfg, early_reads=early)
         args = make_case(CaseSpec(cfg, R=R, seed=H * 100 + R), "cuda")
         before, expected = expected_after(cfg, args)
-        if ":" in backend:      # cutedsl:KIND, the kernel KIND of the CuTe DSL family
+        if ":" in backend:      # cutedsl:NAME, the schedule NAME of the CuTe DSL family
             from kda.backends.cutedsl.backend import KdaBackend
-            KdaBackend.launcher(backend.split(":", 1)[1], cfg, torch.device("cuda"))(args)
+            from tools.schedules import parse
+            sched = parse(backend.split(":", 1)[1], cfg)[1]
+            KdaBackend.launcher(sched, cfg, torch.device("cuda"))(args)
         else:
             call_public(args, cfg, backend)
         torch.cuda.synchronize()

@@ -1011,7 +1011,7 @@ def run(cfg, args, page_last: bool = None, row_bytes: int = None) -> dict:
 
     Args:
       page_last: the item's page committed as its own cp.async group (default: the
-        backend's choice, ``kda.backends.cutedsl.policy.page_last``).
+        one-CTA schedule's, :func:`kda.backends.cutedsl.schedule.wide`).
       row_bytes: the build's row alignment (default: the rows', as the launcher picks it,
         :func:`kda.backend.row_bytes`); a wider one than the rows have faults as on a GPU.
 
@@ -1019,18 +1019,18 @@ def run(cfg, args, page_last: bool = None, row_bytes: int = None) -> dict:
       {"ctas": n, "barriers": total barriers executed}.
     """
     from kda.backends.cutedsl.cache import POINTER_ARGS
-    from kda.backends.cutedsl.policy import page_last as policy_page_last
-    from kda.backends.cutedsl.static import KernelStatic, SmemPlan
+    from kda.backends.cutedsl import schedule as S
+    from kda.backends.cutedsl.problem import Problem
+    from kda.backends.cutedsl.static import SmemPlan
 
     from kda.backend import row_bytes as rows_of
 
     mods = load_kernels()
-    if page_last is None:
-        page_last = policy_page_last(cfg.T)
     if row_bytes is None:
         row_bytes = rows_of(args)
-    ks = KernelStatic.from_config(cfg, page_last=page_last, row_bytes=row_bytes)
-    obj = mods["wide"].KdaWide(ks)
+    pb = Problem.from_config(cfg, row_bytes=row_bytes)
+    sched = S.wide(pb) if page_last is None else S.wide(pb, page_last=page_last)
+    obj = mods["wide"].KdaWide(pb, sched)
     gmem = GlobalMemory()
     ptrs = []
     # the kernel takes the tensors in the record's field order (cache.POINTER_ARGS)

@@ -44,9 +44,11 @@ cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installe
 import torch  # noqa: E402
 
 from kda.backends.cutedsl import cache, policy  # noqa: E402
-from kda.backends.cutedsl.backend import kernel_static  # noqa: E402
-from kda.backends.cutedsl.static import KernelStatic, SmemPlan  # noqa: E402
+from kda.backends.cutedsl import schedule as S  # noqa: E402
+from kda.backends.cutedsl.problem import Problem  # noqa: E402
+from kda.backends.cutedsl.static import SmemPlan  # noqa: E402
 from kda.config import KdaConfig  # noqa: E402
+from tools.schedules import BUILD, build  # noqa: E402
 
 bf16, f32 = torch.bfloat16, torch.float32
 
@@ -71,7 +73,7 @@ CONFIGS = [
 ]
 
 
-#: The split kernel's cases, (kind, index into CONFIGS): C = 2, 4, 8 each meet T = 1 and T > 1
+#: The split kernel's cases, (label, index into CONFIGS): C = 2, 4, 8 each meet T = 1 and T > 1
 #: with and without record mode (together every axis).
 SPLIT_CASES = [
     ("split8", 0), ("split8", 3), ("split8", 4), ("split8", 9),
@@ -121,9 +123,9 @@ def _check_stream_ptx(ptx, cfg, early=False):
     unit = 32 * D * (2 if cfg.state_dtype == bf16 else 4)
     copies = _bulk_copies(ptx)
     state = [at for at, n in copies if n == unit]
-    # T <= 7: the head's f_b rows staged in shared memory, one 256-byte row per prep thread
+    # T <= 6: the head's f_b rows staged in shared memory, one 256-byte row per prep thread
     fb = [n for _, n in copies if n != unit]
-    assert state and fb == ([2 * D] * len(fb)) and bool(fb) == (cfg.T <= 7), copies
+    assert state and fb == ([2 * D] * len(fb)) and bool(fb) == (cfg.T <= 6), copies
     assert "fence.proxy.async.shared::cta" in ptx
     # each role waits for the predecessor (the prep warps after staging f_b, a weight)
     assert ptx.count("griddepcontrol.wait") == 2
@@ -200,10 +202,10 @@ def _compile(kind, i):
     """(PTX, cubin) of ``kind`` built as the backend builds it for CONFIGS[i] (compiled once
     per process)."""
     if (kind, i) not in _compiled:
-        ks = kernel_static(kind, CONFIGS[i])
-        compiled, secs = cache.compile_kernel(kind, ks)
+        pb, sched = build(kind, CONFIGS[i])
+        compiled, secs = cache.compile_kernel(pb, sched)
         assert compiled is not None
-        print(f"{kind} {ks.tag()}: compiled in {secs:.2f} s")
+        print(f"{sched.tag()} {pb.tag()}: compiled in {secs:.2f} s")
         _compiled[kind, i] = (compiled.__ptx__, compiled.__cubin__)
     return _compiled[kind, i]
 
@@ -284,13 +286,24 @@ def test_compiles(kind, i):
     ptx, _ = _compile(kind, i)
     if not isinstance(ptx, str) or ".entry" not in ptx:
         pytest.skip("PTX not kept (CuTe DSL was imported before CUTE_DSL_KEEP was set)")
-    if kind == "wide":
-        _check_wide_ptx(ptx, cfg)
-    elif kind.startswith("stream"):
-        _check_stream_ptx(ptx, cfg)
-    else:
-        _check_split_ptx(ptx, cfg, policy.cluster_of(kind))
+    _check_ptx(ptx, cfg, build(kind, cfg)[1])
     assert "ld.local" not in ptx and "st.local" not in ptx, "local arrays left in the PTX"
+
+
+def _check_ptx(ptx, cfg, sched, early=False):
+    """The checks of the kernel ``sched`` runs on."""
+    if sched.rows == S.Rows.CTA:
+        _check_wide_ptx(ptx, cfg)
+    elif sched.rows == S.Rows.WARP:
+        _check_stream_ptx(ptx, cfg, early)
+    else:
+        _check_split_ptx(ptx, cfg, sched.cluster)
+
+
+#: The cluster sizes the default policy runs (the others are built for the bit-identity
+#: checks only).
+POLICY_CLUSTERS = {axes["cluster"] for rows in policy.DEFAULT.values() for by_t in rows.values()
+                   for _, axes in by_t if "cluster" in axes}
 
 
 @pytest.mark.parametrize("kind,i", _case_params())
@@ -312,18 +325,18 @@ def test_resource_usage(kind, i):
         # 384 threads (3 warpgroups): 168 registers at most, no stack but STREAM_STACK's
         assert usage["REG"] <= 168 and usage["LOCAL"] == 0, usage
         assert usage["STACK"] == STREAM_STACK.get((kind, i), 0), usage
-    elif any(kind in policy.table_kernels(T, bf) for T in range(1, 9) for bf in (False, True)):
+    elif build(kind, CONFIGS[i])[1].cluster in POLICY_CLUSTERS:
         assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"spills / stack: {usage}"
     else:
         assert usage["STACK"] <= 64 and usage["LOCAL"] == 0, f"spills / stack: {usage}"
 
 
-def _compile_build(kind, ks):
-    """(compiled kernel, PTX) of ``kind`` for ``ks``, which must keep no local arrays; skips
+def _compile_build(pb, sched):
+    """(compiled kernel, PTX) of ``pb`` with ``sched``, which must keep no local arrays; skips
     when the PTX was not kept."""
-    compiled, secs = cache.compile_kernel(kind, ks)
+    compiled, secs = cache.compile_kernel(pb, sched)
     ptx = compiled.__ptx__
-    print(f"{kind} {ks.tag()}: compiled in {secs:.2f} s")
+    print(f"{sched.tag()} {pb.tag()}: compiled in {secs:.2f} s")
     if not isinstance(ptx, str) or ".entry" not in ptx:
         pytest.skip("PTX not kept (CuTe DSL was imported before CUTE_DSL_KEEP was set)")
     assert "ld.local" not in ptx and "st.local" not in ptx
@@ -354,7 +367,7 @@ def test_engine_forms_compile(kind, cfg, rows):
     page's and the window's), loads f_a in 16-bit halves on 2-byte rows, writes a dead item's
     zeros element by element; an fp32 beta is one 32-bit load. The split kernel reads every
     row element by element whatever the alignment: its code is the aligned build's."""
-    compiled, ptx = _compile_build(kind, kernel_static(kind, cfg, rows))
+    compiled, ptx = _compile_build(*build(kind, cfg, rows))
     usage = _resource_usage(compiled.__cubin__)
     if kind == "wide":
         _check_wide_ptx(ptx, cfg)
@@ -373,9 +386,9 @@ def test_engine_forms_compile(kind, cfg, rows):
         if usage is not None:
             assert usage["REG"] <= 128 and usage["STACK"] <= 512, usage
     else:
-        C = policy.cluster_of(kind)
-        _check_split_ptx(ptx, cfg, C)
-        aligned, _ = cache.compile_kernel(kind, kernel_static(kind, cfg))
+        pb, sched = build(kind, cfg)
+        _check_split_ptx(ptx, cfg, sched.cluster)
+        aligned, _ = cache.compile_kernel(pb, sched)
 
         def code(text):       # the PTX without its kernel names and parameter alignments
             text = re.sub(r"kernel_cutlass_kernel_\w+", "K", text)
@@ -384,8 +397,8 @@ def test_engine_forms_compile(kind, cfg, rows):
         if usage is not None:
             assert usage["STACK"] == 0 and usage["LOCAL"] == 0, usage
     beta_loads = _ldst(ptx, r"ld\.global(\.nc)?\.(b32|f32) ") - _ldst(
-        cache.compile_kernel(kind, kernel_static(kind, dataclasses.replace(
-            cfg, beta_activated=False), rows))[0].__ptx__, r"ld\.global(\.nc)?\.(b32|f32) ")
+        cache.compile_kernel(*build(kind, dataclasses.replace(cfg, beta_activated=False),
+                                     rows))[0].__ptx__, r"ld\.global(\.nc)?\.(b32|f32) ")
     assert beta_loads == (1 if cfg.beta_activated else 0)
 
 
@@ -419,34 +432,29 @@ def test_bf16_state_builds_compile(kind, cfg):
     names (wide: 8-byte cp.async of each 4-column chunk; split: one bulk copy of the CTA's
     rows at half the bytes) and round every state written to nearest even, with 8-byte
     stores; fp32 pools' builds are untouched (their checks above)."""
-    ks = kernel_static(kind, cfg)
-    assert ks.state_bf16 and "st16" in ks.tag()
-    compiled, ptx = _compile_build(kind, ks)
-    if kind == "wide":
-        _check_wide_ptx(ptx, cfg)
-    elif kind.startswith("stream"):
-        _check_stream_ptx(ptx, cfg)
-    else:
-        _check_split_ptx(ptx, cfg, policy.cluster_of(kind))
+    pb, sched = build(kind, cfg)
+    assert pb.state_bf16 and "st16" in pb.tag()
+    compiled, ptx = _compile_build(pb, sched)
+    _check_ptx(ptx, cfg, sched)
     usage = _resource_usage(compiled.__cubin__)
     if usage is not None:
-        if kind == "wide":
+        if sched.rows == S.Rows.CTA:
             assert usage["REG"] <= 128 and usage["STACK"] <= 512, usage
-        elif kind.startswith("stream"):
+        elif sched.rows == S.Rows.WARP:
             assert usage["REG"] <= 168 and usage["STACK"] == 0, usage
-        elif kind != "split2":
+        elif sched.cluster in POLICY_CLUSTERS:
             assert usage["STACK"] == 0 and usage["LOCAL"] == 0, usage
 
 
 #: Builds with ``early_reads`` (the persistent walk on fp32 pages): T = 1, 2, 4, 8, record
 #: mode, both layouts, both gates.
 EARLY_CASES = [
-    ("stream", KdaConfig(num_heads=12, T=1, lower_bound=-5.0, has_conv_bias=True,
-                         early_reads=True)),
-    ("stream", KdaConfig(num_heads=16, T=2, conv_layout="DS", record=True, gate_mode=1,
-                         early_reads=True)),
-    ("stream", KdaConfig(num_heads=32, T=4, conv_state_dtype=f32, early_reads=True)),
-    ("stream", KdaConfig(num_heads=8, T=8, window=11, early_reads=True)),
+    ("stream+early", KdaConfig(num_heads=12, T=1, lower_bound=-5.0, has_conv_bias=True,
+                               early_reads=True)),
+    ("stream+early", KdaConfig(num_heads=16, T=2, conv_layout="DS", record=True, gate_mode=1,
+                               early_reads=True)),
+    ("stream+early", KdaConfig(num_heads=32, T=4, conv_state_dtype=f32, early_reads=True)),
+    ("stream+early", KdaConfig(num_heads=8, T=8, window=11, early_reads=True)),
 ]
 
 
@@ -455,9 +463,10 @@ def test_early_reads_builds_compile(kind, cfg):
     """With ``early_reads`` the streamed builds issue their first pages before
     ``griddepcontrol.wait`` and write nothing before it, with the default builds' other
     accesses and resources."""
-    ks = kernel_static(kind, cfg)
-    assert ks.early_reads and ks.tag().endswith("_er")
-    compiled, ptx = _compile_build(kind, ks)
+    pb = Problem.from_config(cfg)
+    sched = policy.schedule_for(pb, 32 * cfg.num_heads, 132, early_reads=True)
+    assert sched == BUILD[kind](pb) and "-er" in sched.tag()
+    compiled, ptx = _compile_build(pb, sched)
     _check_stream_ptx(ptx, cfg, early=True)
     usage = _resource_usage(compiled.__cubin__)
     if usage is not None:
@@ -465,21 +474,25 @@ def test_early_reads_builds_compile(kind, cfg):
 
 
 def test_early_reads_only_where_a_kernel_has_them():
-    """``early_reads`` reaches the static configuration of ``stream`` on fp32 pages only (where
-    it measured faster): every other kernel, and ``stream`` on bf16 pages, keep the default
-    build."""
+    """``KdaConfig.early_reads`` reaches the schedules of the persistent walk on fp32 pages
+    only (where it measured faster, :func:`policy.reads_early`): every other schedule the
+    policy picks, and the walk on bf16 pages, stay as without it; a schedule of another
+    kernel, or of the groups' prep, cannot read early."""
     for T in (1, 4):
         for sd in (f32, bf16):
             cfg = KdaConfig(num_heads=8, T=T, state_dtype=sd, early_reads=True)
-            plain = KdaConfig(num_heads=8, T=T, state_dtype=sd)
-            for kind in ("wide", "split2", "split8", "stream", "streamg", "stream2", "stream4"):
-                if kind == "streamg" and T > 1:
-                    continue
-                want = kernel_static(kind, plain)
-                if kind == "stream" and sd == f32:
-                    want = dataclasses.replace(want, early_reads=True)
-                assert kernel_static(kind, cfg) == want, (kind, T, sd)
-    assert "early" in cfg.short() and "early" not in plain.short()
+            pb = Problem.from_config(cfg)
+            plain = policy.schedules(pb, 132)
+            early = policy.schedules(pb, 132, early_reads=True)
+            assert len(plain) == len(early)
+            for a, b in zip(plain, early):
+                reads = a.axes() == policy.STREAM and sd == f32
+                assert b == (dataclasses.replace(a, early_reads=True) if reads else a), (a, T, sd)
+    pb = Problem.from_config(KdaConfig(num_heads=8, T=1))
+    for make in (S.wide, lambda pb, **kw: S.split(pb, 4, **kw),
+                 lambda pb, **kw: S.stream(pb, prep=S.Prep.GROUP, **kw)):
+        with pytest.raises(ValueError, match="early_reads"):
+            make(pb, early_reads=True)
 
 
 def test_launcher_runs_the_build_of_its_rows(monkeypatch):
@@ -512,16 +525,17 @@ def test_launcher_runs_the_build_of_its_rows(monkeypatch):
         def to(self, device):
             return FakeExe(self.rows)
 
-    def get_kernel(kind, ks):
-        made.append((kind, ks))
-        return FakeCompiled(ks.row_bytes)
+    def get_kernel(pb, sched):
+        made.append((pb, sched))
+        return FakeCompiled(pb.row_bytes)
 
     monkeypatch.setattr(be, "current_stream_handle", lambda device: 0)
     monkeypatch.setattr(be, "sm_count", lambda device_index: 10)
     monkeypatch.setattr(cache, "get_kernel", get_kernel)
     cfg = make_config(4, 1)
-    launcher = be._Launcher("wide", cfg, torch.device("cuda", 0), FakeCompiled(16),
-                            kernel_static("wide", cfg))
+    pb = Problem.from_config(cfg)
+    wide = S.wide(pb)
+    launcher = be._Launcher(wide, cfg, torch.device("cuda", 0), FakeCompiled(16), pb)
     cases = [CaseSpec(cfg, R=3), CaseSpec(cfg, R=3, packed=True),           # 16, 8 bytes
              CaseSpec(cfg, R=3, offset_rows=True), CaseSpec(cfg, R=2, packed=True),
              CaseSpec(cfg, R=1, offset_rows=True)]          # 2 bytes; one row: its address
@@ -534,41 +548,43 @@ def test_launcher_runs_the_build_of_its_rows(monkeypatch):
         ran_by = launcher if want[-1] == 16 else launcher.by_rows[want[-1]]
         assert ran_by.buf[ran_by.i_ctas] == min(10, spec.R * cfg.num_heads)
     assert want == [16, 8, 2, 8, 2] and ran == want
-    assert [ks.row_bytes for _, ks in made] == [8, 2]          # each made once
-    assert all(kind == "wide" and ks == dataclasses.replace(launcher.ks, row_bytes=ks.row_bytes)
-               for kind, ks in made)
+    assert [p.row_bytes for p, _ in made] == [8, 2]          # each made once
+    assert all(s == wide and p == dataclasses.replace(pb, row_bytes=p.row_bytes)
+               for p, s in made)
     assert set(launcher.by_rows) == {16, 8, 2}
 
 
-def test_kernel_kinds():
-    """``wide`` and ``splitC`` for C in 2, 4, 8 name kernel objects; anything else is refused."""
-    ks = KernelStatic.from_config(KdaConfig(num_heads=2, T=1, window=3))
-    assert type(cache.kernel_object("wide", ks)).__name__ == "KdaWide"
-    for C in (2, 4, 8):
-        obj = cache.kernel_object(f"split{C}", ks)
-        assert type(obj).__name__ == "KdaSplit" and obj.C == C
-        assert policy.cluster_of(f"split{C}") == C
-    assert policy.cluster_of("wide") is None and policy.cluster_of("stream") is None
-    for C in (2, 4, 8, 16):
-        obj = cache.kernel_object(f"stream{C}", ks)
-        assert type(obj).__name__ == "KdaStream" and obj.block == C
-        assert policy.block_of(f"stream{C}") == C and policy.cluster_of(f"stream{C}") is None
-    assert cache.kernel_object("stream", ks).block == 0 and policy.block_of("stream") is None
-    assert cache.kernel_object("streamg", ks).group_prep and policy.block_of("streamg") is None
-    assert not cache.kernel_object("stream", ks).group_prep
-    assert policy.ctas("streamg", 12, 10) == 10
-    with pytest.raises(ValueError, match="group_prep: expected T = 1"):
-        cache.kernel_object("streamg", KernelStatic.from_config(KdaConfig(num_heads=2, T=2,
-                                                                          window=4)))
-    assert policy.ctas("stream", 12, 10) == 10 and policy.ctas("stream", 7, 10) == 7
-    assert policy.ctas("stream4", 12, 10) == 3 and policy.ctas("stream4", 13, 10) == 4
-    for bad in ("split1", "split3", "split16", "split", "wide2", "Split2", "stream3",
-                "stream0", "stream32", "streams", "streamg4"):
-        with pytest.raises(ValueError):
-            cache.kernel_object(bad, ks)
-    names = cache.arg_names("wide")
-    assert all(cache.arg_names(k) == names for bf in (False, True) for T in (1, 2)
-               for k in policy.table_kernels(T, bf))
+def test_kernel_objects():
+    """A schedule's rows pick its kernel class; each class refuses another kernel's schedule
+    and a schedule that cannot serve the problem; the streamed grid is one CTA per SM (at
+    most one per item), or one per ``block`` items."""
+    from kda.backends.cutedsl.split import KdaSplit
+    from kda.backends.cutedsl.stream import KdaStream
+    from kda.backends.cutedsl.wide import KdaWide
+
+    pb = Problem.from_config(KdaConfig(num_heads=2, T=1, window=3))
+    assert type(cache.kernel_object(pb, S.wide(pb))) is KdaWide
+    for C in S.CLUSTERS:
+        obj = cache.kernel_object(pb, S.split(pb, C))
+        assert type(obj) is KdaSplit and obj.C == C
+    for C in S.BLOCKS:
+        obj = cache.kernel_object(pb, S.stream(pb, block=C))
+        assert type(obj) is KdaStream and obj.block == C and not obj.group_prep
+    assert cache.kernel_object(pb, S.stream(pb)).block == 0
+    assert cache.kernel_object(pb, S.stream(pb, prep=S.Prep.GROUP)).group_prep
+    for cls, other in ((KdaWide, S.stream(pb)), (KdaSplit, S.wide(pb)),
+                       (KdaStream, S.split(pb, 2))):
+        with pytest.raises(ValueError, match="expected a rows="):
+            cls(pb, other)
+    pb2 = Problem.from_config(KdaConfig(num_heads=2, T=2, window=4))
+    group = S.stream(pb, prep=S.Prep.GROUP)
+    with pytest.raises(ValueError, match="prep=GROUP serves T = 1"):
+        cache.kernel_object(pb2, group)
+    assert policy.ctas(group, 12, 10) == 10
+    assert policy.ctas(S.stream(pb), 12, 10) == 10 and policy.ctas(S.stream(pb), 7, 10) == 7
+    four = S.stream(pb, block=4)
+    assert policy.ctas(four, 12, 10) == 3 and policy.ctas(four, 13, 10) == 4
+    names = cache.arg_names()
     assert names[-1] == "stream" and "ncta" not in names
 
 
@@ -584,16 +600,17 @@ def test_runtime_scalars_do_not_recompile():
     b = KdaConfig(num_heads=4, T=1, window=3, scale=0.5, norm_eps=1e-3)
     c = KdaConfig(num_heads=4, T=1, window=3, lower_bound=-5.0)
     d = KdaConfig(num_heads=4, T=1, window=3, lower_bound=-1.0)
-    assert KernelStatic.from_config(a) == KernelStatic.from_config(b)
-    assert KernelStatic.from_config(c) == KernelStatic.from_config(d)
-    assert KernelStatic.from_config(a) != KernelStatic.from_config(c)
+    assert Problem.from_config(a) == Problem.from_config(b)
+    assert Problem.from_config(c) == Problem.from_config(d)
+    assert Problem.from_config(a) != Problem.from_config(c)
     n0 = len(cache.COMPILE_LOG)
     with tempfile.TemporaryDirectory() as tmp:
         old = os.environ.get("KDA_CACHE_DIR")
         os.environ["KDA_CACHE_DIR"] = tmp
         try:
-            k1 = cache.get_kernel("wide", KernelStatic.from_config(c))
-            k2 = cache.get_kernel("wide", KernelStatic.from_config(d))
+            pc, pd = Problem.from_config(c), Problem.from_config(d)
+            k1 = cache.get_kernel(pc, S.wide(pc))
+            k2 = cache.get_kernel(pd, S.wide(pd))
         finally:
             if old is None:
                 del os.environ["KDA_CACHE_DIR"]
@@ -606,23 +623,24 @@ def test_runtime_scalars_do_not_recompile():
 
 @pytest.mark.parametrize("kind", ["wide", "split8"])
 def test_disk_cache_round_trip(kind):
-    ks = KernelStatic.from_config(KdaConfig(num_heads=2, T=2, window=4))
+    pb, sched = build(kind, KdaConfig(num_heads=2, T=2, window=4))
     with tempfile.TemporaryDirectory() as tmp:
         old = os.environ.get("KDA_CACHE_DIR")
         os.environ["KDA_CACHE_DIR"] = tmp
         try:
-            cache.get_kernel(kind, ks)
+            cache.get_kernel(pb, sched)
             files = os.listdir(os.path.join(tmp, "cutedsl"))
-            assert len(files) == 1 and files[0].endswith(".o") and f"_{kind}_" in files[0], files
+            tag = sched.tag().replace("-", "_")
+            assert len(files) == 1 and files[0].endswith(".o") and f"_{tag}_" in files[0], files
             cache._mem.clear()
-            loaded = cache.get_kernel(kind, ks)
+            loaded = cache.get_kernel(pb, sched)
         finally:
             if old is None:
                 del os.environ["KDA_CACHE_DIR"]
             else:
                 os.environ["KDA_CACHE_DIR"] = old
-    assert cache.COMPILE_LOG[-1].source == "disk" and cache.COMPILE_LOG[-1].kind == kind
-    assert list(loaded.execution_args.signature.parameters) == cache.arg_names(kind)
+    assert cache.COMPILE_LOG[-1].source == "disk" and cache.COMPILE_LOG[-1].name == sched.name
+    assert list(loaded.execution_args.signature.parameters) == cache.arg_names()
 
 
 def test_source_hash_covers_every_package_file(monkeypatch, tmp_path):
@@ -661,110 +679,6 @@ def test_package_imports_without_dsl_or_gpu():
                                              torch.device("cuda")) if "T=" in r]
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("T", range(1, 9))
-def test_policy_table(T, bf16):
-    """KERNEL_BY_ITEMS: per state dtype and T increasing thresholds, split kernels of 2-8 CTAs
-    first, then the streamed and the wide kernel, a catch-all row last."""
-    rows = policy.table(T, bf16)
-    most = [m for m, _ in rows[:-1]]
-    assert most == sorted(set(most)) and most[0] >= 1
-    assert rows[-1][0] is None and rows[-1][1] in ("stream", "stream4", "wide")
-    kinds = [k for _, k in rows]
-    assert all(a != b for a, b in zip(kinds, kinds[1:]))     # a kernel may come back later
-    splits = [k for k in kinds if policy.cluster_of(k) is not None]
-    assert kinds[:len(splits)] == splits and all(policy.cluster_of(k) in (2, 4, 8) for k in splits)
-    assert len(set(splits)) == len(splits)
-    assert set(kinds[len(splits):]) <= {"stream", "streamg", "stream4", "wide"}
-    assert "streamg" not in kinds or T == 1
-    assert policy.table_kernels(T, bf16) == tuple(dict.fromkeys(kinds))
-    if T == 1:      # a kernel named twice is built once
-        assert policy.table_kernels(1, bf16) == (("split8", "split4", "streamg", "stream") if bf16 else
-                                           ("split8", "stream", "streamg", "stream4"))
-    for m, kind in rows[:-1]:
-        assert policy.table_kernel(m, T, bf16) == kind
-        assert policy.table_kernel(m + 1, T, bf16) != kind
-    assert policy.table_kernel(1, T, bf16) == rows[0][1]
-    assert policy.table_kernel(10 ** 7, T, bf16) == rows[-1][1]
-    assert policy.table(T) == policy.table(T, False)
-
-
-def test_policy_wide_by_heads():
-    """WIDE_T4: fp32 pages at T = 4 run ``wide`` from 3072 to 4096 items of 16-32 heads, where
-    the table names ``stream4``; nowhere else does the head count change the kernel."""
-    r = policy.WIDE_T4
-    assert tuple(r) == (3072, 4096, 16, 32)
-    first, last = r.first_items, r.last_items
-    for H in (16, 24, 32):
-        assert policy.kernel_for(first, 4, False, H) == policy.kernel_for(last, 4, False, H) == "wide"
-        for items in (first - 1, last + 1, 10 ** 7):
-            assert policy.kernel_for(items, 4, False, H) == policy.table_kernel(items, 4) == "stream4"
-        assert policy.kernels(4, False, H) == policy.table_kernels(4) + ("wide",)
-    for H in (1, 12, 15, 33, 64, 96):
-        for items in (first, last):
-            assert policy.kernel_for(items, 4, False, H) == policy.table_kernel(items, 4) == "stream4"
-        assert policy.kernels(4, False, H) == policy.table_kernels(4)
-    for T in range(1, 9):
-        for bf in (False, True):
-            for H in (8, 16, 32, 96):
-                for items in (1, 96, first - 1, first, last, 10 ** 6):
-                    if bf or T != 4:
-                        assert policy.kernel_for(items, T, bf, H) == policy.table_kernel(items, T, bf)
-                if bf or T != 4:
-                    assert policy.kernels(T, bf, H) == policy.table_kernels(T, bf)
-
-
-@pytest.mark.parametrize("H", [16, 96])
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("T", [1, 2, 3, 4, 5])
-def test_cutedsl_builds_every_policy_kernel_and_picks_by_items(monkeypatch, T, bf16, H):
-    """``cutedsl``'s step: every kernel of the policy built once (the launcher of each kind),
-    each call runs the one :func:`policy.kernel_for` names for R * H items of H heads at the
-    config's T and state dtype, on both sides of every threshold and of the head-count rule."""
-    from types import SimpleNamespace
-
-    from kda.backends.cutedsl import backend as be
-
-    built, calls = [], []
-
-    def fake_launcher(kind, cfg, device):
-        built.append((kind, cfg, device))
-        return lambda a: calls.append((kind, a.state_indices.shape[0]))
-
-    monkeypatch.setattr(be.KdaBackend, "launcher", staticmethod(fake_launcher))
-    cfg = KdaConfig(num_heads=H, T=T, window=T + 2,
-                    state_dtype=torch.bfloat16 if bf16 else torch.float32)
-    dev = torch.device("cuda", 0)
-    step = be.KdaBackend().build(cfg, dev)
-    kinds = policy.kernels(cfg.T, bf16, H)
-    assert sorted(built, key=str) == sorted(((k, cfg, dev) for k in kinds), key=str)
-    assert set(step.launchers) == set(kinds)
-    r = policy.WIDE_T4
-    by_heads = r.least_heads <= H <= r.most_heads
-    assert ("wide" in kinds) == (not bf16 and (T >= 5 or T == 4 and by_heads))
-    wide_from = -(-r.first_items // H)          # the head-count rule's first and last batch
-    wide_to = r.last_items // H
-    batches = {1, wide_from - 1, wide_from, wide_to, wide_to + 1}
-    for most, _ in policy.table(cfg.T, bf16)[:-1]:
-        batches |= {max(1, most // H), most // H + 1}
-    for R in sorted(batches):
-        calls.clear()
-        step(SimpleNamespace(state_indices=torch.zeros(R, 2, dtype=torch.int32)))
-        assert calls == [(policy.kernel_for(R * H, cfg.T, bf16, H), R)], (R, calls)
-    if T == 4 and not bf16:
-        w = "wide" if by_heads else "stream4"
-        assert [policy.kernel_for(R * H, 4, False, H)
-                for R in (wide_from - 1, wide_from, wide_to, wide_to + 1)] == ["stream4", w, w, "stream4"]
-    ran = {policy.kernel_for(R * H, cfg.T, bf16, H) for R in batches}
-    if H == 16:     # at 96 heads one request is above the first thresholds
-        assert ran == set(kinds), "the batches cross every threshold"
-    # the wide backend builds the wide kernel only
-    built.clear()
-    monkeypatch.setattr(be.KdaWideBackend, "launcher", staticmethod(fake_launcher))
-    be.KdaWideBackend().build(cfg, dev)
-    assert built == [("wide", cfg, dev)]
-
-
 @pytest.mark.parametrize("kind", ["wide", "split2", "stream", "stream4"])
 def test_launcher_packs_arguments(kind, monkeypatch):
     """The host fast path writes every argument where the compiled launcher reads it."""
@@ -795,11 +709,11 @@ def test_launcher_packs_arguments(kind, monkeypatch):
     monkeypatch.setattr(be, "sm_count", lambda device_index: 10)
     cfg = KdaConfig(num_heads=4, T=2, window=5, conv_layout="DS", lower_bound=-2.0, scale=0.25,
                     norm_eps=1e-4, has_conv_bias=True, record=True)
-    launcher = be._Launcher(kind, cfg, torch.device("cuda", 0), FakeCompiled(),
-                            KernelStatic.from_config(cfg))
+    pb, sched = build(kind, cfg)
+    launcher = be._Launcher(sched, cfg, torch.device("cuda", 0), FakeCompiled(), pb)
     a = make_case(CaseSpec(cfg, R=3, padded=True), "cpu")
     launcher(a)
-    names = cache.arg_names(kind)
+    names = cache.arg_names()
     packed = seen["packed"]
     assert len(packed) == len(names) + 1 and seen["device"] == 0
 
@@ -838,8 +752,8 @@ def test_launcher_packs_arguments(kind, monkeypatch):
 def test_kernel_args_follow_the_launch_order():
     """The kernels' argument record has the launcher's arguments, in its order."""
     from kda.backends.cutedsl.args import KernelArgs
-    assert list(KernelArgs._fields) == cache.arg_names("stream")[:-1]
+    assert list(KernelArgs._fields) == cache.arg_names()[:-1]
     from kda.backends.cutedsl.args import Launch
     for kind in ("wide", "split4", "stream"):
-        obj = cache.kernel_object(kind, kernel_static(kind, KdaConfig(num_heads=4, T=1, window=3)))
+        obj = cache.kernel_object(*build(kind, KdaConfig(num_heads=4, T=1, window=3)))
         assert isinstance(obj, Launch) and callable(obj._launch), kind

@@ -9,20 +9,20 @@ and 64-bit slot offsets are the conformance suite's (``tests/conformance``). Her
   * the streamed kernel gives the wide kernel's bits and matches the reference on the same
     configurations and on batches where each CTA walks many items, also over three chained
     steps, on 3 CTAs walking hundreds of items each, and on hostile slot ids and accepted
-    counts at a batch ``cutedsl`` streams (the conformance suite's CPU-sized cases run on the
-    split kernels); so does its build in blocks of 4 requests (``stream4``);
+    counts (the conformance suite's CPU-sized cases run on the split kernels); so does its
+    build in blocks of 4 requests (``stream4``);
   * the split kernel on every cluster size C in 2, 4, 8 gives the wide kernel's bits
     (out / state / conv_state / records) and matches the reference, on configurations
     covering T in {1, 2, 5, 8}, both conv layouts, both gates, gate_mode 0/1, conv bias,
     record mode, fp32 conv state, bf16 weights, padded strides, null slots and aliasing, and
     the engine-facing forms (packed projection rows 8-, 4- and 2-byte aligned, rows at odd
     element offsets, an activated fp32 beta), each on the build for its rows;
-  * ``cutedsl`` runs the kernel :func:`kda.backends.cutedsl.policy.kernel_for` names, on both
-    sides of every threshold of the policy and of its head-count rule at T = 1 to 5 (a row of
-    each key), for both state dtypes;
+  * ``cutedsl`` runs the schedule its policy picks on this GPU (its measured table, else the
+    default in SM waves), on both sides of every batch size where the choice changes, at T =
+    1 to 5, for both state dtypes;
   * three chained steps on the same buffers (programmatic dependent launch back to back)
-    match three reference steps, for ``cutedsl`` at a batch of each of its kernels and for
-    ``cutedsl_wide``;
+    match three reference steps, for ``cutedsl`` at the largest batch of each schedule it
+    runs and for ``cutedsl_wide``;
   * the ``early_reads`` builds give the wide kernel's bits and match the reference, also
     as the contract allows them: behind another layer's step that writes their output gate;
   * every compile / load is recorded.
@@ -34,9 +34,9 @@ import pytest
 import torch
 
 from kda.backend import row_bytes
-from kda.backends.cutedsl import policy
 from kda.testing import (WRITTEN, CaseSpec, bits_equal, clone_args, compare_step, expected_after,
                          make_case, make_config)
+from tools.schedules import build
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -74,11 +74,12 @@ def device():
 
 
 def _launcher(kind, cfg, device, require_backend):
-    """The launcher of kernel ``kind`` ("wide" / "stream" / "splitC") for ``cfg``, built once."""
+    """The launcher of the schedule labelled ``kind`` (``tests/backends/cutedsl/schedules.py``)
+    for ``cfg``, built once."""
     backend = require_backend("cutedsl", cfg, device)
     key = (kind, cfg, str(device))
     if key not in _launchers:
-        _launchers[key] = backend.launcher(kind, cfg, device)
+        _launchers[key] = backend.launcher(build(kind, cfg)[1], cfg, device)
     return _launchers[key]
 
 
@@ -140,11 +141,10 @@ STREAM_SPECS = SPECS + [
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_stream_hostile_ids_and_counts(bf16, device, require_backend):
-    """The streamed kernel (``cutedsl`` at 256 items, T=3) on null, padding and out-of-range
-    slot ids at every position of a row and accepted counts outside 1..T: the reference's
-    dead items, skipped writes and clamps, and the wide kernel's bits."""
+    """The streamed kernel (256 items, T=3) on null, padding and out-of-range slot ids at every
+    position of a row and accepted counts outside 1..T: the reference's dead items, skipped
+    writes and clamps, and the wide kernel's bits."""
     cfg = make_config(32, 3, bf16_state=bf16)
-    assert policy.kernel_for(8 * 32, 3, bf16, 32) == "stream"
     a = make_case(CaseSpec(cfg, R=8, null_frac=0.0, alias=False, seed=51), device)
     slots = a.state.shape[0]
     assert slots > 24
@@ -166,8 +166,8 @@ def test_stream_hostile_ids_and_counts(bf16, device, require_backend):
         if 0 < sl < slots:
             a.state[sl].normal_()
             a.conv_state[sl].copy_(torch.randn(a.conv_state[sl].shape).to(a.conv_state.dtype))
-    _check_beside_wide("stream", _step("cutedsl", cfg, device, require_backend), cfg, a, device,
-                       require_backend)
+    _check_beside_wide("stream", _launcher("stream", cfg, device, require_backend), cfg, a,
+                       device, require_backend)
 
 
 #: Batches each walked by 3 CTAs (hundreds of items each): item slots and stages reused many
@@ -276,15 +276,15 @@ def _early(cfg):
 #: persistent walk on fp32 pages): T = 1-8, both layouts and gates, record mode, conv bias,
 #: packed rows, null slots, CTAs of one and of many items.
 EARLY_CASES = [
-    ("stream", CaseSpec(_early(make_config(12, 1, lb=-5.0, bias=True)), R=32, null_frac=0.2,
+    ("stream+early", CaseSpec(_early(make_config(12, 1, lb=-5.0, bias=True)), R=32, null_frac=0.2,
                         seed=81)),
-    ("stream", CaseSpec(_early(make_config(8, 1, "DS", gm=1)), R=100, null_frac=0.3, seed=82)),
-    ("stream", CaseSpec(_early(make_config(32, 4, beta_act=True)), R=20, packed=True, seed=83)),
-    ("stream", CaseSpec(_early(make_config(16, 2, "DS", record=True, gm=1)), R=30,
+    ("stream+early", CaseSpec(_early(make_config(8, 1, "DS", gm=1)), R=100, null_frac=0.3, seed=82)),
+    ("stream+early", CaseSpec(_early(make_config(32, 4, beta_act=True)), R=20, packed=True, seed=83)),
+    ("stream+early", CaseSpec(_early(make_config(16, 2, "DS", record=True, gm=1)), R=30,
                         null_frac=0.3, seed=85)),
-    ("stream", CaseSpec(_early(make_config(12, 4, lb=-5.0, bias=True)), R=37, null_frac=0.2,
+    ("stream+early", CaseSpec(_early(make_config(12, 4, lb=-5.0, bias=True)), R=37, null_frac=0.2,
                         seed=86)),
-    ("stream", CaseSpec(_early(make_config(4, 8, cs32=True)), R=9, seed=87)),
+    ("stream+early", CaseSpec(_early(make_config(4, 8, cs32=True)), R=9, seed=87)),
 ]
 
 
@@ -292,7 +292,7 @@ EARLY_CASES = [
 def test_early_reads_bit_identical_to_wide(kind, spec, device, require_backend):
     """The ``early_reads`` builds == wide bit for bit, and the reference."""
     run = _launcher(kind, spec.cfg, device, require_backend)
-    assert run.ks.early_reads
+    assert run.sched.early_reads
     _check_beside_wide(kind, run, spec.cfg, make_case(spec, device), device, require_backend)
 
 
@@ -303,8 +303,7 @@ def test_early_reads_behind_another_layer(H, R, device, require_backend):
     ids but does write its output gate (the first layer's ``out`` is the second's
     ``output_gate``, an activation read after the wait) == the reference step by step."""
     cfg = _early(make_config(H, 1, lb=-5.0))
-    step = _step("cutedsl", cfg, device, require_backend)
-    assert policy.kernel_for(R * H, 1, False, H) == "stream"
+    step = _launcher("stream+early", cfg, device, require_backend)
     a1 = make_case(CaseSpec(cfg, R=R, null_frac=0.1, seed=91), device)
     a2 = make_case(CaseSpec(cfg, R=R, null_frac=0.1, seed=92), device)
     a2 = a2._replace(output_gate=a1.out)
@@ -321,101 +320,84 @@ def test_early_reads_behind_another_layer(H, R, device, require_backend):
         assert not errors, "\n".join(errors)
 
 
-#: T of the dispatch tests: a row of each key of KERNEL_BY_ITEMS (fp32 T = 2-4: split8, stream,
-#: stream4; T = 5: split8, split4, wide)
+#: T of the dispatch tests: a row of each key of the default policy's table (fp32 T = 2-4:
+#: split8, stream, stream4; T = 5: split8, split4, wide)
 DISPATCH_TS = (1, 2, 3, 4, 5)
-
-
-def _threshold_batches(H):
-    """(T, bf16, R, kind) on both sides of every threshold of KERNEL_BY_ITEMS and of the
-    head-count rule WIDE_T4 for H heads, at each of DISPATCH_TS, for both state dtypes."""
-    out = []
-    r = policy.WIDE_T4
-    wide_from, wide_to = -(-r.first_items // H), r.last_items // H
-    for T in DISPATCH_TS:
-        for bf in (False, True):
-            edges = [R for most, _ in policy.table(T, bf)[:-1] for R in (most // H, most // H + 1)]
-            if policy.wide_by_heads(r.first_items, T, bf, H):
-                edges += [wide_from - 1, wide_from, wide_to, wide_to + 1]
-            for R in edges:
-                case = (T, bf, R, policy.kernel_for(R * H, T, bf, H))
-                if R >= 1 and case not in out:
-                    out.append(case)
-    return out
-
-
 DISPATCH_H = 16
-DISPATCH = _threshold_batches(DISPATCH_H)
+#: The batches the dispatch and chain tests search for where ``cutedsl``'s choice changes
+#: (the default's last bound at 16 heads on 132 SMs: 4096 items, R = 256)
+MAX_R = 1024
 
 
-@pytest.mark.parametrize("T,bf16,R,kind", DISPATCH,
-                         ids=[f"T{t}-{'bf16' if b else 'fp32'}-R{r}-{k}" for t, b, r, k in DISPATCH])
-def test_cutedsl_runs_the_policy_kernel(T, bf16, R, kind, device, require_backend, monkeypatch):
-    """At R * H items ``cutedsl`` launches the kernel policy.kernel_for names, once, and its
-    results are the wide kernel's bits and the reference's values."""
+def _edges(step):
+    """The batch sizes on both sides of every change of ``step``'s schedule up to MAX_R."""
+    out = set()
+    for R in range(1, MAX_R):
+        if step.choose(R) != step.choose(R + 1):
+            out |= {R, R + 1}
+    return sorted(out)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T", DISPATCH_TS)
+def test_cutedsl_runs_the_policy_schedule(T, bf16, device, require_backend, monkeypatch):
+    """``cutedsl`` builds a launcher for every schedule its policy picks on this GPU, and at
+    R * H items on both sides of every change it launches the one ``step.choose(R)`` names,
+    once, with the wide kernel's bits and the reference's values."""
     H = DISPATCH_H
-    items = {r * H for t, b, r, _ in DISPATCH if (t, b) == (T, bf16)}
-    for most, _ in policy.table(T, bf16)[:-1]:
-        assert {i for i in items if i <= most} and {i for i in items if i > most}, most
     cfg = make_config(H, T, bias=True, bf16_state=bf16)
     step = _step("cutedsl", cfg, device, require_backend)
-    assert set(step.launchers) == set(policy.kernels(T, bf16, H))
+    assert set(step.launchers) == {step.choose(R) for R in range(1, MAX_R + 1)}
     calls = []
     for k, fn in list(step.launchers.items()):
         def counted(a, k=k, fn=fn):
             calls.append(k)
             fn(a)
         monkeypatch.setitem(step.launchers, k, counted)
+    edges = _edges(step)
+    assert edges or len(step.launchers) == 1
+    for R in edges:
+        calls.clear()
+        want = step.choose(R)
 
-    def run(a):
-        step(a)
-        assert calls == [kind], f"R={R} ({R * H} items): ran {calls}, policy names {kind}"
+        def run(a):
+            step(a)
+            assert calls == [want], f"R={R} ({R * H} items): ran {calls}, policy names {want}"
 
-    _check_beside_wide(kind, run, cfg, make_case(CaseSpec(cfg, R=R, seed=40 + R), device), device,
-                       require_backend)
+        _check_beside_wide(want.name, run, cfg, make_case(CaseSpec(cfg, R=R, seed=40 + R),
+                                                          device), device, require_backend)
 
 
 CHAIN_H = 32
 
 
-def _chain_cases():
-    """(backend, R, T, bf16, kind): ``cutedsl`` at the largest batch of each of its kernels at
-    T = 1 and 5 on both state dtypes (the catch-all kernel: above the last threshold),
-    ``cutedsl_wide`` at the catch-all batch."""
-    cases = []
-    for bf in (False, True):
-        for T in (1, 5):
-            prev = 0
-            for most, kind in policy.table(T, bf):
-                R = max(1, most // CHAIN_H) if most is not None else prev // CHAIN_H + 4
-                if most is None or policy.kernel_for(R * CHAIN_H, T, bf, CHAIN_H) == kind:
-                    cases.append(("cutedsl", R, T, bf, kind))
-                prev = most if most is not None else prev
-            cases.append(("cutedsl_wide", cases[-1][1], T, bf, "wide"))
-    return cases
-
-
-CHAIN = _chain_cases()
-
-
-@pytest.mark.parametrize("name,R,T,bf16,kind", CHAIN,
-                         ids=[f"{n}-R{r}-T{t}-{'bf16' if b else 'fp32'}-{k}" for n, r, t, b, k in CHAIN])
-def test_chained_steps(name, R, T, bf16, kind, device, require_backend):
-    """Three steps launched back to back on the same buffers (PDL chain) == reference x3."""
+@pytest.mark.parametrize("name", ["cutedsl", "cutedsl_wide"])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T", [1, 5])
+def test_chained_steps(name, T, bf16, device, require_backend):
+    """Three steps launched back to back on the same buffers (PDL chain) == reference x3:
+    ``cutedsl`` at the largest batch (up to MAX_R) of each schedule it runs, ``cutedsl_wide``
+    at the largest."""
+    cfg = make_config(CHAIN_H, T, bf16_state=bf16)
+    step = _step(name, cfg, device, require_backend)
     if name == "cutedsl":
-        assert policy.kernel_for(R * CHAIN_H, T, bf16, CHAIN_H) == kind
-    spec = CaseSpec(make_config(CHAIN_H, T, bf16_state=bf16), R=R, seed=11 + T + R)
-    _check_three_steps(_step(name, spec.cfg, device, require_backend), spec, device)
+        last = {}
+        for R in range(1, MAX_R + 1):
+            last[step.choose(R)] = R
+        batches = sorted(last.values())
+    else:
+        batches = [MAX_R // 8]
+    for R in batches:
+        _check_three_steps(step, CaseSpec(cfg, R=R, seed=11 + T + R), device)
 
 
 def test_compile_time_is_recorded(device, require_backend):
     from kda.backends.cutedsl import compile_seconds
     from kda.backends.cutedsl.cache import COMPILE_LOG
 
-    _step("cutedsl", SPECS[0].cfg, device, require_backend)
-    kinds = {rec.kind for rec in COMPILE_LOG}
-    cfg = SPECS[0].cfg
-    assert set(policy.kernels(cfg.T, cfg.state_dtype == torch.bfloat16, cfg.num_heads)) <= kinds
+    step = _step("cutedsl", SPECS[0].cfg, device, require_backend)
+    names = {rec.name for rec in COMPILE_LOG}
+    assert {s.name for s in step.launchers} <= names
     assert compile_seconds() > 0
     for rec in COMPILE_LOG:
-        print(f"{rec.kind:6s} {rec.tag:48s} {rec.source:8s} {rec.seconds:6.2f} s")
+        print(f"{rec.name:12s} {rec.tag:64s} {rec.source:8s} {rec.seconds:6.2f} s")

@@ -10,7 +10,8 @@ The split kernel cannot be emulated (CuTe tensors and atoms, clusters); it is ch
 import pytest
 import torch
 
-from kda.backends.cutedsl import policy
+from kda.backends.cutedsl import schedule as S
+from kda.backends.cutedsl.problem import Problem
 from kda.config import KdaConfig
 from kda.reference import reference_step
 from kda.testing import WRITTEN, CaseSpec, bits_equal, clone_args, compare_step, make_case
@@ -71,8 +72,8 @@ def test_emulated_matches_reference(spec):
 def test_emulated_page_last_other_way(spec):
     """The state page committed the way the backend does not choose at this T (last in its
     own cp.async group, or with the operands in one;
-    :attr:`kda.backends.cutedsl.static.KernelStatic.page_last`, chosen by
-    kda.backends.cutedsl.policy.page_last): the reference within tolerance and the default's
+    :attr:`kda.backends.cutedsl.schedule.Schedule.page_last`, chosen by
+    :func:`kda.backends.cutedsl.schedule.default_flags`): the reference within tolerance and the default's
     bits, with the emulator's check that no thread reads staged bytes before its wait covers
     them."""
     cfg = spec.cfg
@@ -82,7 +83,7 @@ def test_emulated_page_last_other_way(spec):
     expected = clone_args(args)
     reference_step(cfg, expected)
     emulator.run(cfg, default)
-    emulator.run(cfg, args, page_last=not policy.page_last(cfg.T))
+    emulator.run(cfg, args, page_last=not S.wide(Problem.from_config(cfg)).page_last)
     errors = compare_step(args, expected, before)
     assert not errors, "\n".join(errors)
     for buf in WRITTEN:

@@ -23,7 +23,8 @@ import pytest
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
 
 from kda.backends.cutedsl.ring import RingShape  # noqa: E402
-from kda.backends.cutedsl.static import KernelStatic  # noqa: E402
+from kda.backends.cutedsl import schedule as S  # noqa: E402
+from kda.backends.cutedsl.problem import Problem  # noqa: E402
 from kda.backends.cutedsl.stream import KdaStream  # noqa: E402
 from kda.config import KdaConfig  # noqa: E402
 
@@ -132,16 +133,18 @@ def _run(kernel, live, seed):
     return errors + ["deadlock"]
 
 
+PB = Problem.from_config(KdaConfig(num_heads=4, T=1, window=3))
+
+
 @pytest.mark.parametrize("shape", [RingShape(32, 8, 1), RingShape(16, 8, 2), RingShape(64, 4, 1)],
                          ids=["rows32", "rows16", "rows64"])
 def test_item_slot_protocol(shape):
-    _check_protocol(KdaStream(KernelStatic.from_config(KdaConfig(num_heads=4, T=1, window=3)),
-                              shape))
+    _check_protocol(KdaStream(PB, S.stream(PB, unit_rows=shape.rows, consumers=shape.consumers,
+                                           depth=shape.depth)))
 
 
 def test_item_slot_protocol_group_prep():
-    _check_protocol(KdaStream(KernelStatic.from_config(KdaConfig(num_heads=4, T=1, window=3)),
-                              group_prep=True))
+    _check_protocol(KdaStream(PB, S.stream(PB, prep=S.Prep.GROUP)))
 
 
 def _check_protocol(kernel):

@@ -1,0 +1,261 @@
+"""Tune ``cutedsl`` for the GPU this runs on: a measured schedule table.
+
+    tools/kda tune [flags]                 # on a GPU: sweep, then write the table
+    tools/kda tune --dry_run               # anywhere: the plan (cells, candidates)
+    python3 -m tools.bench.tune --results_dir=docs/results/2026-12-07-h100   # GPU machine
+
+For each (state dtype, T, heads, batch) of the grid, every candidate schedule
+(:mod:`tools.schedules`; those that cannot serve the cell are left out) runs the step on the
+benchmark's workload (:mod:`tools.bench.harness`: 8 GiB state pool, rotating slot sets,
+CUDA-graph replay) beside the ``touch`` peer, in one process: a short screen of every
+candidate, then the fastest ``--finalists`` again at full length; the fastest of those wins
+the cell. The table (:mod:`kda.backends.cutedsl.tables`: one row per cell, the winner's
+schedule axes and every candidate's step time with ``touch``'s) goes to the package, named
+for the device (``backends/cutedsl/tables/<device>.json``), and the whole run's cells to
+``--results_dir`` (``tune-<gpu>.json``) beside it, which the table names as its source.
+``--other_backends`` also times the project's other GPU backends at each cell (the table keeps
+them; ``auto`` ranks the backends from them on this GPU).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from typing import Dict, List
+
+import torch
+from absl import flags, logging
+
+from tools import flags as _shared_flags  # noqa: F401  (defines --state_dtype, --gate_mode)
+from tools.flags import STATE_DTYPES, run, user_path
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("heads", ["12", "32", "96"], "H values")
+flags.DEFINE_list("tokens", ["1", "4"], "T values (a T the table has not measured runs the "
+                  "default in SM waves)")
+flags.DEFINE_list("batches", ["1", "2", "4", "8", "16", "32", "64", "128", "256", "512"],
+                  "R values")
+flags.DEFINE_list("candidates", None, "schedule names (tools/schedules.py; default: every "
+                  "one but the early-reading builds)")
+flags.DEFINE_list("other_backends", [], "the project's other backends to time at each cell "
+                  "(e.g. cutedsl_wide,cuda,triton)")
+flags.DEFINE_integer("screen_iters", 24, "timed iterations of the screen")
+flags.DEFINE_integer("iters", 200, "timed iterations of the finalists (fewer where that many "
+                     "would take more than --max_s; 3 replays of the sets at least)")
+flags.DEFINE_float("max_s", 0.3, "seconds one timing may take, about")
+flags.DEFINE_integer("finalists", 3, "candidates timed again at full length")
+flags.DEFINE_float("pool_gib", 8.0, "state pool size in GiB")
+flags.DEFINE_integer("sets", 8, "rotating slot sets")
+flags.DEFINE_float("budget_s", 0, "stop starting cells after this many seconds (0: none); "
+                   "the cells measured are written")
+flags.DEFINE_string("table", "", "where the table goes (default: the package's table of this "
+                    "device)")
+flags.DEFINE_string("results_dir", "", "where the run's cells go (tune-<gpu>.json)")
+flags.DEFINE_bool("dry_run", False, "print the plan and exit (no GPU needed)")
+flags.DEFINE_integer("jobs", 0, "processes compiling the candidates into the compile cache "
+                     "before the sweep (0: one per CPU)")
+
+#: The candidates by default: every schedule name but the early-reading builds (those need
+#: ``KdaConfig.early_reads``; the policy applies its measured rule for them).
+DEFAULT_CANDIDATES = ("split2", "split4", "split8", "stream", "streamg", "stream2", "stream4",
+                      "stream8", "wide")
+
+
+def plan(heads, tokens, batches, state_dtypes, candidates) -> List[dict]:
+    """The cells of the sweep and each one's candidates (names whose schedule serves it)."""
+    from kda.config import KdaConfig
+    from tools.schedules import parse
+
+    cells = []
+    for sd in state_dtypes:
+        for T in tokens:
+            for H in heads:
+                cfg = KdaConfig(num_heads=H, T=T, window=T + 2, state_dtype=STATE_DTYPES[sd])
+                names = []
+                for name in candidates:
+                    try:
+                        parse(name, cfg)
+                    except ValueError:
+                        continue
+                    names.append(name)
+                for R in batches:
+                    cells.append({"state": sd, "T": T, "H": H, "R": R, "items": R * H,
+                                  "candidates": names, "cfg": cfg})
+    return cells
+
+
+def _builds(cells):
+    """The (problem, schedule) pairs the cells' candidates run."""
+    from kda.backends.cutedsl.problem import Problem
+    from tools.schedules import parse
+
+    return [(Problem.from_config(c["cfg"]), parse(n, c["cfg"])[1]) for c in cells
+            for n in c["candidates"]]
+
+
+def winner(times: Dict[str, float]) -> str:
+    """The fastest candidate (ties: the first named)."""
+    return min(times, key=times.get)
+
+
+def make_table(device: str, sms: int, source: str, cells: List[dict], meta: dict):
+    """The :class:`kda.backends.cutedsl.tables.Table` of measured ``cells`` (each with
+    ``us``, ``touch_us`` and its ``schedule`` axes)."""
+    from kda.backends.cutedsl.tables import Row, Table
+
+    rows = tuple(Row(state=c["state"], T=c["T"], heads=c["H"], items=c["items"],
+                     axes=tuple(sorted(c["schedule"].items())),
+                     times=tuple(sorted(c["us"].items())), touch_us=c["touch_us"])
+                 for c in cells)
+    return Table(device=device, sms=sms, source=source, rows=rows,
+                 meta=tuple(sorted(meta.items())))
+
+
+def iters_for(step_us: float, iters: int, sets: int, max_s: float) -> int:
+    """Timed iterations for a step of about ``step_us``: ``iters``, fewer where those would
+    take more than ``max_s`` seconds, never fewer than 3 replays of the ``sets`` steps."""
+    fit = int(max_s / max(step_us, 1e-3) * 1e6)
+    return max(3 * sets, min(iters, fit // sets * sets))
+
+
+def _measure(make, wl, bw, iters, guess_us=None):
+    """Step time (us) of ``make`` on ``wl``: ``iters`` iterations, or with a step time guessed
+    (``guess_us``) as many as :func:`iters_for` allows."""
+    from tools.bench import harness
+
+    if guess_us is not None:
+        iters = iters_for(guess_us, iters, FLAGS.sets, FLAGS.max_s)
+    return harness.measure("x", make, wl, bw, iters, min(20, iters), "graph").time_us
+
+
+def _sweep(cells, console, budget_s) -> List[dict]:
+    """Time every cell (module docstring); returns the measured ones."""
+    from kda.backends.cutedsl.backend import KdaBackend
+    from tools.bench import harness
+    from tools.schedules import parse
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    bw = harness.copy_bandwidth(device)
+    t0 = time.time()
+    done = []
+    launchers = {}
+    for c in cells:
+        if budget_s and time.time() - t0 > budget_s:
+            console.print(f"budget of {budget_s:.0f} s spent: {len(cells) - len(done)} cells "
+                          "left unmeasured")
+            break
+        cfg = c["cfg"]
+        wl = harness.Workload(cfg, c["R"], device, FLAGS.pool_gib, FLAGS.sets)
+        makes = {}
+        for name in c["candidates"]:
+            key = (name, cfg)
+            if key not in launchers:
+                launchers[key] = KdaBackend.launcher(parse(name, cfg)[1], cfg, device)
+            makes[name] = lambda w, L=launchers[key]: (lambda i: L(w.args_for(i)))
+        screen = {n: _measure(m, wl, bw, FLAGS.screen_iters) for n, m in makes.items()}
+        final = sorted(screen, key=screen.get)[:FLAGS.finalists]
+        us = dict(screen)
+        for n in final:
+            us[n] = _measure(makes[n], wl, bw, FLAGS.iters, screen[n])
+        guess = us[final[0]]
+        touch = _measure(harness.peer_step("touch"), wl, bw, FLAGS.iters, guess)
+        others = {b: _measure(harness.backend_step(b), wl, bw, FLAGS.iters, guess)
+                  for b in FLAGS.other_backends}
+        best = min(final, key=us.get)
+        out = {k: v for k, v in c.items() if k not in ("cfg", "candidates")}
+        out.update(us={n: round(v, 3) for n, v in us.items()}, finalists=final, winner=best,
+                   schedule=parse(best, cfg)[1].axes(), touch_us=round(touch, 3),
+                   backends={b: round(v, 3) for b, v in others.items()})
+        done.append(out)
+        console.print(f"{c['state']} T={c['T']} H={c['H']} R={c['R']}: {best} "
+                      f"{us[best]:.1f} us ({us[best] / touch:.3f} of touch {touch:.1f}); "
+                      + ", ".join(f"{n} {us[n]:.1f}" for n in sorted(us, key=us.get)[1:4]))
+        del wl
+        torch.cuda.empty_cache()
+    return done
+
+
+def main(argv):
+    del argv
+    from rich.console import Console
+
+    console = Console()
+    heads = [int(h) for h in FLAGS.heads]
+    tokens = [int(t) for t in FLAGS.tokens]
+    batches = [int(b) for b in FLAGS.batches]
+    state_dtypes = (["fp32", "bf16"] if FLAGS["state_dtype"].using_default_value
+                    else FLAGS.state_dtype)
+    candidates = FLAGS.candidates or list(DEFAULT_CANDIDATES)
+    from tools.schedules import BUILD
+    unknown = [n for n in candidates if n not in BUILD]
+    if unknown:
+        console.print(f"--candidates: unknown {unknown}; known: {', '.join(BUILD)}")
+        return 2
+    cells = plan(heads, tokens, batches, state_dtypes, candidates)
+    if FLAGS.dry_run:
+        for c in cells:
+            console.print(f"{c['state']} T={c['T']} H={c['H']} R={c['R']} ({c['items']} items): "
+                          + ", ".join(c["candidates"]))
+        console.print(f"{len(cells)} cells, {sum(len(c['candidates']) for c in cells)} "
+                      "candidate timings")
+        return 0
+    if not torch.cuda.is_available():
+        console.print("tools/kda tune measures on a GPU: none here (--dry_run prints the plan)")
+        return 2
+    from kda.backends.cutedsl import cache, tables
+    from kda.backends.cutedsl.backend import import_cutedsl, sm_count
+    from tools.bench import harness
+
+    why = import_cutedsl()
+    if why:
+        console.print(f"cutedsl cannot run here: {why}")
+        return 2
+    name = torch.cuda.get_device_name()
+    sms = sm_count(torch.cuda.current_device())
+    console.print(f"tuning cutedsl on {name} ({sms} SMs): {len(cells)} cells")
+    t0 = time.time()
+    builds = cache.precompile(_builds(cells), FLAGS.jobs or None)
+    console.print(f"{len(builds)} kernels compiled or loaded in {time.time() - t0:.0f} s")
+    done = _sweep(cells, console, FLAGS.budget_s)
+    if not done:
+        console.print("no cell was measured")
+        return 1
+    now = datetime.datetime.now(datetime.timezone.utc)
+    gpu = name.split()[-1].lower()
+    meta = {"date": now.isoformat(timespec="seconds"), "commit": harness.git_commit(),
+            "command": " ".join(["python3 -m tools.bench.tune"] + sys.argv[1:]),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "pool_gib": FLAGS.pool_gib, "sets": FLAGS.sets, "iters": FLAGS.iters,
+            "screen_iters": FLAGS.screen_iters, "gate": "softplus", "layout": "SD"}
+    source = "(not written)"
+    results_dir = user_path(FLAGS.results_dir)
+    if results_dir:
+        os.makedirs(results_dir, exist_ok=True)
+        path = os.path.join(results_dir, f"tune-{gpu}.json")
+        with open(path, "w") as f:
+            json.dump({"meta": {**meta, "device": name, "sms": sms}, "cells": done}, f, indent=1)
+        console.print(f"wrote {path}")
+        source = _repo_relative(path)
+    table = make_table(name, sms, source, done, meta)
+    out = user_path(FLAGS.table) or tables.path_for(name)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    table.dump(out)
+    console.print(f"wrote {out} ({len(table.rows)} rows)")
+    return 0
+
+
+def _repo_relative(path: str) -> str:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    full = os.path.abspath(path)
+    return os.path.relpath(full, root) if full.startswith(root + os.sep) else full
+
+
+
+
+if __name__ == "__main__":
+    logging.set_verbosity(logging.WARNING)
+    run(main)
