@@ -13,8 +13,8 @@ the cell. The table (:mod:`kda.backends.cutedsl.tables`: one row per cell, the w
 schedule axes and every candidate's step time with ``touch``'s) goes to the package, named
 for the device (``backends/cutedsl/tables/<device>.json``), and the whole run's cells to
 ``--results_dir`` (``tune-<gpu>.json``) beside it, which the table names as its source.
-``--other_backends`` also times the project's other GPU backends at each cell (the table keeps
-them; ``auto`` ranks the backends from them on this GPU).
+``--other_backends`` also times the project's other GPU backends at each cell (into the
+results file).
 """
 
 from __future__ import annotations
@@ -34,30 +34,36 @@ from tools import flags as _shared_flags  # noqa: F401  (defines --state_dtype, 
 from tools.flags import STATE_DTYPES, run, user_path
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("heads", ["12", "32", "96"], "H values")
-flags.DEFINE_list("tokens", ["1", "4"], "T values (a T the table has not measured runs the "
-                  "default in SM waves)")
-flags.DEFINE_list("batches", ["1", "2", "4", "8", "16", "32", "64", "128", "256", "512"],
-                  "R values")
-flags.DEFINE_list("candidates", None, "schedule names (tools/schedules.py; default: every "
-                  "one but the early-reading builds)")
-flags.DEFINE_list("other_backends", [], "the project's other backends to time at each cell "
-                  "(e.g. cutedsl_wide,cuda,triton)")
-flags.DEFINE_integer("screen_iters", 24, "timed iterations of the screen")
-flags.DEFINE_integer("iters", 200, "timed iterations of the finalists (fewer where that many "
-                     "would take more than --max_s; 3 replays of the sets at least)")
-flags.DEFINE_float("max_s", 0.3, "seconds one timing may take, about")
-flags.DEFINE_integer("finalists", 3, "candidates timed again at full length")
-flags.DEFINE_float("pool_gib", 8.0, "state pool size in GiB")
-flags.DEFINE_integer("sets", 8, "rotating slot sets")
-flags.DEFINE_float("budget_s", 0, "stop starting cells after this many seconds (0: none); "
-                   "the cells measured are written")
-flags.DEFINE_string("table", "", "where the table goes (default: the package's table of this "
-                    "device)")
-flags.DEFINE_string("results_dir", "", "where the run's cells go (tune-<gpu>.json)")
-flags.DEFINE_bool("dry_run", False, "print the plan and exit (no GPU needed)")
-flags.DEFINE_integer("jobs", 0, "processes compiling the candidates into the compile cache "
-                     "before the sweep (0: one per CPU)")
+
+
+def define_flags() -> None:
+    """The tool's flags (defined when it runs as a program, so that its functions import
+    beside the bench's flags of the same names)."""
+    flags.DEFINE_list("heads", ["12", "32", "96"], "H values")
+    flags.DEFINE_list("tokens", ["1", "4"], "T values (a T the table has not measured runs the "
+                      "default in SM waves)")
+    flags.DEFINE_list("batches", ["1", "2", "4", "8", "16", "32", "64", "128", "256", "512"],
+                      "R values")
+    flags.DEFINE_list("candidates", None, "schedule names (tools/schedules.py; default: every "
+                      "one but the early-reading builds)")
+    flags.DEFINE_list("other_backends", [], "the project's other backends to time at each cell "
+                      "(e.g. cutedsl_wide,cuda,triton)")
+    flags.DEFINE_integer("screen_iters", 24, "timed iterations of the screen")
+    flags.DEFINE_integer("iters", 200, "timed iterations of the finalists (fewer where that many "
+                         "would take more than --max_s; 3 replays of the sets at least)")
+    flags.DEFINE_float("max_s", 0.3, "seconds one timing may take, about")
+    flags.DEFINE_integer("finalists", 3, "candidates timed again at full length")
+    flags.DEFINE_float("pool_gib", 8.0, "state pool size in GiB")
+    flags.DEFINE_integer("sets", 8, "rotating slot sets")
+    flags.DEFINE_float("budget_s", 0, "stop starting cells after this many seconds (0: none); "
+                       "the cells measured are written")
+    flags.DEFINE_string("table", "", "where the table goes (default: the package's table of this "
+                        "device)")
+    flags.DEFINE_string("results_dir", "", "where the run's cells go (tune-<gpu>.json)")
+    flags.DEFINE_bool("dry_run", False, "print the plan and exit (no GPU needed)")
+    flags.DEFINE_integer("jobs", 0, "processes compiling the candidates into the compile cache "
+                         "before the sweep (0: one per CPU)")
+
 
 #: The candidates by default: every schedule name but the early-reading builds (those need
 #: ``KdaConfig.early_reads``; the policy applies its measured rule for them).
@@ -257,5 +263,6 @@ def _repo_relative(path: str) -> str:
 
 
 if __name__ == "__main__":
+    define_flags()
     logging.set_verbosity(logging.WARNING)
     run(main)
