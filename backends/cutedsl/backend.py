@@ -82,6 +82,11 @@ def import_cutedsl() -> Optional[str]:
         return _import_error
 
 
+def device_name(device_index: int) -> str:
+    """The name of CUDA device ``device_index`` (what its schedule table is keyed by)."""
+    return torch.cuda.get_device_name(device_index)
+
+
 def sm_count(device_index: int) -> int:
     """The multiprocessors of CUDA device ``device_index``."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -94,7 +99,7 @@ def _log_table_once(device_index: int) -> None:
     """Log once per device which schedule table ``cutedsl`` uses there."""
     if device_index not in _logged_tables:
         _logged_tables.add(device_index)
-        log.info("%s", tables.describe(torch.cuda.get_device_name(device_index)))
+        log.info("%s", tables.describe(device_name(device_index)))
 
 
 def _f32_bits(x: float) -> int:
@@ -292,7 +297,7 @@ class KdaBackend(_CuteDslBackend):
         pb = Problem.from_config(cfg)
         index = device.index if device.index is not None else torch.cuda.current_device()
         sms = sm_count(index)
-        table = tables.for_device(torch.cuda.get_device_name(index))
+        table = tables.for_device(device_name(index))
         _log_table_once(index)
         launchers = {s: self.launcher(s, cfg, device)
                      for s in policy.schedules(pb, sms, cfg.early_reads, table)}

@@ -8,8 +8,8 @@ For each (state dtype, T, heads, batch) of the grid, every candidate schedule
 (:mod:`tools.schedules`; those that cannot serve the cell are left out) runs the step on the
 benchmark's workload (:mod:`tools.bench.harness`: 8 GiB state pool, rotating slot sets,
 CUDA-graph replay) beside the ``touch`` peer, in one process: a short screen of every
-candidate, then the fastest ``--finalists`` again at full length; the fastest of those wins
-the cell. The table (:mod:`kda.backends.cutedsl.tables`: one row per cell, the winner's
+candidate, then the fastest ``--finalists`` again at full length; the fastest time wins the
+cell. The table (:mod:`kda.backends.cutedsl.tables`: one row per cell, the winner's
 schedule axes and every candidate's step time with ``touch``'s) goes to the package, named
 for the device (``backends/cutedsl/tables/<device>.json``), and the whole run's cells to
 ``--results_dir`` (``tune-<gpu>.json``) beside it, which the table names as its source.
@@ -171,7 +171,7 @@ def _sweep(cells, console, budget_s) -> List[dict]:
         touch = _measure(harness.peer_step("touch"), wl, bw, FLAGS.iters, guess)
         others = {b: _measure(harness.backend_step(b), wl, bw, FLAGS.iters, guess)
                   for b in FLAGS.other_backends}
-        best = min(final, key=us.get)
+        best = winner(us)
         out = {k: v for k, v in c.items() if k not in ("cfg", "candidates")}
         out.update(us={n: round(v, 3) for n, v in us.items()}, finalists=final, winner=best,
                    schedule=parse(best, cfg)[1].axes(), touch_us=round(touch, 3),

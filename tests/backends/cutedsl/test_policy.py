@@ -125,6 +125,7 @@ def test_cutedsl_builds_every_schedule_and_picks_by_items(monkeypatch, T, state_
 
     monkeypatch.setattr(be.KdaBackend, "launcher", staticmethod(fake_launcher))
     monkeypatch.setattr(be, "sm_count", lambda index: 132)
+    monkeypatch.setattr(be, "device_name", lambda index: "NVIDIA Test GPU without a table")
     cfg = KdaConfig(num_heads=H, T=T, window=T + 2, state_dtype=bf16 if state_bf16 else f32)
     pb = Problem.from_config(cfg)
     dev = torch.device("cuda", 0)
