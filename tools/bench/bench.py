@@ -110,13 +110,12 @@ def default_tag(device_name: str, now: datetime.datetime) -> str:
 
 def main(argv):
     del argv
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    from tools.progress import ToolProgress
+    from tools.progress import ToolProgress, tool_console
 
-    console = Console()
+    console = tool_console()
     quiet_third_party_warnings(FLAGS.verbosity)
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if FLAGS.device == "auto" else FLAGS.device)
