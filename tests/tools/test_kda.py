@@ -94,3 +94,11 @@ def test_test_in_a_log_runs_bazel_through_testlog_and_on_a_terminal_directly(bin
         os.close(primary)
         os.close(secondary)
     assert (res.returncode, res.stdout.split()[:2]) == (3, ["bazel", "test"])
+
+
+def test_help_is_the_whole_comment_at_the_top(bin_dir):
+    res = _run(bin_dir, "help")
+    lines = res.stdout.splitlines()
+    assert res.returncode == 0 and lines[0].startswith("The project's front door")
+    assert any(line.strip() == "tools/testlog.py)" for line in lines)
+    assert lines[-1] == "(KDA_PYTHON through --repo_env; see third_party/python/python_configure.bzl)."
