@@ -17,9 +17,10 @@ the run and prints the table of the cells that finished (nothing is written).
 
 The grid: ``--heads`` x ``--tokens`` x ``--batches`` x ``--state_dtype`` (each cell names its
 state dtype in the JSON's ``state_dtype``, fp32 when absent in older runs; a bf16 cell's floor
-counts 32 KiB pages), beside every peer that runs here. Without those flags a GPU measures the
-grid of the reference runs and a CPU a small one (each flag's help says both). See
-:mod:`tools.bench.harness` for the method.
+counts 32 KiB pages), beside every peer that runs here. Without ``--heads``, ``--tokens`` and
+``--batches`` a GPU measures the grid of the reference runs and a CPU a small one (each
+flag's help says both); ``--state_dtype`` is fp32 unless given. See :mod:`tools.bench.harness`
+for the method.
 """
 
 from __future__ import annotations
