@@ -252,7 +252,7 @@ class KdaDecode:
         key = metadata_key(args)
         if self._always or key not in self._validated:
             self._check_device(x)
-            validate_args(self.cfg, args, heads_from="this KdaDecode's KdaConfig.num_heads")
+            validate_args(self.cfg, args, config_name="this KdaDecode's KdaConfig")
             if len(self._validated) >= VALIDATED_KEYS:
                 self._validated.clear()
             self._validated.add(key)

@@ -26,15 +26,23 @@ def check_is_tensor(name: str, t) -> None:
 
 
 def _check_tensor(name: str, t, dtypes: Sequence[torch.dtype], shape: Sequence[int],
-                  device: torch.device) -> torch.Tensor:
+                  device: torch.device, dtype_why: str = "", shape_why: str = "") -> torch.Tensor:
+    """``t`` is a tensor of one of ``dtypes``, of ``shape``, on ``device``; ``dtype_why`` and
+    ``shape_why`` say where the expected dtype and shape come from, in the message (in
+    parentheses after the expectation; empty: nothing said)."""
     check_is_tensor(name, t)
     if t.dtype not in dtypes:
-        raise KdaArgumentError(name, f"expected dtype {' or '.join(dtype_name(d) for d in dtypes)}, "
-                                     f"got {dtype_name(t.dtype)}")
+        raise KdaArgumentError(name, f"expected dtype {' or '.join(dtype_name(d) for d in dtypes)}"
+                                     f"{_why(dtype_why)}, got {dtype_name(t.dtype)}")
     if tuple(t.shape) != tuple(shape):
-        raise KdaArgumentError(name, f"expected shape {list(shape)}, got {list(t.shape)}")
+        raise KdaArgumentError(name, f"expected shape {list(shape)}{_why(shape_why)}, got "
+                                     f"{list(t.shape)}")
     check_device(name, t, device)
     return t
+
+
+def _why(text: str) -> str:
+    return f" ({text})" if text else ""
 
 
 def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
@@ -211,17 +219,25 @@ def check_x_is_2d(x: torch.Tensor) -> None:
         raise KdaArgumentError("x", f"expected a 2-D tensor [N, 3*dim], got shape {list(x.shape)}")
 
 
-def validate_args(cfg: KdaConfig, args: KdaArgs, heads_from: str = "A_log") -> None:
+def validate_args(cfg: KdaConfig, args: KdaArgs, config_name: Optional[str] = None) -> None:
     """Check every tensor of a call against ``cfg``; raise :class:`KdaArgumentError` on the first
     problem. Reads only metadata (never device values), writes nothing.
 
     Args:
       cfg: the configuration (already checked by its construction).
       args: the call's tensors.
-      heads_from: where ``cfg``'s head count came from, for the messages ("A_log" in the
-        functional form, the object's configuration in :class:`kda.KdaDecode`).
+      config_name: None in the functional form, where ``cfg`` comes from the call's own
+        tensors (:func:`config_from_args`; the head count from ``A_log``); in the object form
+        what to call the configuration the tensors are held to ("this KdaDecode's KdaConfig"):
+        an expectation that one of its fields decides (the head count, the dtypes of the
+        caches and weights) names that field in the message.
     """
     H, T, L, dim = cfg.num_heads, cfg.T, cfg.window, cfg.dim
+
+    def decides(field: str) -> str:
+        return f"{config_name}.{field} decides" if config_name else ""
+
+    heads_from = f"{config_name}.num_heads" if config_name else "A_log"
     x = args.x
     check_is_tensor("x", x)
     dev = x.device
@@ -264,7 +280,8 @@ def validate_args(cfg: KdaConfig, args: KdaArgs, heads_from: str = "A_log") -> N
                                                       "[R]; pass state_indices [R, T] for verify), "
                                                       "got a tensor of shape "
                                                       f"{list(args.num_accepted_tokens.shape)}")
-    _check_tensor("conv_weight", args.conv_weight, (cfg.conv_weight_dtype,), (3, 4, dim), dev)
+    _check_tensor("conv_weight", args.conv_weight, (cfg.conv_weight_dtype,), (3, 4, dim), dev,
+                  dtype_why=decides("conv_weight_dtype"))
     _check_contiguous("conv_weight", args.conv_weight)
     if cfg.has_conv_bias:
         if args.conv_bias is None:
@@ -279,7 +296,8 @@ def validate_args(cfg: KdaConfig, args: KdaArgs, heads_from: str = "A_log") -> N
         raise KdaArgumentError("state", "expected a 4-D tensor [slots, H, 128, 128], got "
                                + (f"shape {list(st.shape)}" if isinstance(st, torch.Tensor) else type(st).__name__))
     slots = st.shape[0]
-    _check_tensor("state", st, (cfg.state_dtype,), (slots, H, D, D), dev)
+    _check_tensor("state", st, (cfg.state_dtype,), (slots, H, D, D), dev,
+                  dtype_why=decides("state_dtype"))
     if slots < 1:
         raise KdaArgumentError("state", "expected at least one slot (slot 0 is the null slot), got 0")
     if st.stride()[1:] != (D * D, D, 1):
@@ -306,7 +324,8 @@ def validate_args(cfg: KdaConfig, args: KdaArgs, heads_from: str = "A_log") -> N
         raise KdaArgumentError("conv_state", f"expected L = {L} window positions (KdaConfig.window; "
                                              f"None gives T + 2 = {T + 2}), got shape "
                                              f"{list(cs.shape)}")
-    _check_tensor("conv_state", cs, (cfg.conv_state_dtype,), (slots, 3 * dim, L), dev)
+    _check_tensor("conv_state", cs, (cfg.conv_state_dtype,), (slots, 3 * dim, L), dev,
+                  dtype_why=decides("conv_state_dtype"))
     layout = conv_layout_of(cs)
     if layout != cfg.conv_layout:
         raise KdaArgumentError("conv_state", f"expected the {cfg.conv_layout} layout, got strides "
@@ -322,13 +341,15 @@ def validate_args(cfg: KdaConfig, args: KdaArgs, heads_from: str = "A_log") -> N
     _check_contiguous("f_b", args.f_b)
     _check_aligned("f_b", args.f_b)
     _check_beta(cfg, args.beta, N, dev)
-    _check_tensor("A_log", args.A_log, (torch.float32,), (H,), dev)
+    _check_tensor("A_log", args.A_log, (torch.float32,), (H,), dev,
+                  shape_why=f"one value per head; H = {H} from {heads_from}")
     _check_contiguous("A_log", args.A_log)
     _check_tensor("dt_bias", args.dt_bias, (torch.float32,), (dim,), dev)
     _check_contiguous("dt_bias", args.dt_bias)
     _check_tensor("output_gate", args.output_gate, (torch.bfloat16,), (N, dim), dev)
     _check_rows("output_gate", args.output_gate)
-    _check_tensor("norm_weight", args.norm_weight, (cfg.norm_weight_dtype,), (D,), dev)
+    _check_tensor("norm_weight", args.norm_weight, (cfg.norm_weight_dtype,), (D,), dev,
+                  dtype_why=decides("norm_weight_dtype"))
     _check_contiguous("norm_weight", args.norm_weight)
     _check_tensor("out", args.out, (torch.bfloat16,), (N, dim), dev)
     _check_rows("out", args.out)

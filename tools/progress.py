@@ -1,9 +1,13 @@
-"""The tools' progress display: rich's live bar on a terminal, plain lines in a log.
+"""The tools' console and progress display: rich's live bar on a terminal, plain lines in a log.
 
 On an interactive terminal rich redraws its bar in place. When stdout is a file, a pipe or
 a CI log, rich draws nothing until the end, so a long run looks hung; there the same rich
 columns (without the bar) are printed as one plain line every :data:`LOG_EVERY` seconds
 instead, and once more at the end.
+
+Every tool prints to a :func:`tool_console`, which never breaks a printed line: in a file
+rich takes the width as 80 columns, and a verdict broken there ("CHECK PASSED (... limit" /
+"rel 0.05)") is half found by a grep of the log.
 """
 
 from __future__ import annotations
@@ -15,6 +19,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 #: Seconds between two progress lines when the console is not an interactive terminal.
 LOG_EVERY = 5.0
+
+
+def tool_console(**kwargs) -> Console:
+    """The console a tool prints to: rich's (``kwargs`` as for :class:`rich.console.Console`),
+    with soft wrapping, so that a line printed is never broken at the console's width (a
+    terminal wraps it on screen; a log keeps it whole); tables still fit the width."""
+    return Console(soft_wrap=True, **kwargs)
 
 
 class ToolProgress(Progress):

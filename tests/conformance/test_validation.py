@@ -493,3 +493,37 @@ def test_object_form_names_where_its_head_count_comes_from():
     assert str(ei.value) == ("x: expected 768 channels (3 x H=2 heads x D=128; H from this "
                              "KdaDecode's KdaConfig.num_heads), got 1536 (= 4 heads)")
     _assert_untouched(args, before)
+
+
+def test_object_form_says_its_config_decides_the_head_count_of_a_log():
+    """A KdaDecode given an A_log of the wrong length (x and state right): the error names
+    A_log and says that the head count it expects is the object's KdaConfig's."""
+    args = make_case(CaseSpec(CFG1, R=2))
+    before = clone_args(args)
+    step = kda.KdaDecode(CFG1, device="cpu", backend="reference")
+    with pytest.raises(KdaArgumentError) as ei:
+        step(**{**_object_kw(args), "A_log": torch.cat([args.A_log, args.A_log])})
+    assert str(ei.value) == ("A_log: expected shape [2] (one value per head; H = 2 from this "
+                             "KdaDecode's KdaConfig.num_heads), got [4]")
+    _assert_untouched(args, before)
+
+
+@pytest.mark.parametrize("name,field", [("conv_state", "conv_state_dtype"),
+                                        ("state", "state_dtype"),
+                                        ("conv_weight", "conv_weight_dtype"),
+                                        ("norm_weight", "norm_weight_dtype")])
+def test_object_form_says_its_config_decides_a_dtype(name, field):
+    """A KdaDecode given a cache or weight of the other accepted dtype (an fp32 conv_state
+    to a default KdaConfig, whose conv_state_dtype is bf16): the error names the argument
+    and says that the object's KdaConfig field decides; nothing is written."""
+    args = make_case(CaseSpec(CFG1, R=2))
+    before = clone_args(args)
+    step = kda.KdaDecode(CFG1, device="cpu", backend="reference")
+    t = getattr(args, name)
+    other = torch.bfloat16 if t.dtype == torch.float32 else torch.float32
+    with pytest.raises(KdaArgumentError) as ei:
+        step(**{**_object_kw(args), name: t.to(other)})
+    assert ei.value.arg == name
+    assert (f"(this KdaDecode's KdaConfig.{field} decides), got "
+            f"{str(other).replace('torch.', '')}") in str(ei.value), str(ei.value)
+    _assert_untouched(args, before)

@@ -88,9 +88,11 @@ SYNTHETIC = {sd: {T: {1: _WIDE, 8: _WIDE, 32: _CUDA, 128: _CUDA, 512: _CUDA} for
 
 @pytest.fixture(autouse=True)
 def synthetic_table(request, monkeypatch):
-    """Every test but the table's own runs on :data:`SYNTHETIC`, so none pins a measurement."""
-    if request.node.name not in ("test_table_matches_its_measurement",
-                                 "test_the_state_dtype_picks_the_table"):
+    """Every test but the table's own (and the README's account of it on other GPUs) runs on
+    :data:`SYNTHETIC`, so none pins a measurement."""
+    if request.node.originalname not in ("test_table_matches_its_measurement",
+                                         "test_the_state_dtype_picks_the_table",
+                                         "test_auto_on_a_gpu_other_than_the_h200"):
         monkeypatch.setattr(auto, "MEASURED", SYNTHETIC)
 
 
@@ -253,3 +255,28 @@ def test_auto_on_the_gpu_switches_backend_by_batch_and_captures_graphs(monkeypat
         why = {n: w for n, w, _ in registry.status() if n in ("cutedsl_wide", "cuda")}
         assert not any(why.values()), why
         assert isinstance(backend, auto.BatchAuto) and used == {"cutedsl_wide", "cuda"}
+
+
+@pytest.mark.parametrize("capability,picked", [
+    ((9, 0), "cutedsl"),          # H100 and H200: the H200's table
+    ((10, 0), "cutedsl"),         # cuda is built for 9.0 only; cutedsl's check takes >= 9.0
+    ((12, 0), "cutedsl"),
+    ((8, 9), "triton"),           # below 9.0: neither CuTe DSL backend nor cuda
+    ((8, 0), "triton"),
+    ((7, 5), "reference"),        # triton needs 8.0 (bf16 MMA)
+])
+def test_auto_on_a_gpu_other_than_the_h200(monkeypatch, capability, picked):
+    """What the README says ``auto`` does on another GPU: the H200's table, each row's first
+    backend whose own check takes this GPU's compute capability (every backend installed
+    here), for both state dtypes and both measured T."""
+    from kda.backend import Backend
+
+    monkeypatch.delenv("KDA_BACKEND", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(Backend, "availability", lambda self: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    for sd in (torch.float32, torch.bfloat16):
+        for T in (1, 4):
+            cfg = KdaConfig(num_heads=32, T=T, state_dtype=sd)
+            assert registry.resolve(cfg, torch.device("cuda", 0)).name == picked, (sd, T)

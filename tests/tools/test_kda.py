@@ -1,6 +1,6 @@
 """tools/kda, the front door, run with stand-ins for bazel, apt-get and Python on PATH: what
-setup says before apt installs, the usage of a bare or wrong ``bench``, and ``test`` with
-flags only still testing every target."""
+setup says before apt installs, the usage of a bare or wrong ``bench``, ``test`` with flags
+only still testing every target, and ``test`` in a log through tools/testlog.py."""
 
 import os
 import pathlib
@@ -27,15 +27,16 @@ def bin_dir(tmp_path):
     d.mkdir()
     for tool in ("awk", "wc", "id", "sed", "dirname", "cat"):
         os.symlink(shutil.which(tool), d / tool)
-    _stub(d, "python3", 'for a; do case "$a" in *sys.executable*) echo "$0";; esac; done; exit 0')
+    _stub(d, "python3", 'if [ "$1 $2" = "-m tools.testlog" ]; then shift 2; echo testlog; exec "$@"; fi\n'
+                        'for a; do case "$a" in *sys.executable*) echo "$0";; esac; done; exit 0')
     _stub(d, "sudo", '"$@"')
     return d
 
 
-def _run(bin_dir, *args):
+def _run(bin_dir, *args, stderr=subprocess.PIPE):
     env = {"PATH": str(bin_dir), "HOME": str(bin_dir.parent), "LOG": str(bin_dir.parent / "log")}
-    return subprocess.run(["/bin/bash", str(KDA), *args], env=env, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(["/bin/bash", str(KDA), *args], env=env, stdout=subprocess.PIPE,
+                          stderr=stderr, text=True, timeout=60)
 
 
 def test_setup_says_what_apt_installs_before_it_does(bin_dir):
@@ -71,7 +72,33 @@ def test_test_with_flags_only_still_tests_every_target(bin_dir):
     _stub(bin_dir, "bazel", 'echo "bazel $*"')
     res = _run(bin_dir, "test", "--test_output=all")
     assert res.returncode == 0, res.stderr
-    assert res.stdout.split() == ["bazel", "test", f"--repo_env=KDA_PYTHON={bin_dir}/python3",
+    assert res.stdout.split() == ["testlog", "bazel", "test",
+                                  f"--repo_env=KDA_PYTHON={bin_dir}/python3",
                                   "--test_output=all", "//..."]
     res = _run(bin_dir, "test", "//tests/kda:config", "--test_output=all")
     assert res.stdout.split()[-2:] == ["//tests/kda:config", "--test_output=all"]
+
+
+def test_test_in_a_log_runs_bazel_through_testlog_and_on_a_terminal_directly(bin_dir):
+    """Output to a log (here a pipe): bazel test through tools/testlog.py, for a progress line
+    every few seconds; on a terminal Bazel's own live progress."""
+    import pty
+
+    _stub(bin_dir, "bazel", 'echo "bazel $*"; exit 3')
+    res = _run(bin_dir, "test", "//tests/kda:config")
+    assert (res.returncode, res.stdout.split()[:3]) == (3, ["testlog", "bazel", "test"])
+    primary, secondary = pty.openpty()
+    try:
+        res = _run(bin_dir, "test", "//tests/kda:config", stderr=secondary)
+    finally:
+        os.close(primary)
+        os.close(secondary)
+    assert (res.returncode, res.stdout.split()[:2]) == (3, ["bazel", "test"])
+
+
+def test_help_is_the_whole_comment_at_the_top(bin_dir):
+    res = _run(bin_dir, "help")
+    lines = res.stdout.splitlines()
+    assert res.returncode == 0 and lines[0].startswith("The project's front door")
+    assert any(line.strip() == "tools/testlog.py)" for line in lines)
+    assert lines[-1] == "(KDA_PYTHON through --repo_env; see third_party/python/python_configure.bzl)."

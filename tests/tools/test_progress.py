@@ -36,3 +36,24 @@ def test_a_terminal_gets_rich_s_live_bar_and_no_plain_lines():
         bar.update(task, advance=2)
     assert bar._lines is None
     assert "━" in out.getvalue()                    # the bar column
+
+
+def test_tool_console_never_breaks_a_line_and_tables_still_fit():
+    """In a log (rich takes 80 columns) a verdict longer than the width stays one line, so a
+    grep of the log finds all of it; a table is still drawn within the width."""
+    from rich.table import Table
+
+    from tools.progress import tool_console
+
+    out = io.StringIO()
+    console = tool_console(file=out, width=80)
+    verdict = ("CHECK PASSED (every generated token vs fla-core over the whole sequence; "
+               "limit rel 0.05)")
+    assert len(verdict) > 80
+    console.print("[bold green]CHECK PASSED[/]", verdict[len("CHECK PASSED "):])
+    table = Table("metric", "value")
+    table.add_row("a metric with a long name " * 3, "1")
+    console.print(table)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == verdict
+    assert max(len(line) for line in lines[1:]) <= 80

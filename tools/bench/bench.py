@@ -10,12 +10,17 @@ bench <backend>`` runs the target of that name):
     python3 -m tools.bench.bench --backends=all --out_dir=docs/results/h200   # GPU machine
 
 Per cell: median time, the copy-bandwidth floor (bytes the step must move / copy bandwidth
-measured in the same run) and floor/time, side by side for every backend and peer. Writes
-a table to the terminal and ``bench-<tag>.json`` plus ``bench-<tag>.png`` (fraction of floor
-vs R, one panel per T) to ``--out_dir``. The default grid is H = 12, 32, 96, T = 1, 4 and
-both state dtypes (``--state_dtype`` picks; each cell names it in the JSON's ``state_dtype``,
-fp32 when absent in older runs; a bf16 cell's floor counts 32 KiB pages), beside every peer
-that runs here. See :mod:`tools.bench.harness` for the method.
+measured in the same run) and floor/time, side by side for every backend and peer. Each cell
+is printed as it finishes; at the end a table, and ``bench-<tag>.json`` plus
+``bench-<tag>.png`` (fraction of floor vs R, one panel per T) in ``--out_dir``. Ctrl-C stops
+the run and prints the table of the cells that finished (nothing is written).
+
+The grid: ``--heads`` x ``--tokens`` x ``--batches`` x ``--state_dtype`` (each cell names its
+state dtype in the JSON's ``state_dtype``, fp32 when absent in older runs; a bf16 cell's floor
+counts 32 KiB pages), beside every peer that runs here. Without ``--heads``, ``--tokens`` and
+``--batches`` a GPU measures the grid of the reference runs and a CPU a small one (each
+flag's help says both); ``--state_dtype`` is fp32 unless given. See :mod:`tools.bench.harness`
+for the method.
 """
 
 from __future__ import annotations
@@ -37,22 +42,39 @@ from tools.flags import STATE_DTYPES, quiet_third_party_warnings, run, user_path
 from tools.bench import harness, peers, plot
 
 FLAGS = flags.FLAGS
-#: --state_dtype when not given: the grid measures both (tools/serve, which shares the flag,
-#: takes one and keeps its own default)
-DEFAULT_STATE_DTYPES = ["fp32", "bf16"]
+
+#: The flags left unset, on a GPU and on a CPU: the GPU grid is that of the reference runs
+#: (docs/results); the CPU's is small, since there the reference backend takes 0.7 s a step
+#: at H=32, R=8 (2.4 s beside a test run; a 2-core machine), and the timings are wall clock
+#: anyway.
+DEFAULTS = {
+    "gpu": {"heads": [12, 32, 96], "tokens": [1, 4], "batches": [1, 8, 32, 128, 512],
+            "iters": 200, "warmup": 20, "pool_gib": 8.0},
+    "cpu": {"heads": [32], "tokens": [1], "batches": [1, 8],
+            "iters": 5, "warmup": 1, "pool_gib": 0.5},
+}
+
+
+def _defaults(name: str) -> str:
+    """The help's "(default GPU: ...; CPU: ...)" of flag ``name``, from :data:`DEFAULTS`."""
+    gpu, cpu = (",".join(map(str, v)) if isinstance(v, list) else str(v)
+                for v in (DEFAULTS["gpu"][name], DEFAULTS["cpu"][name]))
+    return f"(default GPU: {gpu}; CPU: {cpu})"
+
+
 flags.DEFINE_list("backends", ["all"], "backends to measure (names, or 'all' = every available one)")
 flags.DEFINE_list("peers", ["auto"], "peers: fla_recurrent, fla_unfused, touch, touch_rows32, touch_ring, "
                   "'auto' (all that run here) or 'none'")
-flags.DEFINE_list("heads", ["12", "32", "96"], "H values (Kimi-Linear TP1..8: 32,16,8,4; "
-                  "K3-style: 12,24,48,96)")
-flags.DEFINE_list("batches", None, "R values (default GPU: 1,8,32,128,512; CPU: 1,8,32,128)")
-flags.DEFINE_list("tokens", ["1", "4"], "T values")
+flags.DEFINE_list("heads", None, "H values (Kimi-Linear TP1..8: 32,16,8,4; K3-style: 12,24,48,96) "
+                  + _defaults("heads"))
+flags.DEFINE_list("batches", None, "R values " + _defaults("batches"))
+flags.DEFINE_list("tokens", None, "T values " + _defaults("tokens"))
 flags.DEFINE_enum("gate", "softplus", ["softplus", "bounded"], "gate kind (bounded: lower_bound -5)")
 flags.DEFINE_enum("layout", "SD", ["SD", "DS"], "conv cache layout")
-flags.DEFINE_float("pool_gib", None, "state pool size in GiB (default 8 on GPU, 0.5 on CPU)")
+flags.DEFINE_float("pool_gib", None, "state pool size in GiB " + _defaults("pool_gib"))
 flags.DEFINE_integer("sets", 8, "rotating slot sets")
-flags.DEFINE_integer("iters", None, "timed iterations per cell (default 200 GPU, 5 CPU)")
-flags.DEFINE_integer("warmup", None, "warm-up iterations (default 20 GPU, 1 CPU)")
+flags.DEFINE_integer("iters", None, "timed iterations per cell " + _defaults("iters"))
+flags.DEFINE_integer("warmup", None, "warm-up iterations " + _defaults("warmup"))
 flags.DEFINE_enum("mode", "auto", ["auto", "graph", "eager"], "GPU timing: CUDA-graph replay or eager")
 flags.DEFINE_string("out_dir", "", "where to write JSON and PNG (default: print only)")
 flags.DEFINE_string("tag", "", "file name tag: bench-<tag>.json (default: the device's name and "
@@ -95,15 +117,32 @@ def default_tag(device_name: str, now: datetime.datetime) -> str:
     return f"{name}-{now:%Y%m%d-%H%M%S}"
 
 
+def _time_cell(c: harness.Cell) -> str:
+    """A measured cell as the table and the per-cell lines show it: median us (fraction of
+    the floor)."""
+    return f"{c.time_us:.1f} ({c.frac:.2f})"
+
+
+def _cell_line(row: List[harness.Cell]) -> str:
+    """The line printed when a cell (one H, T, R, state dtype) has finished: its floor and
+    every backend's and peer's time."""
+    c = row[0]
+    return (f"H={c.H} T={c.T} R={c.R} {c.state_dtype}: floor {c.floor_us:.1f} us | "
+            + ", ".join(f"{m.backend} {_time_cell(m)}" for m in row))
+
+
+#: Exit status of a run stopped by Ctrl-C (128 + SIGINT, as a shell reports it).
+INTERRUPTED = 130
+
+
 def main(argv):
     del argv
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    from tools.progress import ToolProgress
+    from tools.progress import ToolProgress, tool_console
 
-    console = Console()
+    console = tool_console()
     quiet_third_party_warnings(FLAGS.verbosity)
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if FLAGS.device == "auto" else FLAGS.device)
@@ -112,6 +151,12 @@ def main(argv):
     gpu = device.type == "cuda"
     if not gpu:
         console.print("[bold yellow]No CUDA device: these are CPU wall-clock timings, NOT GPU timings.[/]")
+    unset = DEFAULTS["gpu" if gpu else "cpu"]
+
+    def flag(name):
+        value = getattr(FLAGS, name)
+        return unset[name] if value is None else value
+
     names = registry.BACKEND_NAMES if FLAGS.backends == ["all"] else FLAGS.backends
     want_peers = list(peers.PEERS) if FLAGS.peers == ["auto"] else \
         [] if FLAGS.peers == ["none"] else FLAGS.peers
@@ -120,12 +165,10 @@ def main(argv):
         if why:
             console.print(f"[dim]{p}: skipped ({why})[/]")
             want_peers.remove(p)
-    batches = [int(b) for b in (FLAGS.batches or (["1", "8", "32", "128", "512"] if gpu
-                                                  else ["1", "8", "32", "128"]))]
-    tokens = [int(t) for t in FLAGS.tokens]
-    iters = FLAGS.iters if FLAGS.iters is not None else (200 if gpu else 5)
-    warmup = FLAGS.warmup if FLAGS.warmup is not None else (20 if gpu else 1)
-    pool = FLAGS.pool_gib if FLAGS.pool_gib is not None else (8.0 if gpu else 0.5)
+    heads = [int(h) for h in flag("heads")]
+    batches = [int(b) for b in flag("batches")]
+    tokens = [int(t) for t in flag("tokens")]
+    iters, warmup, pool = flag("iters"), flag("warmup"), flag("pool_gib")
     copy_bw = harness.copy_bandwidth(device, 2.0 if gpu else 0.25)
     dev_name = torch.cuda.get_device_name() if gpu else platform.processor() or "cpu"
     console.print(f"device: {dev_name}; copy bandwidth {copy_bw / 1e12:.3f} TB/s (read+write); "
@@ -142,51 +185,65 @@ def main(argv):
 
     cells: List[harness.Cell] = []
     failed: List[str] = []
-    state_dtypes = (DEFAULT_STATE_DTYPES if FLAGS["state_dtype"].using_default_value
-                    else FLAGS.state_dtype)
-    grid = [(int(H), T, R, sd) for H in FLAGS.heads for T in tokens for R in batches
-            for sd in state_dtypes]
+    grid = [(H, T, R, sd) for H in heads for T in tokens for R in batches
+            for sd in FLAGS.state_dtype]
+    interrupted, done = False, 0
     with ToolProgress("cells", console) as bar:
         task = bar.add_task("cells", total=len(grid))
-        for done, (H, T, R, sd) in enumerate(grid):
-            bar.update(task, completed=done, info=f"H={H} T={T} R={R} {sd}")
-            if not gpu and R * H > FLAGS.max_items:
-                console.print(f"[dim]H={H} T={T} R={R}: skipped on the CPU (R*H = {R * H} > "
-                              f"--max_items={FLAGS.max_items:g})[/]")
-                continue
-            cfg = KdaConfig(num_heads=H, T=T, window=T + 2, conv_layout=FLAGS.layout,
-                            lower_bound=-5.0 if FLAGS.gate == "bounded" else None,
-                            gate_mode=FLAGS.gate_mode, state_dtype=STATE_DTYPES[sd])
-            wl = harness.Workload(cfg, R, device, pool, FLAGS.sets, hot=FLAGS.hot_state)
-            for name, make in runners:
-                why = registry.unsupported_reasons(name, cfg, device) if name in registry.BACKEND_NAMES else []
-                if not why and sd != "fp32" and name in peers.PEERS and not name.startswith("touch"):
-                    why = ["the peer keeps an fp32 state"]
-                if why:
-                    logging.info("%s cannot run %s: %s", name, cfg.short(), why)
+        try:
+            for done, (H, T, R, sd) in enumerate(grid):
+                bar.update(task, completed=done, info=f"H={H} T={T} R={R} {sd}")
+                if not gpu and R * H > FLAGS.max_items:
+                    console.print(f"[dim]H={H} T={T} R={R}: skipped on the CPU (R*H = {R * H} > "
+                                  f"--max_items={FLAGS.max_items:g})[/]")
                     continue
-                if name.startswith("triton") and not gpu and R * H > 8:
-                    console.print(f"[dim]{escape(name)} H={H} T={T} R={R}: skipped (Triton's CPU "
-                                  "interpreter runs R*H <= 8 only)[/]")
-                    continue
-                try:
-                    cells.append(harness.measure(name, make, wl, copy_bw, iters, warmup, FLAGS.mode))
-                except Exception as e:  # noqa: BLE001 - one failing cell must not hide the others
-                    failed.append(f"{name} H={H} T={T} R={R}")
-                    console.print(f"[red]{escape(name)} H={H} T={T} R={R} failed: "
-                                  f"{type(e).__name__}: {escape(str(e))}[/]")
-            del wl
-            if gpu:
-                torch.cuda.empty_cache()
-        bar.update(task, completed=len(grid), info="")
+                cfg = KdaConfig(num_heads=H, T=T, window=T + 2, conv_layout=FLAGS.layout,
+                                lower_bound=-5.0 if FLAGS.gate == "bounded" else None,
+                                gate_mode=FLAGS.gate_mode, state_dtype=STATE_DTYPES[sd])
+                wl = harness.Workload(cfg, R, device, pool, FLAGS.sets, hot=FLAGS.hot_state)
+                row = []
+                for name, make in runners:
+                    why = registry.unsupported_reasons(name, cfg, device) if name in registry.BACKEND_NAMES else []
+                    if not why and sd != "fp32" and name in peers.PEERS and not name.startswith("touch"):
+                        why = ["the peer keeps an fp32 state"]
+                    if why:
+                        logging.info("%s cannot run %s: %s", name, cfg.short(), why)
+                        continue
+                    if name.startswith("triton") and not gpu and R * H > 8:
+                        console.print(f"[dim]{escape(name)} H={H} T={T} R={R}: skipped (Triton's CPU "
+                                      "interpreter runs R*H <= 8 only)[/]")
+                        continue
+                    try:
+                        row.append(harness.measure(name, make, wl, copy_bw, iters, warmup, FLAGS.mode))
+                    except Exception as e:  # noqa: BLE001 - one failing cell must not hide the others
+                        failed.append(f"{name} H={H} T={T} R={R}")
+                        console.print(f"[red]{escape(name)} H={H} T={T} R={R} failed: "
+                                      f"{type(e).__name__}: {escape(str(e))}[/]")
+                        continue
+                    cells.append(row[-1])      # in the table if Ctrl-C comes before the row ends
+                if row:
+                    console.print(escape(_cell_line(row)))
+                del wl
+                if gpu:
+                    torch.cuda.empty_cache()
+        except KeyboardInterrupt:
+            interrupted = True
+        else:
+            bar.update(task, completed=len(grid), info="")
 
-    if not cells:
+    if interrupted:
+        console.print(f"[bold yellow]interrupted[/] (Ctrl-C) after {done} of {len(grid)} cells: "
+                      + ("the table of what finished; nothing written" if cells
+                         else "nothing had finished"))
+        if not cells:
+            return INTERRUPTED
+    elif not cells:
         console.print("[bold red]no cell was measured[/] (no selected backend can run here, or every "
                       "cell failed: see above)")
         return 1
     order = list(dict.fromkeys(c.backend for c in cells))
-    tab = Table(title=f"fused KDA decode step, {dev_name}, H={','.join(FLAGS.heads)}, {FLAGS.gate} gate, "
-                      f"{FLAGS.layout}: median us (fraction of copy-bandwidth floor)"
+    tab = Table(title=f"fused KDA decode step, {dev_name}, H={','.join(map(str, heads))}, "
+                      f"{FLAGS.gate} gate, {FLAGS.layout}: median us (fraction of copy-bandwidth floor)"
                       + ("  [--hot_state: state in L2, not an HBM measurement]" if FLAGS.hot_state else "")
                       + ("" if gpu else "  [CPU wall clock, not GPU timings]"))
     tab.add_column("H")
@@ -201,8 +258,10 @@ def main(argv):
         row = {c.backend: c for c in cells if (c.H, c.T, c.R, c.state_dtype) == key}
         floor = next(iter(row.values())).floor_us
         tab.add_row(str(key[0]), str(key[1]), str(key[2]), key[3], f"{floor:.1f}",
-                    *[f"{row[n].time_us:.1f} ({row[n].frac:.2f})" if n in row else "-" for n in order])
+                    *[_time_cell(row[n]) if n in row else "-" for n in order])
     console.print(tab)
+    if interrupted:
+        return INTERRUPTED
 
     out_dir = user_path(FLAGS.out_dir)
     if out_dir:

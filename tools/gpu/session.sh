@@ -6,8 +6,9 @@
 #   env      environment and backend availability; build (or load) the CUDA extension
 #   bench    alone: the benchmark (the backends in $KDA_BENCH_BACKENDS, default
 #            $KDA_GPU_BACKENDS = every GPU backend; the fla-core and touch peers; the default
-#            grid of tools/bench/bench.py, or other flags in $KDA_BENCH_FLAGS)
-#            -> $OUT/bench-<gpu>.json (gpu: the device name's last word, e.g. h200, h100)
+#            grid of tools/bench/bench.py on fp32 and bf16 state pools, or other flags in
+#            $KDA_BENCH_FLAGS) -> $OUT/bench-<gpu>.json (gpu: the device name's last word, e.g.
+#            h200, h100)
 #   hot      alone: the benchmark with --hot_state (every request of a step on one slot, so the
 #            state stays in L2: the kernels' compute / latency bound) for $KDA_HOT_BACKENDS
 #            (default all), R 128 and 512, T 1 and 5 -> $OUT/bench-hot-<gpu>.json
@@ -82,7 +83,7 @@ if want bench; then
   t0=$SECONDS
   B=${KDA_BENCH_BACKENDS:-$GPU}
   timeout "$(left)" python3 -m tools.bench.bench --backends="${B// /,}" --out_dir="$OUT" --tag="$GPU_TAG" \
-    --noplot ${KDA_BENCH_FLAGS:-} > "$L/bench.log" 2>&1
+    --noplot --state_dtype=fp32,bf16 ${KDA_BENCH_FLAGS:-} > "$L/bench.log" 2>&1
   echo "bench rc=$? $((SECONDS - t0))s" >> "$L/_rc"
   tail -n 30 "$L/bench.log" >> "$OUT/summary.txt"
 fi

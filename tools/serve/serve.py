@@ -200,12 +200,11 @@ def _usage(msg: str):
 
 def main(argv):
     del argv
-    from rich.console import Console
     from rich.table import Table
 
-    from tools.progress import ToolProgress
+    from tools.progress import ToolProgress, tool_console
 
-    console = Console()
+    console = tool_console()
     quiet_third_party_warnings(FLAGS.verbosity)
     if FLAGS.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

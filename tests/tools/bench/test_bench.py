@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import torch
 from absl import flags
 from absl.testing import flagsaver
 
@@ -141,3 +142,115 @@ def test_default_tag_names_the_device_and_the_time():
     assert bench.default_tag("Intel Xeon", t) == "Intel_Xeon-20261201-172943"
     assert bench.default_tag("NVIDIA H200", t + datetime.timedelta(seconds=1)) != \
         bench.default_tag("NVIDIA H200", t)
+
+
+class _Workload:
+    """Stands in for harness.Workload: no pool allocated."""
+
+    def __init__(self, cfg, R, device, pool_gib, sets, hot=False):
+        self.cfg, self.R = cfg, R
+
+
+@pytest.fixture
+def fake_harness(monkeypatch):
+    """bench.main with the harness's pool, copy and timing stood in for: ``run(on_measure,
+    **flags)`` runs it on the CPU with the reference backend and no peers; ``on_measure(k,
+    cell)`` is called before the k-th measurement (from 0) returns its cell. Returns (exit
+    status, stdout, measured cells)."""
+    from tools.bench import harness
+
+    def run(on_measure=lambda k, cell: None, **flag_values):
+        measured = []
+
+        def measure(name, make, wl, copy_bw, iters, warmup, mode):
+            cfg = wl.cfg
+            cell = harness.Cell(backend=name, H=cfg.num_heads, R=wl.R, T=cfg.T, gate=cfg.gate,
+                                layout=cfg.conv_layout, time_us=100.0 + len(measured),
+                                floor_us=10.0, frac=0.1, bytes=1, mode="cpu-wall", iters=iters,
+                                state_dtype="bf16" if cfg.state_dtype == torch.bfloat16 else "fp32")
+            on_measure(len(measured), cell)
+            measured.append(cell)
+            return cell
+
+        monkeypatch.setattr(harness, "measure", measure)
+        monkeypatch.setattr(harness, "Workload", _Workload)
+        monkeypatch.setattr(harness, "copy_bandwidth", lambda device, gib: 1e10)
+        monkeypatch.setenv("COLUMNS", "80")
+        FLAGS.unparse_flags()
+        FLAGS(["bench"])
+        try:
+            with flagsaver.flagsaver(backends=["reference"], peers=["none"], device="cpu",
+                                     **flag_values):
+                rc = bench.main(["bench"])
+        finally:
+            FLAGS.unparse_flags()
+        return rc, measured
+    return run
+
+
+def test_cpu_default_grid_is_small_and_of_the_flags_state_dtype(fake_harness):
+    """Without grid flags a CPU measures a small grid (a 2-core machine measured 13 of the
+    48 cells of the old default in 5:40), of the state dtypes --state_dtype's default names
+    (what --help says), not both."""
+    rc, measured = fake_harness()
+    assert rc == 0
+    assert [(c.H, c.T, c.R, c.state_dtype) for c in measured] == \
+        [(32, 1, 1, "fp32"), (32, 1, 8, "fp32")]
+    assert {c.state_dtype for c in measured} == set(FLAGS["state_dtype"].default)
+
+
+def test_each_cell_is_printed_as_it_finishes(fake_harness, capsys):
+    """A cell's line is out before the next cell's measurement starts, not only in the table
+    at the end."""
+    seen = []
+
+    def on_measure(k, cell):
+        seen.append(capsys.readouterr().out)
+    rc, measured = fake_harness(on_measure, heads=["2"], tokens=["1"], batches=["1", "2", "3"])
+    seen.append(capsys.readouterr().out)
+    assert rc == 0 and len(measured) == 3
+    for k in range(3):
+        line = f"H=2 T=1 R={k + 1} fp32: floor 10.0 us | reference {100 + k:.1f} (0.10)"
+        assert line not in "".join(seen[:k + 1])
+        assert line in seen[k + 1].splitlines(), seen[k + 1]
+
+
+def test_ctrl_c_prints_the_table_of_what_finished(fake_harness, capsys, tmp_path):
+    """SIGINT during the third cell: the two finished cells' table, a line that says so,
+    nothing written to --out_dir, exit status 130."""
+    import os
+    import signal
+    import time
+
+    def on_measure(k, cell):
+        if k == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(10)                      # the signal interrupts the sleep
+    try:
+        rc, measured = fake_harness(on_measure, heads=["2"], tokens=["1"],
+                                    batches=["1", "2", "3"], out_dir=str(tmp_path / "out"))
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C ended bench.main without its table")
+    out = capsys.readouterr().out
+    assert rc == bench.INTERRUPTED == 130
+    assert "interrupted (Ctrl-C) after 2 of 3 cells: the table of what finished; nothing " \
+        "written" in out.splitlines()
+    table = out[out.index("fused KDA decode step"):]
+    rows = [line for line in table.splitlines() if line.startswith("│ 2 ")]
+    assert [r.split("│")[3].strip() for r in rows] == ["1", "2"], table
+    assert "100.0 (0.10)" in rows[0] and "101.0 (0.10)" in rows[1]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_failed_cells_verdict_is_one_line(fake_harness, capsys):
+    """In a log (80 columns) the failure of a cell and the closing verdict are whole lines."""
+    def on_measure(k, cell):
+        if k == 1:
+            raise RuntimeError("a long reason why this cell could not be measured, longer than "
+                               "a log's 80 columns")
+    rc, _ = fake_harness(on_measure, heads=["2"], tokens=["1"], batches=["1", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 1
+    assert "reference H=2 T=1 R=2 failed: RuntimeError: a long reason why this cell could not " \
+        "be measured, longer than a log's 80 columns" in lines
+    assert "1 cell(s) failed (exit status 1): reference H=2 T=1 R=2" in lines

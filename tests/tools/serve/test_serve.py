@@ -21,7 +21,8 @@ def parsed(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("T", [1, 3])
-def test_serve_small(T, capsys, tmp_path):
+def test_serve_small(T, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")        # rich's width in a log
     with flagsaver.flagsaver(num_heads=2, tp_rank=5, num_requests=5, max_batch=4, spec_tokens=T,
                              prompt_len="3:9", gen_len="2:6", check_against="reference",
                              lower_bound=-5.0 if T == 3 else None):
@@ -30,6 +31,9 @@ def test_serve_small(T, capsys, tmp_path):
     assert "CHECK PASSED" in out, out
     assert "heads [10, 12) of 32" in out
     assert rc == 0
+    # the verdict is one line in a log (rich wrapped it at 80 columns), for a grep to find
+    assert "CHECK PASSED (every generated token vs fla-core over the whole sequence; limit " \
+        "rel 0.05)" in out.splitlines()
     # the synthetic checkpoint is written once, into $KDA_CACHE_DIR/checkpoints/
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == \
         ["kimi_linear_kda_layer_SYNTHETIC_seed0.safetensors"]
