@@ -102,3 +102,11 @@ def test_help_is_the_whole_comment_at_the_top(bin_dir):
     assert res.returncode == 0 and lines[0].startswith("The project's front door")
     assert any(line.strip() == "tools/testlog.py)" for line in lines)
     assert lines[-1] == "(KDA_PYTHON through --repo_env; see third_party/python/python_configure.bzl)."
+
+
+def test_tune_runs_the_tuner_with_its_flags(bin_dir):
+    _stub(bin_dir, "bazel", 'echo "bazel $*" >> "$LOG"')
+    res = _run(bin_dir, "tune", "--dry_run", "--heads=12")
+    assert res.returncode == 0, res.stderr
+    call = (bin_dir.parent / "log").read_text().splitlines()[-1]
+    assert call.startswith("bazel run ") and call.endswith("//tools/bench:tune -- --dry_run --heads=12")
