@@ -6,9 +6,10 @@ files.
 Replaces the text between ``<!-- perf-table:begin -->`` and ``<!-- perf-table:end -->`` in
 README.md with one table per JSON (time in us and fraction of the copy-bandwidth floor per
 backend and peer), headed by the run's device, date, commit and command, and the text between
-``<!-- tiers:begin -->`` and ``<!-- tiers:end -->`` in the README.md beside the first JSON
-(where it has them) with ``cutedsl`` against ``touch`` per tier of items (:data:`TIERS`), so
-neither shows a number by hand. ``--check`` exits non-zero when either is not up to date.
+``<!-- tiers:begin -->`` and ``<!-- tiers:end -->`` in each run folder's README.md (where it
+has them) with ``cutedsl`` against ``touch`` per tier of items (:data:`TIERS`) from that
+folder's JSONs, so neither shows a number by hand. ``--check`` exits non-zero when any is not
+up to date.
 """
 
 from __future__ import annotations
@@ -150,14 +151,15 @@ def main(argv: List[str]) -> int:
         return 2
     new = _replace(text, BEGIN, END, render(paths, root))
     updates = [(readme, text, new)]
-    run_readme = os.path.join(root, os.path.dirname(paths[0]), "README.md")
-    if os.path.isfile(run_readme):
-        with open(run_readme) as f:
-            run_text = f.read()
-        if TIERS_BEGIN in run_text and TIERS_END in run_text:
-            full = [os.path.join(root, p) for p in paths]
-            updates.append((run_readme, run_text,
-                            _replace(run_text, TIERS_BEGIN, TIERS_END, tiers(full))))
+    for run_dir in dict.fromkeys(os.path.dirname(p) for p in paths):   # each run's own README
+        run_readme = os.path.join(root, run_dir, "README.md")
+        if os.path.isfile(run_readme):
+            with open(run_readme) as f:
+                run_text = f.read()
+            if TIERS_BEGIN in run_text and TIERS_END in run_text:
+                full = [os.path.join(root, p) for p in paths if os.path.dirname(p) == run_dir]
+                updates.append((run_readme, run_text,
+                                _replace(run_text, TIERS_BEGIN, TIERS_END, tiers(full))))
     if check:
         return 0 if all(old == new for _, old, new in updates) else 1
     for path, old, new in updates:
