@@ -49,7 +49,7 @@ import torch
 
 from kda.backend import (Backend, StepFn, current_stream_handle, gpu_reason,
                          kernel_config_reasons, widest_access)
-from kda.backends.cutedsl import policy, tables
+from kda.backends.cutedsl import policy, scheduler, tables
 from kda.backends.cutedsl import schedule as S
 from kda.backends.cutedsl.problem import MAX_T, Problem
 from kda.backends.cutedsl.static import SmemPlan
@@ -136,12 +136,6 @@ def _set_carveout(compiled, smem_bytes: int, device_index: int) -> bool:
 
 log = logging.getLogger("kda")
 
-#: Indices of the row tensors' addresses (x, f_a, output_gate, out) and of their row strides
-#: (x_rs, fa_rs, og_rs, out_rs) in a launch's argument values.
-_ROW_PTRS = tuple(KdaArgs._fields.index(n) for n in ("x", "f_a", "output_gate", "out"))
-_ROW_STRIDES = tuple(len(KdaArgs._fields) + i for i in (2, 3, 5, 6))
-
-
 class _Launcher:
     """The step function of one (schedule, config, device): fills the argument buffer and
     launches.
@@ -166,16 +160,24 @@ class _Launcher:
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", self.device_index)
         self.exe = compiled.to(self.device_index)
-        names = cache.arg_names()
+        from kda.backends.cutedsl import args as A
+
+        names = A.arg_names()
         self.nargs = len(names)
         self.buf = (ctypes.c_uint64 * self.nargs)()
         base = ctypes.addressof(self.buf)
         self.addrs = [base + 8 * i for i in range(self.nargs)]
         idx = {n: i for i, n in enumerate(names)}
-        self.i_scalars = idx["R"]
+        # the scalars read off a call follow the operands (args.SCALARS' order)
+        first = len(A.OPERANDS)
+        assert names[first:first + len(A.HOST_SCALARS)] == list(A.HOST_SCALARS)
+        self.host_scalars = tuple(A.HOST_SCALARS.values())
+        # the row tensors (x, f_a, output_gate, out) and their pitches: kda.backend.row_bytes
+        self.row_ptrs = tuple(idx[n] for n in ("x", "f_a", "output_gate", "out"))
+        self.row_pitches = tuple(idx[n] for n in ("x_rs", "fa_rs", "og_rs", "out_rs"))
         self.i_stream = idx["stream"]
         self.i_ctas = idx["ctas"]
-        # the multiprocessors, for the streamed kernel's grid (policy.ctas)
+        # the multiprocessors, for the streamed kernel's grid (scheduler.ctas)
         self.sms = sm_count(self.device_index)
         lb = cfg.lower_bound if cfg.lower_bound is not None else 0.0
         self.buf[idx["scale"]] = _f32_bits(cfg.scale)
@@ -227,16 +229,14 @@ class _Launcher:
         x = a.x.data_ptr()
         # the kernels take the record's tensors in its field order; an absent one (None) is
         # never read: x's address stands in
-        vals = [x if t is None else t.data_ptr() for t in a] + [
-            R, a.state.shape[0], a.x.stride(0), a.f_a.stride(0), a.beta.stride(0),
-            a.output_gate.stride(0), a.out.stride(0), a.state.stride(0), a.conv_state.stride(0),
-        ]
-        # kda.backend.row_bytes, from the addresses and row strides (bf16 rows) read above
-        rows = widest_access([vals[i] for i in _ROW_PTRS],
-                             [2 * vals[i] for i in _ROW_STRIDES] if R * self.T > 1 else ())
+        vals = [x if t is None else t.data_ptr() for t in a] + [get(a) for get in
+                                                                 self.host_scalars]
+        # kda.backend.row_bytes, from the addresses and row pitches (bf16 rows) read above
+        rows = widest_access([vals[i] for i in self.row_ptrs],
+                             [2 * vals[i] for i in self.row_pitches] if R * self.T > 1 else ())
         launcher = self if rows == self.pb.row_bytes else self.for_rows(rows)
         launcher.buf[0:len(vals)] = vals
-        launcher.buf[launcher.i_ctas] = policy.ctas(self.sched, R * self.H, self.sms)
+        launcher.buf[launcher.i_ctas] = scheduler.ctas(self.sched, R * self.H, self.sms)
         launcher.buf[launcher.i_stream] = current_stream_handle(self.device)
         launcher._launch()
 

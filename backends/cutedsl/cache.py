@@ -28,7 +28,6 @@ from typing import Dict, List, Optional, Tuple
 from kda.backends.cutedsl.problem import Problem
 from kda.backends.cutedsl.schedule import Rows, Schedule
 from kda.backends.cutedsl.static import default_cache_dir
-from kda.config import KdaArgs
 
 log = logging.getLogger("kda")
 
@@ -38,31 +37,6 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 def _sources() -> List[str]:
     """Every Python source of this package, in name order (a new file is part of the key)."""
     return sorted(n for n in os.listdir(_HERE) if n.endswith(".py"))
-
-#: Pointer arguments, in kernel order, which is :class:`kda.config.KdaArgs`' field order (the
-#: launcher passes the record's tensors as they come): (name, dtype key, assumed alignment in
-#: bytes). "rows": the row tensors' alignment, :attr:`Problem.row_bytes`; "beta": fp32
-#: (4 bytes) with :attr:`Problem.beta_activated`, else bf16 (2).
-POINTER_ARGS = (
-    ("x", "bf16", "rows"), ("cw", "cw", 4), ("cb", "f32", 4), ("cs", "cs", 16),
-    ("fa", "bf16", "rows"), ("fb", "bf16", 4), ("beta", "beta", "beta"), ("alog", "f32", 4),
-    ("dtb", "f32", 4), ("state", "st", 16), ("si", "i32", 4), ("og", "bf16", "rows"),
-    ("nw", "nw", 4), ("na", "i32", 4), ("vrec", "f32", 4), ("kgrec", "bf16", 2),
-    ("out", "bf16", "rows"),
-)
-assert len(POINTER_ARGS) == len(KdaArgs._fields)
-#: Scalar arguments after the pointers: (name, kind) with kind i32 / i64 / f32. ``ctas`` is the
-#: persistent grid of the streamed kernel (the others size their grids from R).
-SCALAR_ARGS = (
-    ("R", "i32"), ("slots", "i32"), ("x_rs", "i32"), ("fa_rs", "i32"), ("beta_rs", "i32"),
-    ("og_rs", "i32"), ("out_rs", "i32"), ("state_ss", "i64"), ("cs_ss", "i64"),
-    ("scale", "f32"), ("eps", "f32"), ("lb", "f32"), ("ctas", "i32"),
-)
-
-
-def arg_names() -> List[str]:
-    """Runtime argument names of every kernel of the family, in order, the CUDA stream last."""
-    return [n for n, _, _ in POINTER_ARGS] + [n for n, _ in SCALAR_ARGS] + ["stream"]
 
 
 @dataclasses.dataclass
@@ -110,50 +84,6 @@ def target_arch() -> str:
     return str(CuTeDSL._get_dsl().envar.arch)
 
 
-def _dtype(key: str, pb: Problem):
-    from cutlass import BFloat16, Float32, Int32
-    if key == "cw":
-        key = "bf16" if pb.cw_bf16 else "f32"
-    elif key == "cs":
-        key = "bf16" if pb.cs_bf16 else "f32"
-    elif key == "nw":
-        key = "bf16" if pb.nw_bf16 else "f32"
-    elif key == "beta":
-        key = "f32" if pb.beta_activated else "bf16"
-    elif key == "st":
-        key = "bf16" if pb.state_bf16 else "f32"
-    return {"bf16": BFloat16, "f32": Float32, "i32": Int32}[key]
-
-
-def assumed_align(align, pb: Problem) -> int:
-    """A :data:`POINTER_ARGS` alignment for ``pb``, in bytes."""
-    if align == "rows":
-        return pb.row_bytes
-    if align == "beta":
-        return 4 if pb.beta_activated else 2
-    return align
-
-
-def compile_args(pb: Problem) -> list:
-    """Fake arguments for ``cute.compile``: null pointers with the alignments the kernel assumes
-    (the row tensors' from ``pb.row_bytes``: a launch passes them only on rows that have it)."""
-    import cuda.bindings.driver as cuda
-    import cutlass.cute as cute
-    from cutlass import Float32, Int32, Int64
-    from cutlass.cute.runtime import make_ptr
-
-    args = []
-    for _, key, align in POINTER_ARGS:
-        dt = _dtype(key, pb)
-        args.append(make_ptr(dt, 0, cute.AddressSpace.gmem,
-                             assumed_align=min(assumed_align(align, pb), 16)))
-    scalars = SCALAR_ARGS
-    for _, k in scalars:
-        args.append({"i32": Int32(1), "i64": Int64(1), "f32": Float32(1.0)}[k])
-    args.append(cuda.CUstream(0))
-    return args
-
-
 def kernel_object(pb: Problem, sched: Schedule):
     """The kernel object serving ``pb`` with ``sched``, by how the schedule cuts an item's
     rows: :class:`KdaWide` (``Rows.CTA``), :class:`KdaSplit` (``Rows.CLUSTER``) or
@@ -177,6 +107,8 @@ def compile_kernel(pb: Problem, sched: Schedule, options: Optional[str] = None):
     """Trace and compile the kernel of ``pb`` and ``sched`` (no GPU needed). Returns
     (compiled, seconds)."""
     import cutlass.cute as cute
+
+    from kda.backends.cutedsl.args import compile_args
     obj = kernel_object(pb, sched)
     t0 = time.perf_counter()
     if options:

@@ -88,8 +88,8 @@ class ItemMath:
         """
         T = self.T
         r, _ = self.item_rh(p, item)
-        vals = [P.gld_nc_b32_or0(p.si + (r * T + t), valid) for t in range(T)]
-        na = P.gld_nc_b32_or0(p.na + r, valid) if T > 1 else Int32(0)
+        vals = [P.gld_nc_b32_or0(p.state_indices + (r * T + t), valid) for t in range(T)]
+        na = P.gld_nc_b32_or0(p.num_accepted_tokens + r, valid) if T > 1 else Int32(0)
         return vals, na
 
     def stage_slot_values(self, p, vals, na, q):
@@ -185,7 +185,7 @@ class ItemMath:
         # output gate rows: threads 0 .. 16T-1
         t = tid >> 4
         piece = tid & 15
-        gp = p.og + (Int64(r * T + t) * p.og_rs + (h * D + piece * 8))
+        gp = p.output_gate + (Int64(r * T + t) * p.og_rs + (h * D + piece * 8))
         P.cp_async16(p.sb + pl.SOG + tid * 16, gp, live & Int32(tid < 16 * T))
 
     def _issue_rows_narrow(self, p, desc):
@@ -221,14 +221,14 @@ class ItemMath:
         copy_rows(3 * T, lambda row: p.x + (Int64(r * T + row // 3) * p.x_rs
                                             + ((row - (row // 3) * 3) * dim + h * D)),
                   lambda row: pl.SX + row * (2 * D))
-        copy_rows(T, lambda row: p.og + (Int64(r * T + row) * p.og_rs + h * D),
+        copy_rows(T, lambda row: p.output_gate + (Int64(r * T + row) * p.og_rs + h * D),
                   lambda row: pl.SOG + row * (2 * D))
 
     def _window_ptr(self, p, cslot, ch, pos):
         """Address of conv_state[cslot, ch, pos] in either layout (64-bit slot offset)."""
         if (self.pb.layout == "SD"):
-            return p.cs + (Int64(cslot) * p.cs_ss + Int64(pos * (3 * self.dim) + ch))
-        return p.cs + (Int64(cslot) * p.cs_ss + Int64(ch * self.pb.L + pos))
+            return p.conv_state + (Int64(cslot) * p.cs_ss + Int64(pos * (3 * self.dim) + ch))
+        return p.conv_state + (Int64(cslot) * p.cs_ss + Int64(ch * self.pb.L + pos))
 
     def _load_raw(self, gp, pred):
         if (self.pb.cs_bf16):
@@ -355,8 +355,8 @@ class ItemMath:
         hp = SimpleNamespace()
         hp.wa, hp.wb = [], []
         for e in range(4):
-            pa = p.cw + (part_a * (4 * dim) + e * dim + h * D + d)
-            pk = p.cw + (4 * dim + e * dim + h * D + d)
+            pa = p.conv_weight + (part_a * (4 * dim) + e * dim + h * D + d)
+            pk = p.conv_weight + (4 * dim + e * dim + h * D + d)
             if pb.cw_bf16:
                 hp.wa.append(P.bf16_bits_to_f32(P.gld_nc_u16(pa)))
                 hp.wb.append(P.bf16_bits_to_f32(P.gld_nc_u16_or0(pk, is_qk)))
@@ -364,19 +364,20 @@ class ItemMath:
                 hp.wa.append(P.gld_nc_f32(pa))
                 hp.wb.append(P.gld_nc_f32_or0(pk, is_qk))
         if pb.has_bias:
-            hp.ba = P.gld_nc_f32(p.cb + (part_a * dim + h * D + d))
-            hp.bb = P.gld_nc_f32_or0(p.cb + (dim + h * D + d), is_qk)
+            hp.ba = P.gld_nc_f32(p.conv_bias + (part_a * dim + h * D + d))
+            hp.bb = P.gld_nc_f32_or0(p.conv_bias + (dim + h * D + d), is_qk)
         else:
             hp.ba = Float32(0.0)
             hp.bb = Float32(0.0)
         krow = p.warp * 16 + p.g
-        fb0 = p.fb + ((h * D + krow) * D + 2 * p.tig)
+        fb0 = p.f_b + ((h * D + krow) * D + 2 * p.tig)
         fb8 = fb0 + 8 * D
         hp.fb = [(P.gld_nc_b32(fb0 + 16 * s), P.gld_nc_b32(fb8 + 16 * s),
                   P.gld_nc_b32(fb0 + (16 * s + 8)), P.gld_nc_b32(fb8 + (16 * s + 8)))
                  for s in range(8)]
-        hp.dtb = [P.gld_nc_f32(p.dtb + (h * D + krow)), P.gld_nc_f32(p.dtb + (h * D + krow + 8))]
-        hp.alog = P.gld_nc_f32(p.alog + h)
+        hp.dtb = [P.gld_nc_f32(p.dt_bias + (h * D + krow)),
+                  P.gld_nc_f32(p.dt_bias + (h * D + krow + 8))]
+        hp.alog = P.gld_nc_f32(p.A_log + h)
         return hp
 
     def gate_b(self, p, desc):
@@ -384,7 +385,7 @@ class ItemMath:
         2-byte aligned: each word from two 16-bit loads)."""
         T, r = self.T, desc[0]
         gvalid = Int32(p.g < T)
-        fa_row = p.fa + (Int64(r * T + p.g) * p.fa_rs + 2 * p.tig)
+        fa_row = p.f_a + (Int64(r * T + p.g) * p.fa_rs + 2 * p.tig)
         load = P.gld_nc_u16x2_or0 if self.pb.row_bytes == 2 else P.gld_nc_b32_or0
         return [(load(fa_row + 16 * s, gvalid), load(fa_row + (16 * s + 8), gvalid))
                 for s in range(8)]
@@ -436,7 +437,7 @@ class ItemMath:
                 gk = P.fmul(coef, P.softplus(xg))
             P.sst_f32(p.sb + pl.CA + (t * D + kk) * 4, P.fexp(gk), valid)
             if (pb.record):
-                P.gst_b16(p.kgrec + (rec_base + Int64(t * (2 * D) + D + kk)),
+                P.gst_b16(p.kg_record + (rec_base + Int64(t * (2 * D) + D + kk)),
                           P.f32_bits(rg) >> 16, valid)
 
     def phase_a(self, p, desc, hp, wreg, ogr):
@@ -497,7 +498,7 @@ class ItemMath:
             P.sst_f32(p.sb + pl.CRQ + (t * 4 + p.warp) * 4, sq, lane0)
             P.sst_f32(p.sb + pl.CRK + (t * 4 + p.warp) * 4, sk, lane0)
             if pb.record:
-                P.gst_b16(p.kgrec + (rec_base + Int64(t * (2 * D) + d)),
+                P.gst_b16(p.kg_record + (rec_base + Int64(t * (2 * D) + d)),
                           P.f32_bits(yk[t]) >> 16, Int32(1))
 
     def _conv_v(self, p, desc, wreg, hp):
@@ -567,7 +568,7 @@ class ItemMath:
             def emit(m, u, ob, tb=tb, t=t):     # on every lane: stores predicated on lane 0
                 P.sst_f32(sb + pl.CO + tb + (p.row0 + 32 * m) * 4, ob, lane_l0)
                 if pb.record:
-                    P.gst_f32(p.vrec + (rec_base + Int64(t * D) + Int64(p.row0 + 32 * m)), u,
+                    P.gst_f32(p.v_record + (rec_base + Int64(t * D) + Int64(p.row0 + 32 * m)), u,
                               lane_l0)
 
             beta = P.sld_f32(sb + pl.CB + 4 * t)
@@ -650,7 +651,7 @@ def make_params(pb: Problem, sb, tid, a) -> SimpleNamespace:
     ``a`` (:class:`kda.backends.cutedsl.args.KernelArgs`), the shared-memory base ``sb`` and
     the thread's coordinates."""
     p = SimpleNamespace(sb=sb, **thread_coords(tid), **a._asdict())
-    p.nwv = load_norm_weight(pb, p.nw, tid)
+    p.nwv = load_norm_weight(pb, p.norm_weight, tid)
     return p
 
 

@@ -185,13 +185,3 @@ def schedules(pb: Problem, sms: int, early_reads: bool = False, table=None) -> T
         if s not in out:
             out.append(s)
     return tuple(out)
-
-
-def ctas(sched: S.Schedule, items: int, sms: int) -> int:
-    """The grid of a streamed schedule for ``items`` items on ``sms`` SMs: one CTA per
-    ``block`` items with ``Items.BLOCKS``, else one per SM and at most one per item (the
-    one-CTA and cluster kernels size their grids from R and do not read it)."""
-    if sched.items == S.Items.BLOCKS:
-        return -(-items // sched.block)
-    return min(sms, items)
-

@@ -2,12 +2,8 @@
 each keep their own small ring of shared-memory stages filled by bulk copies of value-row
 *units* of the items' state pages.
 
-Work: the step's ``R * H`` items (request r, head h) are walked head-major (``item = h * R +
-r``), or with ``block = C`` in blocks of C requests, head-major inside a block (``item =
-(r // C) * H * C + h * C + r % C`` for the whole blocks; the last block holds the R % C
-requests left, head-major), so that
-consecutive items of a CTA share the head's parameters; CTA ``b`` of ``G`` takes the
-contiguous range ``[b * n // G, (b + 1) * n // G)`` (:meth:`WarpRing.item_range`). ``j``
+Work: the step's ``R * H`` items (request r, head h) in the order and ranges of
+:mod:`kda.backends.cutedsl.scheduler` (head-major, or in blocks of C requests). ``j``
 below is an item's position in its CTA's walk. A live item's page ``state[src, h]``
 ([128 value rows, 128 key columns], each slot contiguous) is cut into ``units = 128 // rows``
 blocks of ``rows`` value rows; a block is one contiguous run of ``rows * 128`` elements,
@@ -35,6 +31,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 from cutlass.cute.nvgpu import cpasync
+
+from kda.backends.cutedsl.scheduler import ItemWalk
 
 D = 128
 
@@ -90,9 +88,9 @@ class WarpRing:
         #: PDL predecessor (:attr:`kda.config.KdaConfig.early_reads`); else the caller waits
         #: before the walk
         self.early_reads = early_reads
-        #: 0: items head-major; C: in blocks of C requests, head-major inside (H heads)
-        self.block = block
-        self.H = H
+        #: the item order (:class:`kda.backends.cutedsl.scheduler.ItemWalk`): 0 head-major,
+        #: C in blocks of C requests, head-major inside (H heads)
+        self.items = ItemWalk(H, block)
         self.T = T
         self.st_dtype = st_dtype
         self.rows = shape.rows
@@ -117,47 +115,6 @@ class WarpRing:
         return storage.data.get_tensor(cute.make_layout(
             (self.shape.stages, self.rows, D), stride=(self.rows * D, D, 1)))
 
-    def split_item(self, i, R):
-        """(request, head) of item ``i`` in the walk's order; the request is in [0, R) for
-        any ``i`` >= 0 (a lookahead past the last item loads in bounds)."""
-        if self.block == 0:
-            h = i // R
-            return i - h * R, h
-        C, H = self.block, self.H
-        full = (R // C) * C                 # requests in whole blocks
-        b = i // (H * C)
-        rem = i - b * (H * C)
-        h = rem // C
-        r = b * C + rem - h * C
-        # the last block's R - full requests, head-major
-        cl = cutlass.max(R - full, Int32(1))
-        j = cutlass.max(i - full * H, Int32(0))
-        h2 = j // cl
-        tail = i >= full * H
-        r = cutlass.min(Int32(cutlass.select_(tail, full + j - h2 * cl, r)), R - 1)
-        return r, Int32(cutlass.select_(tail, h2, h))
-
-    @cute.jit
-    def step_item(self, rh, i, R):
-        """``rh`` := (request, head) of item ``i`` from those of item ``i - 1`` (as
-        :meth:`split_item` gives them; head-major walks step without a division)."""
-        if cutlass.const_expr(self.block == 0):
-            r = rh[0] + 1
-            wrap = r >= R
-            rh[0] = cutlass.select_(wrap, Int32(0), r)
-            rh[1] = cutlass.select_(wrap, rh[1] + 1, rh[1])
-        else:
-            r, h = self.split_item(i, R)
-            rh[0] = r
-            rh[1] = h
-
-    @staticmethod
-    def item_range(n, block, grid):
-        """The items ``[i0, i1)`` of CTA ``block`` of ``grid``: balanced contiguous ranges."""
-        i0 = Int32((Int64(block) * Int64(n)) // Int64(grid))
-        i1 = Int32((Int64(block + 1) * Int64(n)) // Int64(grid))
-        return i0, i1
-
     @cute.jit
     def init(self, storage, tid):
         """Thread 0 initializes every stage's mbarrier (one arrival: the copy's issuer, with
@@ -176,7 +133,7 @@ class WarpRing:
         j = g + self.groups * (32 * b + lane)
         i = i0 + j
         ok = i < i1
-        r, h = self.split_item(i, R)     # r in [0, R) for every lane: its loads stay in bounds
+        r, h = self.items.split_item(i, R)   # r in [0, R) for every lane: loads in bounds
         ids = [si[r, t] for t in range(T)]
         cslot = ids[0]
         src = cslot

@@ -37,19 +37,18 @@ the wide kernel give bit-identical results.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
 from kda.backends.cutedsl import item, ptx as N
-from kda.backends.cutedsl.args import KernelArgs, Launch
+from kda.backends.cutedsl.args import KernelArgs, Launch, make_views
 from kda.backends.cutedsl.item import chunk, reg_chunk, state_regs, store4
 from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile, smem_fragment
 from kda.backends.cutedsl.problem import Problem
 from kda.backends.cutedsl.schedule import Rows, Schedule
+from kda.backends.cutedsl.scheduler import grid
 
 D = 128
 MAIN = 128          # conv / norm / recurrence / epilogue threads (warps 0-3)
@@ -58,72 +57,6 @@ LANES = 8           # lanes per state row: a warp instruction covers 4 rows x 12
 GROUPS = MAIN // LANES  # rows per pass
 FB_ROW = D + 8      # padded f_b row in shared memory (bf16 elements)
 CLUSTERS = (2, 4, 8)  # CTAs per item (st.async needs a cluster of at least 2 CTAs)
-
-
-class Views(NamedTuple):
-    """The kernel's global tensors (CuTe views of the argument pointers)."""
-    x: cute.Tensor
-    cw: cute.Tensor
-    cb: cute.Tensor
-    cs: cute.Tensor
-    fa: cute.Tensor
-    fb: cute.Tensor
-    beta: cute.Tensor
-    alog: cute.Tensor
-    dtb: cute.Tensor
-    state: cute.Tensor
-    si: cute.Tensor
-    og: cute.Tensor
-    nw: cute.Tensor
-    na: cute.Tensor
-    vrec: cute.Tensor
-    kgrec: cute.Tensor
-    out: cute.Tensor
-
-
-def make_views(pb: Problem, a: KernelArgs):
-    """The kernels' global tensors (:class:`Views`) over the argument pointers of ``a``, for
-    ``pb``: every kernel of the family indexes its arguments through these layouts."""
-    R, slots = a.R, a.slots
-    T, H, dim = pb.T, pb.H, pb.H * D
-    L = pb.L
-    N_ = R * T
-    v = {}
-    if pb.row_bytes > 2:
-        # every row pitch is a multiple of the rows' alignment (kda.backend.row_bytes)
-        x_rs, fa_rs, og_rs, out_rs = (cute.assume(s, divby=pb.row_bytes // 2)
-                                      for s in (a.x_rs, a.fa_rs, a.og_rs, a.out_rs))
-    else:
-        x_rs, fa_rs, og_rs, out_rs = a.x_rs, a.fa_rs, a.og_rs, a.out_rs
-    v["x"] = cute.make_tensor(a.x, cute.make_layout((N_, 3 * dim), stride=(x_rs, 1)))
-    v["cw"] = cute.make_tensor(a.cw, cute.make_layout((3, 4, dim), stride=(4 * dim, dim, 1)))
-    v["cb"] = cute.make_tensor(a.cb, cute.make_layout((3 * dim,)))
-    if pb.layout == "SD":
-        v["cs"] = cute.make_tensor(a.cs, cute.make_layout((slots, 3 * dim, L),
-                                                        stride=(a.cs_ss, 1, 3 * dim)))
-    else:
-        v["cs"] = cute.make_tensor(a.cs, cute.make_layout((slots, 3 * dim, L),
-                                                        stride=(a.cs_ss, L, 1)))
-    v["fa"] = cute.make_tensor(a.fa, cute.make_layout((N_, D), stride=(fa_rs, 1)))
-    v["fb"] = cute.make_tensor(a.fb, cute.make_layout((dim, D), stride=(D, 1)))
-    v["beta"] = cute.make_tensor(a.beta, cute.make_layout((N_, H), stride=(a.beta_rs, 1)))
-    v["alog"] = cute.make_tensor(a.alog, cute.make_layout((H,)))
-    v["dtb"] = cute.make_tensor(a.dtb, cute.make_layout((dim,)))
-    # (the slot stride is a multiple of 16 bytes)
-    v["state"] = cute.make_tensor(a.state, cute.make_layout(
-        (slots, H, D, D), stride=(cute.assume(a.state_ss, divby=8 if pb.state_bf16 else 4),
-                                  D * D, D, 1)))
-    v["si"] = cute.make_tensor(a.si, cute.make_layout((R, T), stride=(T, 1)))
-    v["og"] = cute.make_tensor(a.og, cute.make_layout((N_, dim), stride=(og_rs, 1)))
-    v["nw"] = cute.make_tensor(a.nw, cute.make_layout((D,)))
-    v["na"] = cute.make_tensor(a.na, cute.make_layout((R,)))
-    # record rows: 64-bit slot offsets (slots * H * T * 256 can pass 2**31)
-    v["vrec"] = cute.make_tensor(a.vrec, cute.make_layout(
-        (slots, H, T, D), stride=(Int64(H * T * D), T * D, D, 1)))
-    v["kgrec"] = cute.make_tensor(a.kgrec, cute.make_layout(
-        (slots, H, T, 2 * D), stride=(Int64(H * T * 2 * D), T * 2 * D, 2 * D, 1)))
-    v["out"] = cute.make_tensor(a.out, cute.make_layout((N_, dim), stride=(out_rs, 1)))
-    return Views(**v)
 
 
 class KdaSplit(Launch):
@@ -169,7 +102,7 @@ class KdaSplit(Launch):
                                      byte_alignment=16)
         # rank 0: the new q / k windows (thread tid: q channel tid, k channel tid), kept from
         # the start until every CTA has read the history, then written without a re-read
-        s_win = smem.allocate_tensor(g.cs.element_type, cute.make_layout(
+        s_win = smem.allocate_tensor(g.conv_state.element_type, cute.make_layout(
             (2, T + 2, MAIN), stride=((T + 2) * MAIN, MAIN, 1)), byte_alignment=16)
         # the gate warp's f_b rows, rows padded to 136 bf16 so that the MMA fragment loads
         # of a warp hit 32 distinct banks
@@ -205,31 +138,31 @@ class KdaSplit(Launch):
         lane = tid % 32
         ch = h * D + tid % MAIN                       # q / k channel of a main thread
         vch = h * D + rank * self.rows + tid % self.rows  # v channel (main threads < rows)
-        wq = [Float32(g.cw[0, e, ch]) for e in range(4)]
-        wk = [Float32(g.cw[1, e, ch]) for e in range(4)]
-        wv = [Float32(g.cw[2, e, vch]) for e in range(4)]
+        wq = [Float32(g.conv_weight[0, e, ch]) for e in range(4)]
+        wk = [Float32(g.conv_weight[1, e, ch]) for e in range(4)]
+        wv = [Float32(g.conv_weight[2, e, vch]) for e in range(4)]
         bq = Float32(0.0)
         bk = Float32(0.0)
         bv = Float32(0.0)
         if cutlass.const_expr(pb.has_bias):
-            bq = g.cb[ch]
-            bk = g.cb[dim + ch]
-            bv = g.cb[2 * dim + vch]
-        nwv = Float32(g.nw[tid % MAIN])
+            bq = g.conv_bias[ch]
+            bk = g.conv_bias[dim + ch]
+            bv = g.conv_bias[2 * dim + vch]
+        nwv = Float32(g.norm_weight[tid % MAIN])
         # A_log[h] for the gate warp's decay, loaded here so that no load waits after its MMA
-        alog = Float32(g.alog[h])
+        alog = Float32(g.A_log[h])
 
         # the gate warp's f_b rows (the MMA's A operand): the CTA's F rows of head h, one
         # bulk copy per row into the padded rows of s_fb
         if tid >= MAIN:
-            rows_fb = cute.local_tile(g.fb, (self.F, D), (h * C + rank, 0))
+            rows_fb = cute.local_tile(g.f_b, (self.F, D), (h * C + rank, 0))
             atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), BFloat16, num_bits_per_copy=D * 16)
             for i in cutlass.range_constexpr((self.F + 31) // 32):
                 row = lane + 32 * i
                 if row < self.F:
                     cute.copy(atom, rows_fb[row, None], s_fb[row, None], mbar_ptr=bar_fb)
             if lane == 0:
-                dtb_g = cute.local_tile(g.dtb, (self.F,), (h * C + rank,))
+                dtb_g = cute.local_tile(g.dt_bias, (self.F,), (h * C + rank,))
                 atom_b = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32,
                                              num_bits_per_copy=self.F * 32)
                 cute.copy(atom_b, dtb_g, s_dtb, mbar_ptr=bar_fb)
@@ -243,12 +176,12 @@ class KdaSplit(Launch):
         xq = [g.x[n0 + t, ch] for t in range(T)]
         xk = [g.x[n0 + t, dim + ch] for t in range(T)]
         xv = [g.x[n0 + t, 2 * dim + vch] for t in range(T)]
-        ogr = [g.og[n0 + t, ch] for t in range(T)]
+        ogr = [g.output_gate[n0 + t, ch] for t in range(T)]
         braw = g.beta[n0 + tid % T, h]
         mma, thr = gate_mma(lane)
         # B operand: the request's f_a rows, tokens padded to 8 columns (lane: token lane // 4)
-        gB = cute.make_tensor(g.fa.iterator + Int64(n0) * g.fa.stride[0],
-                              cute.make_layout((8, D), stride=(g.fa.stride[0], 1)))
+        gB = cute.make_tensor(g.f_a.iterator + Int64(n0) * g.f_a.stride[0],
+                              cute.make_layout((8, D), stride=(g.f_a.stride[0], 1)))
         tB = thr.partition_B(gB)
         rB = mma.make_fragment_B(tB)
         rB.fill(0.0)
@@ -258,12 +191,12 @@ class KdaSplit(Launch):
         # ---- 3. slots and liveness (every thread, uniform loads)
         # (the T slot ids and num_accepted_tokens are loaded together: selecting the source
         # slot costs no second round trip)
-        cslot = g.si[r, 0]
+        cslot = g.state_indices[r, 0]
         src = cslot
         off = Int32(0)
         if cutlass.const_expr(T > 1):
-            ids = [g.si[r, t] for t in range(1, T)]
-            a = g.na[r]
+            ids = [g.state_indices[r, t] for t in range(1, T)]
+            a = g.num_accepted_tokens[r]
             a = cutlass.max(cutlass.min(a, Int32(T)), Int32(1))
             off = a - 1
             for t in cutlass.range_constexpr(1, T):
@@ -304,8 +237,8 @@ class KdaSplit(Launch):
         n0 = r * T
         vch = rank * self.rows + tid
         # history and inputs of the q / k channel tid (and the v row, where tid < rows)
-        hq = [g.cs[cslot, h * D + tid, off + j] for j in range(3)]
-        hk = [g.cs[cslot, dim + h * D + tid, off + j] for j in range(3)]
+        hq = [g.conv_state[cslot, h * D + tid, off + j] for j in range(3)]
+        hk = [g.conv_state[cslot, dim + h * D + tid, off + j] for j in range(3)]
         if rank == 0:
             for i, win in enumerate((self._window(g, hq, xq), self._window(g, hk, xk))):
                 for pos in cutlass.range_constexpr(T + 2):
@@ -318,7 +251,7 @@ class KdaSplit(Launch):
         yq = self._conv(hq, xq, wq, bq)
         yk = self._conv(hk, xk, wk, bk)
         if tid < self.rows:
-            hv = [g.cs[cslot, 2 * dim + h * D + vch, off + j] for j in range(3)]
+            hv = [g.conv_state[cslot, 2 * dim + h * D + vch, off + j] for j in range(3)]
             yv = self._conv(hv, xv, wv, bv)
             for t in cutlass.range_constexpr(T):
                 s_v[t, tid] = yv[t]
@@ -331,7 +264,7 @@ class KdaSplit(Launch):
                 s_red[t, 1, warp_i] = sk
             if cutlass.const_expr(pb.record):
                 if rank == 0:
-                    g.kgrec[cslot, h, t, tid] = BFloat16(yk[t])
+                    g.kg_record[cslot, h, t, tid] = BFloat16(yk[t])
         cute.arch.barrier(barrier_id=1, number_of_threads=MAIN)
         for t in cutlass.range_constexpr(T):
             sq = item.quarter_sum(lambda i, t=t: s_red[t, 0, i])
@@ -365,7 +298,7 @@ class KdaSplit(Launch):
             # q / k history: rank 0 writes the new windows it kept in shared memory
             for i in cutlass.range_constexpr(2):
                 for pos in cutlass.range_constexpr(T + 2):
-                    g.cs[cslot, i * dim + h * D + tid, pos] = s_win[i, pos, tid]
+                    g.conv_state[cslot, i * dim + h * D + tid, pos] = s_win[i, pos, tid]
 
     def _conv(self, hist_raw, x_raw, w, bias):
         """acc = bias; acc = fma(s[t+e], w[e], acc) over s = [w0, w1, w2, x_0..]; bf16(silu)."""
@@ -375,13 +308,13 @@ class KdaSplit(Launch):
     @staticmethod
     def _window(g, hist_raw, x_raw):
         """The new window: [w1, w2, x_0 .. x_{T-1}] (raw values, cast to the cache dtype)."""
-        return [hist_raw[1], hist_raw[2]] + [g.cs.element_type(v) for v in x_raw]
+        return [hist_raw[1], hist_raw[2]] + [g.conv_state.element_type(v) for v in x_raw]
 
     def _rewrite(self, g, cslot, ch, hist_raw, x_raw):
         """Writes :meth:`_window` to channel ``ch`` of slot ``cslot``."""
         new = self._window(g, hist_raw, x_raw)
         for pos in range(self.T + 2):
-            g.cs[cslot, ch, pos] = new[pos]
+            g.conv_state[cslot, ch, pos] = new[pos]
 
     @cute.jit
     def _recurrence(self, g, tid, rank, h, r, cslot, src, slots, s_state, s_q, s_k, s_a, s_o,
@@ -414,13 +347,13 @@ class KdaSplit(Launch):
                     cute.arch.store_async_dsmem(s_o.iterator + (t * D + grow), N.f32_bits(ob),
                                                 bars + 2 + t, Int32(t % C))
                     if cutlass.const_expr(pb.record):
-                        g.vrec[cslot, h, t, grow] = u
+                        g.v_record[cslot, h, t, grow] = u
 
                 b_t = s_b[t]
                 item.token(S, s_a[t, None], s_k[t, None], s_q[t, None], b_t,
                             lambda w, t=t, w0=w0: s_v[t, (w0 + w) * GROUPS + grp], l8, emit)
                 if cutlass.const_expr(not pb.record and T > 1):
-                    dst = g.si[r, t]
+                    dst = g.state_indices[r, t]
                     if (dst > 0) & (dst < slots):
                         self._store_rows(g, dst, h, rank, w0, grp, l8, S)
             if cutlass.const_expr(not pb.record and T == 1):
@@ -457,7 +390,7 @@ class KdaSplit(Launch):
                 feat = rank * F + 16 * mt + f16
                 alpha = decay(pb, A, lb, N.fadd(rg, dtb[mt][i]))
                 if cutlass.const_expr(pb.record):
-                    g.kgrec[cslot, h, t, D + feat] = BFloat16(rg)
+                    g.kg_record[cslot, h, t, D + feat] = BFloat16(rg)
                 for q in cutlass.range_constexpr(C):
                     cute.arch.store_async_dsmem(s_a.iterator + (t * D + feat),
                                                 N.f32_bits(alpha), bar_alpha, Int32(q))
@@ -466,7 +399,7 @@ class KdaSplit(Launch):
 
     # -------------------------------------------------------------------------------- host
     def _launch(self, a: KernelArgs, stream):
-        """C x H x R CTAs in clusters of C on ``stream``."""
-        self.kernel(a).launch(grid=[self.C, self.H, a.R], block=[NTHREADS, 1, 1],
+        """C x H x R CTAs in clusters of C on ``stream`` (:func:`scheduler.grid`)."""
+        self.kernel(a).launch(grid=grid(self.sched, self.H, a), block=[NTHREADS, 1, 1],
                               cluster=[self.C, 1, 1], stream=stream, use_pdl=True)
 

@@ -51,13 +51,13 @@ from cutlass import BFloat16, Float32, Int16, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
 from kda.backends.cutedsl import item, ptx as N
-from kda.backends.cutedsl.args import KernelArgs, Launch
+from kda.backends.cutedsl.args import KernelArgs, Launch, make_views
 from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile, smem_fragment
 from kda.backends.cutedsl.ring import RingShape, WarpRing
 from kda.backends.cutedsl.item import chunk, reg_chunk, state_regs, store4
-from kda.backends.cutedsl.split import make_views
 from kda.backends.cutedsl.problem import Problem
 from kda.backends.cutedsl.schedule import FB_ROW, PREP_THREADS, Prep, Rows, Schedule
+from kda.backends.cutedsl.scheduler import grid
 
 D = 128
 PREP = PREP_THREADS   # prep threads (one warpgroup)
@@ -70,7 +70,7 @@ class KdaStream(Launch):
     """The streamed kernel for one :class:`Problem` and a ``Rows.WARP`` :class:`Schedule`;
     ``launch`` is what gets compiled. The schedule's fields it reads: ``prep`` (``GROUP``:
     the consumer groups prepare their own items, see the module docstring), ``items`` and
-    ``block`` (the launcher's grid, :func:`kda.backends.cutedsl.policy.ctas`), the ring
+    ``block`` (the launcher's grid, :func:`kda.backends.cutedsl.scheduler.ctas`), the ring
     (``unit_rows``, ``consumers``, ``depth``) and the flags ``early_reads``, ``stage_fb``,
     ``prefetch``, ``x_ahead``, ``walk``, ``token_loop``.
 
@@ -101,6 +101,7 @@ class KdaStream(Launch):
         # slot ids, pages and windows
         self.early = sched.early_reads
         self.ring = WarpRing(shape, pb.T, self.st, pb.H, self.block, early_reads=self.early)
+        self.items = self.ring.items        # the item order and ranges (scheduler.ItemWalk)
         self.units = shape.units
         self.rows = shape.rows
         # item slots: the one being prepared and one per consumer group; an item's epilogue
@@ -191,7 +192,7 @@ class KdaStream(Launch):
                 cute.arch.mbarrier_init(storage.fbbar.data_ptr(), 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-        i0, i1 = self.ring.item_range(R * self.H, block, ctas)
+        i0, i1 = self.items.item_range(R * self.H, block, ctas)
         if tid < self.prep0:
             if cutlass.const_expr(not self.early):
                 # every consumer read (slot ids, pages) may be a predecessor's output
@@ -217,8 +218,8 @@ class KdaStream(Launch):
                 if cutlass.const_expr(self.group_prep):
                     self._group_epilogue(storage, g, gp, j, i0, R, warp_i, lane, eps, False)
 
-            self.ring.walk(storage, g.state, g.si, g.na, R, slots, i0, i1, warp_i, lane, unit,
-                           skip)
+            self.ring.walk(storage, g.state, g.state_indices, g.num_accepted_tokens, R, slots,
+                           i0, i1, warp_i, lane, unit, skip)
         else:
             self._prep_loop(storage, g, tid - self.prep0, i0, i1, R, slots, scale, eps, lb)
             if cutlass.const_expr(self.block):
@@ -245,10 +246,10 @@ class KdaStream(Launch):
             cute.arch.mbarrier_arrive_and_expect_tx(bar, D * D * 2)
         if cutlass.const_expr(self.block):
             N.bulk_g2s_evict_last(self._fb(storage)[pt, None].iterator,
-                                  g.fb[h * D + pt, None].iterator, D * 2, bar)
+                                  g.f_b[h * D + pt, None].iterator, D * 2, bar)
         else:
             atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), BFloat16, num_bits_per_copy=D * 16)
-            cute.copy(atom, g.fb[h * D + pt, None], self._fb(storage)[pt, None], mbar_ptr=bar)
+            cute.copy(atom, g.f_b[h * D + pt, None], self._fb(storage)[pt, None], mbar_ptr=bar)
 
     @cute.jit
     def _release_head_lines(self, g, pt, i0, i1, R):
@@ -257,10 +258,10 @@ class KdaStream(Launch):
         weights and bias) to the normal priority, so that a launch leaves no evict-last lines
         behind (a CTA of the head started after it would mark them again)."""
         for i in cutlass.range(i0, i1):
-            r, h = self.ring.split_item(i, R)
+            r, h = self.items.split_item(i, R)
             if r == R - 1:
                 if cutlass.const_expr(self.fb_smem):
-                    N.l2_evict_normal_256(g.fb[h * D + pt, None].iterator)
+                    N.l2_evict_normal_256(g.f_b[h * D + pt, None].iterator)
                 self._head_conv_lines(g, h * D + pt, pt, N.l2_evict_normal_line)
 
     # ------------------------------------------------------------------------ consumers
@@ -344,7 +345,7 @@ class KdaStream(Launch):
         def emit(m, u, ob):
             s_o[slot, t, base + 4 * m] = ob
             if cutlass.const_expr(self.pb.record):
-                g.vrec[cslot, h, t, base + 4 * m] = u
+                g.v_record[cslot, h, t, base + 4 * m] = u
 
         b_t = s_b[slot, t]
         item.token(S, s_a[slot, t, None], s_k[slot, t, None], s_q[slot, t, None], b_t,
@@ -368,7 +369,7 @@ class KdaStream(Launch):
         G = self.shape.groups
         grp = w // self.units
         c = (w % self.units) * 32 + lane
-        ops = (cute.make_rmem_tensor(cute.make_layout((9,)), g.cs.element_type),
+        ops = (cute.make_rmem_tensor(cute.make_layout((9,)), g.conv_state.element_type),
                cute.make_rmem_tensor(cute.make_layout((3,)), g.x.element_type))
         cst = cute.make_rmem_tensor(cute.make_layout((3,)), Int32)
         cs0 = self._group_si(g, i0 + grp, R)
@@ -376,25 +377,25 @@ class KdaStream(Launch):
         cst[1] = self._group_si(g, i0 + grp + 2 * G, R)
         cst[2] = Int32(-1)
         self._group_load(g, i0 + grp, i1, cs0, R, slots, ops, c)
-        return ops, self._conv_regs(g), cst, Float32(g.nw[c])
+        return ops, self._conv_regs(g), cst, Float32(g.norm_weight[c])
 
     @cute.jit
     def _group_si(self, g, i, R):
         """Item ``i``'s conv slot (at T = 1 also its source; its request is in bounds for any
         ``i``)."""
-        return g.si[self.ring.split_item(i, R)[0], 0]
+        return g.state_indices[self.items.split_item(i, R)[0], 0]
 
     @cute.jit
     def _group_load(self, g, i, i1, cslot, R, slots, ops, c):
         """Item ``i``'s window history and x of channel ``c`` of q, k and v into ``ops``, if
         it is live (at T = 1: ``0 < cslot < slots``)."""
-        r, h = self.ring.split_item(i, R)
+        r, h = self.items.split_item(i, R)
         hist, xs = ops
         if (i < i1) & (cslot > 0) & (cslot < slots):
             c_hist, c_x, _ = self._op_coords((r, h, cslot, cslot, Int32(0)), c)
             for part in cutlass.range_constexpr(3):
                 for e in cutlass.range_constexpr(3):
-                    hist[3 * part + e] = g.cs[c_hist[part][e]]
+                    hist[3 * part + e] = g.conv_state[c_hist[part][e]]
                 xs[part] = g.x[c_x[part][0]]
 
     @cute.jit
@@ -438,7 +439,7 @@ class KdaStream(Launch):
             red[grp, 0, u] = sq
             red[grp, 1, u] = sk
         if cutlass.const_expr(self.pb.record):
-            g.kgrec[cslot, h, 0, c] = BFloat16(yk[0])
+            g.kg_record[cslot, h, 0, c] = BFloat16(yk[0])
         cute.arch.barrier(barrier_id=2 + grp, number_of_threads=self.units * 32)
         iq = item.inv_norm(item.quarter_sum(lambda i: red[grp, 0, i]))
         ik = item.inv_norm(item.quarter_sum(lambda i: red[grp, 1, i]))
@@ -457,7 +458,7 @@ class KdaStream(Launch):
         u = w % self.units
         c = u * 32 + lane
         slot = j % self.NI
-        r, h = self.ring.split_item(i0 + j, R)
+        r, h = self.items.split_item(i0 + j, R)
         if cutlass.const_expr(live):
             red = self._group_red(storage)
             cute.arch.sync_warp()          # the warp's o rows, written by its lanes l8 == 0
@@ -484,12 +485,12 @@ class KdaStream(Launch):
         into the registers they replace, item j+1's f_a rows by cp.async into the other
         shared-memory stage, a new head's parameters (conv weights and bias, dt_bias, A_log,
         the staged f_b rows) once the current head's are."""
-        nwv = Float32(g.nw[pt])
+        nwv = Float32(g.norm_weight[pt])
         mma, thr = gate_mma(pt % 32)
         hc, hg = self._head_regs(g)
         # the head of hp / the staged f_b rows (fbs[0]) and the phase of their copies (fbs[1])
         fbs = cute.make_rmem_tensor(cute.make_layout((2,)), Int32)
-        fbs[0] = self.ring.split_item(i0, R)[1]
+        fbs[0] = self.items.split_item(i0, R)[1]
         fbs[1] = Int32(0)
         if i0 < i1:
             # the first item's head: model weights (no predecessor writes them)
@@ -510,7 +511,7 @@ class KdaStream(Launch):
         dsc2 = cute.make_rmem_tensor(cute.make_layout((6,)), Int32)
         # walk: (request, head) of the item whose slot ids are loaded next
         rh = cute.make_rmem_tensor(cute.make_layout((2,)), Int32)
-        r0, h0 = self.ring.split_item(i0, R)
+        r0, h0 = self.items.split_item(i0, R)
         rh[0] = r0
         rh[1] = h0
         self._load_si(g, raw, i0, rh, R)
@@ -571,7 +572,7 @@ class KdaStream(Launch):
         """With :attr:`walk`, ``rh`` := (request, head) of item ``i``, stepped from item
         ``i - 1``'s."""
         if cutlass.const_expr(self.walk):
-            self.ring.step_item(rh, i, R)
+            self.items.step_item(rh, i, R)
 
     @cute.jit
     def _load_si(self, g, raw, i, rh, R):
@@ -581,11 +582,11 @@ class KdaStream(Launch):
         if cutlass.const_expr(self.walk):
             r = rh[0]
         else:
-            r = self.ring.split_item(i, R)[0]
+            r = self.items.split_item(i, R)[0]
         for t in cutlass.range_constexpr(T):
-            raw[t] = g.si[r, t]
+            raw[t] = g.state_indices[r, t]
         if cutlass.const_expr(T > 1):
-            raw[T] = g.na[r]
+            raw[T] = g.num_accepted_tokens[r]
         if cutlass.const_expr(self.walk):
             raw[T + 1] = r
             raw[T + 2] = rh[1]
@@ -599,7 +600,7 @@ class KdaStream(Launch):
         if cutlass.const_expr(self.walk):
             r, h = raw[T + 1], raw[T + 2]
         else:
-            r, h = self.ring.split_item(i, R)
+            r, h = self.items.split_item(i, R)
         cslot = raw[0]
         src = cslot
         off = Int32(0)
@@ -622,9 +623,9 @@ class KdaStream(Launch):
         the q / k / v window history (3 each), x of the q / k / v channel per token, the
         output-gate logit per token, beta."""
         T = self.T
-        return (cute.make_rmem_tensor(cute.make_layout((9,)), g.cs.element_type),
+        return (cute.make_rmem_tensor(cute.make_layout((9,)), g.conv_state.element_type),
                 cute.make_rmem_tensor(cute.make_layout((3 * T,)), g.x.element_type),
-                cute.make_rmem_tensor(cute.make_layout((T,)), g.og.element_type),
+                cute.make_rmem_tensor(cute.make_layout((T,)), g.output_gate.element_type),
                 cute.make_rmem_tensor(cute.make_layout((1,)), g.beta.element_type))
 
     def _op_coords(self, dsc, pt):
@@ -652,13 +653,13 @@ class KdaStream(Launch):
             for part in cutlass.range_constexpr(0 if self.group_prep else 3):
                 if cutlass.const_expr(which & OPS_WINDOW):
                     for e in cutlass.range_constexpr(3):
-                        hist[3 * part + e] = g.cs[c_hist[part][e]]
+                        hist[3 * part + e] = g.conv_state[c_hist[part][e]]
                 if cutlass.const_expr(self.x_ahead and which & OPS_ACTIVATIONS):
                     for t in cutlass.range_constexpr(T):
                         xs[part * T + t] = g.x[c_x[part][t]]
             if cutlass.const_expr(which & OPS_ACTIVATIONS):
                 for t in cutlass.range_constexpr(T):
-                    ogs[t] = g.og[c_og[t]]
+                    ogs[t] = g.output_gate[c_og[t]]
                 bs[0] = g.beta[dsc[0] * T + pt % T, dsc[1]]
 
     @cute.jit
@@ -671,14 +672,14 @@ class KdaStream(Launch):
                 c_hist, c_x, c_og = self._op_coords(dsc, pt)
                 for part in cutlass.range_constexpr(3):
                     for e in cutlass.range_constexpr(3 if self.pb.layout == "SD" else 1):
-                        N.prefetch_l2(cute.domain_offset(c_hist[part][e], g.cs).iterator)
+                        N.prefetch_l2(cute.domain_offset(c_hist[part][e], g.conv_state).iterator)
                     for t in cutlass.range_constexpr(T):
                         N.prefetch_l2(cute.domain_offset(c_x[part][t], g.x).iterator)
                 for t in cutlass.range_constexpr(T):
-                    N.prefetch_l2(cute.domain_offset(c_og[t], g.og).iterator)
+                    N.prefetch_l2(cute.domain_offset(c_og[t], g.output_gate).iterator)
                 if pt < 2 * T:
                     N.prefetch_l2(cute.domain_offset((dsc[0] * T + pt // 2, (pt % 2) * (D // 2)),
-                                                     g.fa).iterator)
+                                                     g.f_a).iterator)
 
     def _head_regs(self, g):
         """Registers for one head's parameters: the conv weights (4 per part) and bias of the
@@ -687,8 +688,8 @@ class KdaStream(Launch):
 
     def _conv_regs(self, g):
         """Registers for a head's conv weights (4 per part) and bias of a thread's 3 channels."""
-        return (cute.make_rmem_tensor(cute.make_layout((12,)), g.cw.element_type),
-                cute.make_rmem_tensor(cute.make_layout((3,)), g.cb.element_type))
+        return (cute.make_rmem_tensor(cute.make_layout((12,)), g.conv_weight.element_type),
+                cute.make_rmem_tensor(cute.make_layout((3,)), g.conv_bias.element_type))
 
     @cute.jit
     def _load_head_conv(self, g, hc, h, pt):
@@ -696,9 +697,9 @@ class KdaStream(Launch):
         hw, hb = hc
         for part in cutlass.range_constexpr(3):
             for e in cutlass.range_constexpr(4):
-                hw[4 * part + e] = g.cw[part, e, ch]
+                hw[4 * part + e] = g.conv_weight[part, e, ch]
             if cutlass.const_expr(self.pb.has_bias):
-                hb[part] = g.cb[part * self.dim + ch]
+                hb[part] = g.conv_bias[part * self.dim + ch]
         if cutlass.const_expr(self.block):
             self._head_conv_lines(g, ch, pt, N.prefetch_l2_evict_last)
 
@@ -711,11 +712,11 @@ class KdaStream(Launch):
         if pt % per_line == 0:
             for part in cutlass.range_constexpr(3):
                 for e in cutlass.range_constexpr(4):
-                    hint(cute.domain_offset((part, e, ch), g.cw).iterator)
+                    hint(cute.domain_offset((part, e, ch), g.conv_weight).iterator)
         if cutlass.const_expr(self.pb.has_bias):
             if pt % 32 == 0:
                 for part in cutlass.range_constexpr(3):
-                    hint(cute.domain_offset((part * self.dim + ch,), g.cb).iterator)
+                    hint(cute.domain_offset((part * self.dim + ch,), g.conv_bias).iterator)
 
     @cute.jit
     def _load_head_gate(self, g, thr, hg, h, pt):
@@ -724,8 +725,8 @@ class KdaStream(Launch):
         for mi in cutlass.range_constexpr(2):
             for i in cutlass.range_constexpr(4):
                 f16, _ = cC[i]
-                hg[4 * mi + i] = g.dtb[h * D + 16 * (2 * pw + mi) + f16]
-        hg[8] = g.alog[h]
+                hg[4 * mi + i] = g.dt_bias[h * D + 16 * (2 * pw + mi) + f16]
+        hg[8] = g.A_log[h]
 
     @cute.jit
     def _prep(self, storage, g, mma, thr, pt, j, desc, dn, ops, hc, hg, scale, lb, fbs):
@@ -779,7 +780,7 @@ class KdaStream(Launch):
                     s_red[slot, t, 0, pw] = sq
                     s_red[slot, t, 1, pw] = sk
                 if cutlass.const_expr(pb.record):
-                    g.kgrec[cslot, h, t, pt] = BFloat16(yk[t])
+                    g.kg_record[cslot, h, t, pt] = BFloat16(yk[t])
             self._beta(s_b, slot, pt, bs)
         self._load_ops(g, dn, ops, pt)
         if cutlass.const_expr(not self.group_prep):
@@ -840,14 +841,14 @@ class KdaStream(Launch):
         fp32 bits (any NaN payload included), an fp32 cache the fp32."""
         pb, T, dim = self.pb, self.T, self.dim
         ys = [self._conv(hc, hv[3 * p:3 * p + 3], xv[p * T:(p + 1) * T], p) for p in range(3)]
-        cs16 = cute.recast_tensor(g.cs, Int16) if pb.cs_bf16 else None
+        cs16 = cute.recast_tensor(g.conv_state, Int16) if pb.cs_bf16 else None
         for part in cutlass.range_constexpr(3):
             new = [hv[3 * part + 1], hv[3 * part + 2]] + xv[part * T:(part + 1) * T]
             for pos in cutlass.range_constexpr(T + 2):
                 if cutlass.const_expr(pb.cs_bf16):
                     cs16[cslot, part * dim + ch, pos] = Int16(N.f32_bits(new[pos]) >> 16)
                 else:
-                    g.cs[cslot, part * dim + ch, pos] = new[pos]
+                    g.conv_state[cslot, part * dim + ch, pos] = new[pos]
         return ys
 
     def _conv(self, hc, hist, xs, part):
@@ -881,8 +882,8 @@ class KdaStream(Launch):
                 per_row = D // e
                 atom = cute.make_copy_atom(cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=rb * 8)
                 # the rows as chunks: (row, chunk, element) in global and shared memory
-                g_c = cute.make_tensor(g.fa.iterator, cute.make_layout(
-                    (g.fa.shape[0], per_row, e), stride=(g.fa.stride[0], e, 1)))
+                g_c = cute.make_tensor(g.f_a.iterator, cute.make_layout(
+                    (g.f_a.shape[0], per_row, e), stride=(g.f_a.stride[0], e, 1)))
                 s_c = cute.make_tensor(s_fa.iterator, cute.make_layout(
                     (2, 8, per_row, e), stride=(8 * FB_ROW, FB_ROW, e, 1)))
                 for k in cutlass.range_constexpr((T * per_row + PREP - 1) // PREP):
@@ -896,7 +897,7 @@ class KdaStream(Launch):
             if dsc[5] != 0:
                 n0 = dsc[0] * T
                 for t in cutlass.range_constexpr(T):
-                    s_fa[st, t, pt] = g.fa[n0 + t, pt]
+                    s_fa[st, t, pt] = g.f_a[n0 + t, pt]
             cute.arch.mbarrier_arrive(bar)
 
     @cute.jit
@@ -916,7 +917,7 @@ class KdaStream(Launch):
                 rA = smem_fragment(mma, pt % 32, cute.local_tile(self._fb(storage), (16, D),
                                                                  (mt, 0)), "A")
             else:
-                tA = thr.partition_A(cute.local_tile(g.fb, (16, D), (h * (D // 16) + mt, 0)))
+                tA = thr.partition_A(cute.local_tile(g.f_b, (16, D), (h * (D // 16) + mt, 0)))
                 rA = mma.make_fragment_A(tA)
                 cute.autovec_copy(tA, rA)
 
@@ -924,7 +925,7 @@ class KdaStream(Launch):
                 feat = 16 * mt + f16
                 s_a[slot, t, feat] = decay(pb, A, lb, N.fadd(rg, hg[4 * mi + i]))
                 if cutlass.const_expr(pb.record):
-                    g.kgrec[cslot, h, t, D + feat] = BFloat16(rg)
+                    g.kg_record[cslot, h, t, D + feat] = BFloat16(rg)
 
             gate_tile(pb, mma, thr, rA, rB, emit)
 
@@ -964,6 +965,7 @@ class KdaStream(Launch):
     # -------------------------------------------------------------------------------- host
     def _launch(self, a: KernelArgs, stream):
         """``a.ctas`` CTAs on ``stream`` (persistent: at most one per SM and per item; in
-        blocks: one per C items)."""
-        self.kernel(a).launch(grid=[a.ctas, 1, 1], block=[self.threads, 1, 1], stream=stream,
+        blocks: one per C items; :func:`scheduler.grid`)."""
+        self.kernel(a).launch(grid=grid(self.sched, self.H, a), block=[self.threads, 1, 1],
+                              stream=stream,
                               use_pdl=True, min_blocks_per_mp=1)

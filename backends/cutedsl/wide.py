@@ -32,6 +32,7 @@ from kda.backends.cutedsl.common import NTHREADS, ItemMath, make_params
 from kda.backends.cutedsl.item import state_regs
 from kda.backends.cutedsl.problem import Problem
 from kda.backends.cutedsl.schedule import Rows, Schedule
+from kda.backends.cutedsl.scheduler import grid
 from kda.backends.cutedsl.static import SmemPlan, carveout_percent
 
 
@@ -94,9 +95,8 @@ class KdaWide(Launch):
         P.griddep_launch()
 
     def _launch(self, a: KernelArgs, stream):
-        """R*H CTAs of 256 threads on ``stream`` (``a.ctas``: the streamed kernel's grid,
-        unused here)."""
+        """R*H CTAs of 256 threads on ``stream`` (:func:`scheduler.grid`)."""
         self.kernel(a).launch(
-            grid=[a.R * self.pb.H, 1, 1], block=[NTHREADS, 1, 1], stream=stream,
+            grid=grid(self.sched, self.pb.H, a), block=[NTHREADS, 1, 1], stream=stream,
             use_pdl=True, min_blocks_per_mp=2,
             preferred_smem_carveout=carveout_percent(self.plan.total))

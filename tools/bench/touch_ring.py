@@ -73,7 +73,7 @@ class TouchRing:
         self.ring.init(storage, tid)
         cute.arch.sync_threads()
         cute.arch.griddepcontrol_wait()
-        i0, i1 = self.ring.item_range(R * H, block, grid)
+        i0, i1 = self.ring.items.item_range(R * H, block, grid)
         u = warp % self.ring.units
 
         def unit(stage, j, h, dst, refill):

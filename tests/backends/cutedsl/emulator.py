@@ -906,6 +906,7 @@ def _make_fake_modules():
     cute.kernel = lambda f: f
     cute.jit = lambda f: f
     cute.Pointer = Ptr
+    cute.Tensor = object
     def make_layout(shape, stride=None):
         shape = shape if isinstance(shape, tuple) else (shape,)
         compact = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
@@ -952,11 +953,14 @@ def load_kernels():
     import kda.backends.cutedsl as pkg
 
     fakes = _make_fake_modules()
+    # (the scheduler, which wide imports, is loaded against the fakes too and forgotten
+    # after: the real one stays the process's)
     names = list(fakes) + ["kda.backends.cutedsl.ptx", "kda.backends.cutedsl.args",
                            "kda.backends.cutedsl.item", "kda.backends.cutedsl.common",
-                           "kda.backends.cutedsl.wide"]
+                           "kda.backends.cutedsl.wide", "kda.backends.cutedsl.scheduler"]
     saved_mods = {n: sys.modules.get(n) for n in names}
-    saved_attrs = {n: getattr(pkg, n, None) for n in ("ptx", "args", "item", "common", "wide")}
+    saved_attrs = {n: getattr(pkg, n, None) for n in ("ptx", "args", "item", "common", "wide",
+                                                      "scheduler")}
     mods = {}
     try:
         sys.modules.update(fakes)
@@ -1018,7 +1022,6 @@ def run(cfg, args, page_last: bool = None, row_bytes: int = None) -> dict:
     Returns:
       {"ctas": n, "barriers": total barriers executed}.
     """
-    from kda.backends.cutedsl.cache import POINTER_ARGS
     from kda.backends.cutedsl import schedule as S
     from kda.backends.cutedsl.problem import Problem
     from kda.backends.cutedsl.static import SmemPlan
@@ -1033,8 +1036,8 @@ def run(cfg, args, page_last: bool = None, row_bytes: int = None) -> dict:
     obj = mods["wide"].KdaWide(pb, sched)
     gmem = GlobalMemory()
     ptrs = []
-    # the kernel takes the tensors in the record's field order (cache.POINTER_ARGS)
-    for (name, _, _), t in zip(POINTER_ARGS, args):
+    # the kernel takes the tensors in the record's field order (args.OPERANDS)
+    for name, t in zip(mods["args"].OPERANDS, args):
         if t is None:
             ptrs.append(Ptr(gmem.register(args.x, "x"), 2))
         else:
