@@ -4,11 +4,13 @@
 (the launcher passes the record's tensors as they come), each with its dtype and the
 alignment the kernels assume; :data:`SCALARS` the scalars after them. From these come
 :class:`KernelArgs` (what every kernel takes; CuTe DSL passes a ``NamedTuple`` of pointers and
-scalars as its flattened fields), the one host entry :meth:`Launch.launch`, the compile-time
+scalars as its flattened fields), the one host entry :meth:`Launch.launch` (whose flat
+parameter list, which CuTe DSL's C export needs, is checked against them), the compile-time
 stand-ins (:func:`compile_args`), the launcher's argument slots (:func:`arg_names`,
 :data:`HOST_SCALARS`) and the tensor views the kernels index (:func:`make_views`).
 """
 
+import inspect
 from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
@@ -87,24 +89,39 @@ def operand_align(name: str, pb: Problem) -> int:
 
 
 def compile_args(pb: Problem) -> list:
-    """Stand-ins for ``cute.compile``: a :class:`KernelArgs` of null pointers with the
+    """Stand-ins for ``cute.compile``, in :func:`arg_names` order: null pointers with the
     alignments the kernel assumes (the row tensors' from ``pb.row_bytes``: a launch passes
-    them only on rows that have it) and scalars of their types, and a stream."""
+    them only on rows that have it), scalars of their types, a stream."""
     from cutlass.cute.runtime import make_ptr
 
     ptrs = [make_ptr(operand_dtype(n, pb), 0, cute.AddressSpace.gmem,
                      assumed_align=min(operand_align(n, pb), 16)) for n in OPERANDS]
     scalars = [typ(1.0) if typ is Float32 else typ(1) for _, typ in SCALARS]
-    return [KernelArgs(*ptrs, *scalars), cuda.CUstream(0)]
+    return [*ptrs, *scalars, cuda.CUstream(0)]
 
 
 class Launch:
     """The host entry of a kernel class, which defines ``_launch(a, stream)``."""
 
     @cute.jit
-    def launch(self, a: KernelArgs, stream: cuda.CUstream):
-        """Host entry (what gets compiled): the kernel on ``stream``."""
-        self._launch(a, stream)
+    def launch(self, x: cute.Pointer, conv_weight: cute.Pointer, conv_bias: cute.Pointer,
+               conv_state: cute.Pointer, f_a: cute.Pointer, f_b: cute.Pointer,
+               beta: cute.Pointer, A_log: cute.Pointer, dt_bias: cute.Pointer,
+               state: cute.Pointer, state_indices: cute.Pointer, output_gate: cute.Pointer,
+               norm_weight: cute.Pointer, num_accepted_tokens: cute.Pointer,
+               v_record: cute.Pointer, kg_record: cute.Pointer, out: cute.Pointer, R: Int32,
+               slots: Int32, x_rs: Int32, fa_rs: Int32, beta_rs: Int32, og_rs: Int32,
+               out_rs: Int32, state_ss: Int64, cs_ss: Int64, scale: Float32, eps: Float32,
+               lb: Float32, ctas: Int32, stream: cuda.CUstream):
+        """Host entry (what gets compiled): the kernel on ``stream``. Its parameters are
+        :func:`arg_names`, flat (the compile cache's C export takes no record; checked
+        below), gathered into the :class:`KernelArgs` the kernels take."""
+        a = locals()
+        self._launch(KernelArgs(*[a[n] for n in KernelArgs._fields]), stream)
+
+
+assert list(inspect.signature(Launch.launch).parameters)[1:] == arg_names(), \
+    "Launch.launch takes the arguments of OPERANDS and SCALARS, in order"
 
 
 def make_views(pb: Problem, a: KernelArgs) -> Views:
