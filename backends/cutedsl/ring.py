@@ -25,102 +25,62 @@ moves nothing.
 
 from __future__ import annotations
 
-import dataclasses
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
+from kda.backends.cutedsl.schedule import Schedule
 from kda.backends.cutedsl.scheduler import ItemWalk
 
 D = 128
 
 
-@dataclasses.dataclass(frozen=True)
-class RingShape:
-    """The static shape of the consumers' stages.
-
-    Attributes:
-      rows: value rows per unit (16, 32 or 64; ``units = 128 // rows``).
-      consumers: consumer warps (a multiple of ``units``).
-      depth: stages per consumer warp = items of lookahead.
-    """
-
-    rows: int = 32
-    consumers: int = 8
-    depth: int = 1
-
-    def __post_init__(self):
-        if self.rows not in (16, 32, 64):
-            raise ValueError(f"rows: expected 16, 32 or 64, got {self.rows!r}")
-        if self.consumers % self.units:
-            raise ValueError(f"consumers: expected a multiple of {self.units} (units per item), "
-                             f"got {self.consumers!r}")
-        if self.depth < 1:
-            raise ValueError(f"depth: expected >= 1, got {self.depth!r}")
-
-    @property
-    def units(self) -> int:
-        return D // self.rows
-
-    @property
-    def groups(self) -> int:
-        return self.consumers // self.units
-
-    @property
-    def stages(self) -> int:
-        return self.consumers * self.depth
-
-    def data_bytes(self, elem_bytes: int) -> int:
-        """Shared memory of the stages' data."""
-        return self.stages * self.rows * D * elem_bytes
-
-
 class WarpRing:
-    """Device code of the consumers' stages for one :class:`RingShape`, T tokens and a state
-    dtype. ``storage`` is the kernel's shared-memory struct, which holds :meth:`fields`."""
+    """Device code of the consumers' stages of a ``Rows.WARP`` schedule (its ring:
+    ``unit_rows``, ``consumers``, ``depth``; its ``block`` and ``early_reads``), T tokens, a
+    state dtype and ``H`` heads. ``storage`` is the kernel's shared-memory struct, which holds
+    :meth:`fields`."""
 
-    def __init__(self, shape: RingShape, T: int, st_dtype, H: int = 1, block: int = 0,
-                 early_reads: bool = False):
-        self.shape = shape
+    def __init__(self, sched: Schedule, T: int, st_dtype, H: int = 1):
+        self.sched = sched
         #: :meth:`walk` issues its first slot-id loads and page copies, then waits for the
         #: PDL predecessor (:attr:`kda.config.KdaConfig.early_reads`); else the caller waits
         #: before the walk
-        self.early_reads = early_reads
+        self.early_reads = sched.early_reads
         #: the item order (:class:`kda.backends.cutedsl.scheduler.ItemWalk`): 0 head-major,
         #: C in blocks of C requests, head-major inside (H heads)
-        self.items = ItemWalk(H, block)
+        self.items = ItemWalk(H, sched.block)
         self.T = T
         self.st_dtype = st_dtype
-        self.rows = shape.rows
-        self.units = shape.units
-        self.groups = shape.groups
-        self.depth = shape.depth
-        self.consumers = shape.consumers
-        self.unit_bytes = shape.rows * D * st_dtype.width // 8
+        self.rows = sched.unit_rows
+        self.units = sched.units
+        self.groups = sched.groups
+        self.depth = sched.depth
+        self.consumers = sched.consumers
+        self.unit_bytes = sched.unit_rows * D * st_dtype.width // 8
         #: per item of a batch: live, source slot, head, then the T write slots (T=1: source)
         self.fields_per_item = 3 + T
 
     def fields(self) -> dict:
         """The struct fields of the stages (name -> type), for the kernel's storage struct."""
         return {
-            "full": cute.struct.MemRange[Int64, self.shape.stages],
+            "full": cute.struct.MemRange[Int64, self.sched.stages],
             "data": cute.struct.Align[
-                cute.struct.MemRange[self.st_dtype, self.shape.stages * self.rows * D], 128],
+                cute.struct.MemRange[self.st_dtype, self.sched.stages * self.rows * D], 128],
         }
 
     def data(self, storage) -> cute.Tensor:
         """The stages' data, ``[stages, rows, 128]`` (warp w's are ``w * depth ..``)."""
         return storage.data.get_tensor(cute.make_layout(
-            (self.shape.stages, self.rows, D), stride=(self.rows * D, D, 1)))
+            (self.sched.stages, self.rows, D), stride=(self.rows * D, D, 1)))
 
     @cute.jit
     def init(self, storage, tid):
         """Thread 0 initializes every stage's mbarrier (one arrival: the copy's issuer, with
         its bytes); the caller syncs the CTA before the stages are used."""
         if tid == 0:
-            for s in cutlass.range_constexpr(self.shape.stages):
+            for s in cutlass.range_constexpr(self.sched.stages):
                 cute.arch.mbarrier_init(storage.full.data_ptr() + s, 1)
             cute.arch.mbarrier_init_fence()
 

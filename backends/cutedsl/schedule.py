@@ -190,6 +190,11 @@ class Schedule:
         return self.consumers // self.units
 
     @property
+    def stages(self) -> int:
+        """The ring's stages (``Rows.WARP``): ``depth`` per consumer warp."""
+        return self.consumers * self.depth
+
+    @property
     def lag(self) -> int:
         """Items between an item's prep and its epilogue on the prep warpgroup
         (``Rows.WARP``): one per consumer group, or 4 with ``Prep.GROUP`` (there the prep

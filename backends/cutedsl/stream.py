@@ -53,7 +53,7 @@ from cutlass.cute.nvgpu import cpasync
 from kda.backends.cutedsl import item, ptx as N
 from kda.backends.cutedsl.args import KernelArgs, Launch, make_views
 from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile, smem_fragment
-from kda.backends.cutedsl.ring import RingShape, WarpRing
+from kda.backends.cutedsl.ring import WarpRing
 from kda.backends.cutedsl.item import chunk, reg_chunk, state_regs, store4
 from kda.backends.cutedsl.problem import Problem
 from kda.backends.cutedsl.schedule import FB_ROW, PREP_THREADS, Prep, Rows, Schedule
@@ -95,20 +95,18 @@ class KdaStream(Launch):
         self.token_loop = sched.token_loop
         self.dim = pb.H * D
         self.st = BFloat16 if pb.state_bf16 else Float32
-        shape = RingShape(rows=sched.unit_rows, consumers=sched.consumers, depth=sched.depth)
-        self.shape = shape
         # early_reads: the walk and the prep wait for the PDL predecessor after their first
         # slot ids, pages and windows
         self.early = sched.early_reads
-        self.ring = WarpRing(shape, pb.T, self.st, pb.H, self.block, early_reads=self.early)
+        self.ring = WarpRing(sched, pb.T, self.st, pb.H)
         self.items = self.ring.items        # the item order and ranges (scheduler.ItemWalk)
-        self.units = shape.units
-        self.rows = shape.rows
+        self.units = sched.units
+        self.rows = sched.unit_rows
         # item slots: the one being prepared and one per consumer group; an item's epilogue
         # runs LAG items after its prep, once its group is done with it (Schedule.lag)
         self.LAG = sched.lag
         self.NI = self.LAG + 1
-        self.prep0 = 32 * shape.consumers      # first prep thread
+        self.prep0 = 32 * sched.consumers      # first prep thread
         self.threads = self.prep0 + PREP
         T, NI = pb.T, self.NI
         fields = dict(self.ring.fields())
@@ -134,7 +132,7 @@ class KdaStream(Launch):
             # each group's warp sums: [group][q, k, o^2][warp] (the o^2 sums apart, since a
             # warp may still read an item's while the group's next conv writes the q / k sums)
             fields["gred"] = cute.struct.Align[
-                cute.struct.MemRange[Float32, shape.groups * 3 * 4], 16]
+                cute.struct.MemRange[Float32, sched.groups * 3 * 4], 16]
         # stage_fb: the head's f_b rows (the gate's A operand) staged in shared memory when
         # the head changes; else read from L2
         self.fb_smem = sched.stage_fb
@@ -366,7 +364,7 @@ class KdaStream(Launch):
         channel ``c = 32 (w % units) + lane``), its conv weights and bias with their head
         (``cst[2]``), the conv slots of its next two items (``cst[0]``, ``cst[1]``) and the
         norm weight of channel ``c``; the first item's operands are loaded."""
-        G = self.shape.groups
+        G = self.sched.groups
         grp = w // self.units
         c = (w % self.units) * 32 + lane
         ops = (cute.make_rmem_tensor(cute.make_layout((9,)), g.conv_state.element_type),
@@ -403,7 +401,7 @@ class KdaStream(Launch):
         """After the group's item ``j``: the operands of its next item ``j + groups`` (conv
         slot ``cst[0]``) into ``ops``, and the conv slot of item ``j + 3 groups``."""
         ops, _, cst, _ = gp
-        G = self.shape.groups
+        G = self.sched.groups
         c = (w % self.units) * 32 + lane
         self._group_load(g, i0 + j + G, i1, cst[0], R, slots, ops, c)
         cst[0] = cst[1]
@@ -411,7 +409,7 @@ class KdaStream(Launch):
 
     def _group_red(self, storage):
         """The groups' warp sums, ``[groups, 3, 4]`` fp32: q^2, k^2 and o^2 per warp."""
-        return storage.gred.get_tensor(cute.make_layout((self.shape.groups, 3, 4),
+        return storage.gred.get_tensor(cute.make_layout((self.sched.groups, 3, 4),
                                                         stride=(12, 4, 1)))
 
     @cute.jit

@@ -24,14 +24,16 @@ import torch
 from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.runtime import make_ptr
 
-from kda.backends.cutedsl.ring import RingShape, WarpRing
+from kda.backends.cutedsl.ring import WarpRing
+from kda.backends.cutedsl.schedule import Items, Prep, Rows, Schedule
 from kda.config import HEAD_DIM as D
 from kda.config import KdaArgs, KdaConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class TouchRingStatic:
-    """What one touch_ring kernel is compiled for (the ring's :class:`RingShape` fields)."""
+    """What one touch_ring kernel is compiled for (the ring's fields of a ``Rows.WARP``
+    :class:`kda.backends.cutedsl.schedule.Schedule`: ``unit_rows``, ``consumers``, ``depth``)."""
 
     H: int
     T: int
@@ -49,7 +51,9 @@ class TouchRing:
         self.T = ts.T
         self.H = ts.H
         self.st = BFloat16 if ts.state_bf16 else Float32
-        self.shape = RingShape(ts.rows, ts.consumers, ts.depth)
+        # the streamed kernels' ring, head-major walk, no early reads (a Rows.WARP schedule)
+        self.shape = Schedule(rows=Rows.WARP, prep=Prep.WARPGROUP, items=Items.RANGE,
+                              unit_rows=ts.rows, consumers=ts.consumers, depth=ts.depth)
         self.ring = WarpRing(self.shape, ts.T, self.st)
         self.threads = 32 * ts.consumers
         fields = self.ring.fields()

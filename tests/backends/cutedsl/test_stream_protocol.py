@@ -22,7 +22,6 @@ import pytest
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
 
-from kda.backends.cutedsl.ring import RingShape  # noqa: E402
 from kda.backends.cutedsl import schedule as S  # noqa: E402
 from kda.backends.cutedsl.problem import Problem  # noqa: E402
 from kda.backends.cutedsl.stream import KdaStream  # noqa: E402
@@ -136,11 +135,11 @@ def _run(kernel, live, seed):
 PB = Problem.from_config(KdaConfig(num_heads=4, T=1, window=3))
 
 
-@pytest.mark.parametrize("shape", [RingShape(32, 8, 1), RingShape(16, 8, 2), RingShape(64, 4, 1)],
+@pytest.mark.parametrize("rows,consumers,depth", [(32, 8, 1), (16, 8, 2), (64, 4, 1)],
                          ids=["rows32", "rows16", "rows64"])
-def test_item_slot_protocol(shape):
-    _check_protocol(KdaStream(PB, S.stream(PB, unit_rows=shape.rows, consumers=shape.consumers,
-                                           depth=shape.depth)))
+def test_item_slot_protocol(rows, consumers, depth):
+    _check_protocol(KdaStream(PB, S.stream(PB, unit_rows=rows, consumers=consumers,
+                                           depth=depth)))
 
 
 def test_item_slot_protocol_group_prep():
