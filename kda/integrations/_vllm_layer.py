@@ -4,7 +4,8 @@
 subclass supplies its ``forward`` (vLLM's projections, keeping ``f_a``), the model's pieces of
 the mapping (:meth:`KdaLayerMixin._kda_conv_weight_rows`, ``_kda_lower_bound``, ``_kda_A_log``,
 ...) and :meth:`KdaLayerMixin._kda_vllm_path`, the call of vLLM's own ``_forward`` body; the
-mixin decides per batch, from host metadata only, whether the op runs, and runs it.
+mixin decides per batch, from host metadata only, whether the op runs, and runs it, in the
+eager segment :meth:`KdaLayerMixin._kda_forward`, which writes the caller's buffer in place.
 """
 
 from __future__ import annotations
@@ -172,12 +173,14 @@ class KdaLayerMixin:
         return self._kda_model_reason()
 
     # ---- one batch ---------------------------------------------------------------------
-    @eager_break_during_capture
     def _kda_attention(self, hidden_states: torch.Tensor, mixed_qkv: torch.Tensor,
                        f_a: torch.Tensor, output_gate: torch.Tensor,
                        beta: torch.Tensor) -> torch.Tensor:
-        """The layer's normed attention output ``[tokens, dim]`` (before ``o_proj``) from the
-        projection's slices (:meth:`_kda_forward`), in a new buffer of the model's dtype."""
+        """The layer's normed attention output ``[tokens, dim]`` (``o_proj``'s input) from the
+        projection's slices: allocated here, in the caller's segment (captured under vLLM's
+        breakable CUDA graphs, like vLLM's own ``forward``'s buffer), and written in place by
+        the eager segment :meth:`_kda_forward`, so that what runs after it reads the address
+        it had at capture."""
         num_tokens = hidden_states.size(0)
         core_attn_out = torch.empty((1, num_tokens, self.local_num_heads, self.head_dim),
                                     dtype=hidden_states.dtype, device=hidden_states.device)
@@ -185,11 +188,13 @@ class KdaLayerMixin:
                           core_attn_out=core_attn_out)
         return core_attn_out.view(num_tokens, self.local_num_heads * self.head_dim)
 
+    @eager_break_during_capture
     def _kda_forward(self, mixed_qkv: torch.Tensor, f_a: torch.Tensor,
                      output_gate: torch.Tensor, beta: torch.Tensor,
                      core_attn_out: torch.Tensor) -> None:
         """Writes ``core_attn_out`` ``[1, tokens, H, D]`` in place: the op's normed output, or
-        vLLM's path. ``mixed_qkv`` ``[tokens, 3*dim]``, ``f_a`` ``[tokens, 128]``,
+        vLLM's path; returns nothing (an eager segment under vLLM's breakable CUDA graphs,
+        re-run at every replay). ``mixed_qkv`` ``[tokens, 3*dim]``, ``f_a`` ``[tokens, 128]``,
         ``output_gate`` ``[tokens, dim]`` (logits), ``beta`` ``[tokens, H]`` (logits): the
         projection's slices, bf16."""
         why = self._kda_try_step(mixed_qkv, f_a, output_gate, beta, core_attn_out)

@@ -32,6 +32,13 @@ needs:
 The comparison baseline is vLLM's own path on the same layer instance (``kda_enabled=False``:
 the plugin's ``forward`` then is ``super().forward``), on copies of the same caches.
 
+vLLM's breakable CUDA graphs (its default for all four architectures the plugin serves) run
+here through vLLM's own ``BreakableCUDAGraphWrapper`` and ``BreakableCUDAGraphCapture``, with
+``torch.cuda.CUDAGraph`` replaced by ``CpuGraph``, which keeps a CUDA graph's contract on a
+CPU: capture records the ATen ops of a segment on the tensors they ran on, replay runs them
+again writing each result into the tensor the op produced at capture (allocations are not
+redone). So a captured segment reads, at replay, the memory it read at capture, as on a GPU.
+
 Rounding: Triton's interpreter casts fp32 to bf16 by truncation, not round-to-nearest-even as
 Triton does on a GPU, so in the interpreter vLLM's kernels round their conv output y, o, the
 normed output and a bf16 state toward zero. ``rne_casts`` patches that one cast to round to
@@ -929,6 +936,143 @@ def test_one_kdadecode_per_layer_and_configuration(env, model_dir):
     (cfg, obj), = built.items()
     assert (cfg.num_heads, cfg.T, cfg.window, cfg.conv_layout) == (8, 1, 3, "SD")
     assert obj.backend_name == "reference"
+
+
+# ---- vLLM's breakable CUDA graphs ------------------------------------------------------------
+
+class CpuGraph:
+    """``torch.cuda.CUDAGraph``'s contract on a CPU, for vLLM's breakable-graph machinery.
+
+    ``capture_begin`` .. ``capture_end`` record every ATen op run in between, with the tensors
+    it ran on and the tensors it produced (kept alive, as a graph's memory pool keeps its
+    blocks). ``replay`` runs the recorded ops again on the same tensors and writes each new
+    result into the tensor the op produced at capture (an op that returns a view or writes in
+    place already lands there); allocations are not redone. So, as on a GPU, a replayed
+    segment reads and writes exactly the memory it did at capture, and a tensor allocated
+    outside the captured segments (in an eager segment) is never seen by them.
+    """
+
+    ALLOCATIONS = ("empty.memory_format", "empty_strided.default", "empty_like.default",
+                   "new_empty.default", "new_empty_strided.default")
+
+    def __init__(self, *args, **kwargs):
+        self.ops = []
+        self._mode = None
+
+    def capture_begin(self, *args, **kwargs):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        ops = self.ops
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                ops.append((func, args, kwargs or {}, out))
+                return out
+
+        self._mode = Record()
+        self._mode.__enter__()
+
+    def capture_end(self):
+        self._mode.__exit__(None, None, None)
+        self._mode = None
+
+    def replay(self):
+        for func, args, kwargs, out in self.ops:
+            if str(func.name()).split("::")[-1] in self.ALLOCATIONS:
+                continue
+            new = func(*args, **kwargs)
+            olds = out if isinstance(out, (tuple, list)) else (out,)
+            news = new if isinstance(new, (tuple, list)) else (new,)
+            for o, n in zip(olds, news):
+                if isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor) \
+                        and n.data_ptr() != o.data_ptr():
+                    o.copy_(n)
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    """vLLM's breakable-graph capture and replay on a CPU: ``torch.cuda.CUDAGraph`` is
+    :class:`CpuGraph`; vLLM's weak references (a CUDA op of its ``_C`` extension) are plain
+    aliases of the same memory; no graph pool handle; the pre-capture cache flush, which
+    needs an accelerator, does nothing."""
+    import vllm.compilation.breakable_cudagraph as bcg
+    from vllm.platforms import current_platform
+
+    def alias(t):
+        return t.view_as(t) if isinstance(t, torch.Tensor) else t
+
+    def alias_all(ts):
+        return type(ts)(alias(t) for t in ts) if isinstance(ts, (tuple, list)) else alias(ts)
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", CpuGraph)
+    monkeypatch.setattr(bcg, "weak_ref_tensor", alias)
+    monkeypatch.setattr(bcg, "weak_ref_tensors", alias_all)
+    monkeypatch.setattr(type(current_platform), "graph_pool_handle", lambda self: None,
+                        raising=False)
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
+    return bcg
+
+
+BREAKABLE_CASES = [(m, kind) for m in MODEL_CASES for kind in ("decode", "mixed")]
+
+
+@pytest.mark.parametrize("case", BREAKABLE_CASES, ids=lambda c: f"{c[0].name}-{c[1]}")
+def test_breakable_cuda_graph_replays_the_next_batch(env, model_dir, case, cpu_graphs,
+                                                     monkeypatch):
+    """vLLM's ``BreakableCUDAGraphWrapper`` (vLLM's default for Kimi-Linear, Kimi-K3 and
+    GLM-5-Next) captures the layer on one batch and replays it on the next batch of the same
+    size (new hidden states copied into the static input, new metadata in the forward
+    context, as vLLM's runner does): the replayed output and pages equal an eager run of the
+    two batches, bit for bit. "decode": the op's path (a pure decode; PIECEWISE, as when it
+    runs beside graphs of other sizes); "mixed": vLLM's path (a plain decode beside a
+    prefill; vLLM's prefill kernels stood in for). The layer's eager segment must write the
+    buffer its caller allocated: ``o_proj``'s captured segment reads that address."""
+    from vllm.config import CUDAGraphMode, set_current_vllm_config
+    from vllm.forward_context import BatchDescriptor, set_forward_context
+    model, kind = case
+    vc = vllm_config(model_dir)
+    layer, raw = make_layer(vc, model, model.tp8, seed=31)
+    if kind == "mixed":
+        stand_in_prefill_kernels(monkeypatch, model, [])
+        tables = [torch.tensor([[5], [2]], dtype=torch.int32),
+                  torch.tensor([[9], [3]], dtype=torch.int32)]
+        mds = [build_md(vc, model, layer, t, [1, 4], prefilling=[False, True], context=0)
+               for t in tables]
+        path = "vllm: prefill or mixed batch"
+    else:
+        tables = [torch.tensor([[5], [2], [9], [7], [4]], dtype=torch.int32),
+                  torch.tensor([[3], [9], [2], [11], [6]], dtype=torch.int32)]
+        mds = [decode_md(vc, model, layer, t) for t in tables]
+        path = "kda"
+    hss = [hidden(5, seed=32), hidden(5, seed=33)]
+    positions = torch.zeros(5, dtype=torch.long)
+
+    def forward(md, hs, mode=CUDAGraphMode.NONE, wrapper=None):
+        with torch.no_grad(), set_current_vllm_config(vc), \
+                set_forward_context({layer.prefix: md}, vc, cudagraph_runtime_mode=mode,
+                                    batch_descriptor=BatchDescriptor(num_tokens=5)):
+            return (wrapper or layer)(hs, positions)
+
+    eager_page = raw.clone()
+    bind(vc, layer, eager_page)
+    forward(mds[0], hss[0])
+    want = forward(mds[1], hss[1]).clone()
+    assert layer.kda_last_path == path, layer.kda_last_path
+
+    page = raw.clone()
+    bind(vc, layer, page)
+    wrapper = cpu_graphs.BreakableCUDAGraphWrapper(layer, vc)
+    static = hss[0].clone()
+    forward(mds[0], static, CUDAGraphMode.PIECEWISE, wrapper)        # capture
+    (entry,) = wrapper.entries.values()
+    assert entry.capture.num_eager_breaks == 1 and entry.capture.num_graphs == 2
+    static.copy_(hss[1])
+    got = forward(mds[1], static, CUDAGraphMode.PIECEWISE, wrapper)   # replay
+    assert layer.kda_last_path == path, layer.kda_last_path
+    assert torch.equal(page, eager_page), "the replayed eager segment wrote other pages"
+    assert torch.equal(got, want), (
+        "the replayed output is not the new batch's: o_proj's captured segment read a "
+        f"buffer the eager segment did not write (max diff {(got - want).abs().max():.3g})")
 
 
 # ---- the setting -----------------------------------------------------------------------------
