@@ -96,7 +96,8 @@ once per process (logger ``"kda"``, INFO); any other value raises at layer const
 native / flashinfer / triton) and they keep that meaning, choosing vLLM's kernel wherever
 vLLM's path runs.
 
-Environment: vLLM 0.33.0. Tests: ``tools/vllm/run_tests.sh`` (tests/integrations/test_vllm.py).
+Environment: vLLM 0.33.0 (:data:`TESTED_VLLM_VERSIONS`). Tests: ``tools/vllm/run_tests.sh``
+(tests/integrations/test_vllm.py, against each tested version).
 This module imports vLLM only inside functions, so ``import kda.integrations.vllm`` works
 without vLLM; ``import kda`` never imports this module.
 """
@@ -105,6 +106,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.metadata
 import logging
 import os
 import sys
@@ -115,6 +117,8 @@ from typing import Dict, NamedTuple, Optional, Tuple
 CONFIG_KEY = "kda_fused_decode_backend"
 #: The setting's value that keeps every KDA layer on vLLM's own path.
 VLLM_PATH = "vllm"
+#: The vLLM releases the plugin is tested against (``tools/vllm/run_tests.sh`` runs each).
+TESTED_VLLM_VERSIONS: Tuple[str, ...] = ("0.33.0",)
 
 _log = logging.getLogger("kda")
 _lock = threading.RLock()
@@ -161,6 +165,15 @@ def setting_values() -> Tuple[str, ...]:
     """The valid values of the setting: :data:`kda.registry.CHOICES` and :data:`VLLM_PATH`."""
     from kda import registry
     return registry.CHOICES + (VLLM_PATH,)
+
+
+def vllm_version() -> Optional[str]:
+    """The installed ``vllm`` distribution's version without its local part (``0.34.0`` for
+    ``0.34.0+cu130``), or None when vLLM is not installed."""
+    try:
+        return importlib.metadata.version("vllm").split("+", 1)[0]
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def backend_choice(additional_config=None) -> Tuple[str, str]:

@@ -6,13 +6,18 @@ The layers themselves run against the real vLLM in test_vllm.py (tools/vllm/run_
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import logging
+import os
+import re
 import sys
 
 import pytest
 
 import kda
 from kda.integrations import vllm as plugin
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_import_does_not_import_vllm():
@@ -89,3 +94,22 @@ def test_layer_class_names_the_models():
     with pytest.raises(KeyError, match="Kimi-Linear"):
         plugin.layer_class("Qwen")
     assert set(plugin.MODELS) == {"Kimi-Linear", "Kimi-K3", "GLM-5-Next"}
+
+
+def test_vllm_version_drops_the_local_part(monkeypatch):
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.34.0+cu130")
+    assert plugin.vllm_version() == "0.34.0"
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert plugin.vllm_version() is None
+
+
+def test_the_engine_script_has_each_tested_versions_dependencies():
+    """tools/vllm/run_tests.sh runs every tested version, each with its own pins."""
+    script = open(os.path.join(ROOT, "tools", "vllm", "run_tests.sh")).read()
+    cases = re.findall(r"^\s+(\d+\.\d+\.\d+)\) echo ", script, re.M)
+    assert sorted(cases) == sorted(plugin.TESTED_VLLM_VERSIONS)
+    assert "TESTED_VLLM_VERSIONS" in script
