@@ -26,8 +26,6 @@ from kda.config import CONV_TAPS, HEAD_DIM
 from kda.errors import KdaArgumentError
 from kda.integrations import vllm as plugin
 
-_log = logging.getLogger("kda")
-
 
 class Batch(NamedTuple):
     """The requests of one batch the op serves: ``R`` requests of ``T`` tokens (rows
@@ -202,7 +200,8 @@ class KdaLayerMixin:
             self.kda_last_path = "kda"
             return
         self.kda_last_path = f"vllm: {why}"
-        plugin.log_once(("batch", self.kda_model, why), logging.INFO,
+        # one key per model and reason: a reason already warned about is not repeated here
+        plugin.log_once(("vllm path", self.kda_model, why), logging.INFO,
                         "vLLM plugin: %s: batches run vLLM's path: %s (first: %s)",
                         self.kda_model, why, self.prefix)
         self._kda_vllm_path(mixed_qkv, f_a, output_gate, beta, core_attn_out)
@@ -287,8 +286,9 @@ class KdaLayerMixin:
                 why = ("auto found no GPU backend for this GPU (only the PyTorch "
                        "reference, slower than vLLM's kernels)")
                 self._kda_refused[cfg] = why
-                _log.warning("vLLM plugin: %s stays on vLLM's path for %s: %s",
-                             self.prefix, cfg.short(), why)
+                plugin.log_once(("vllm path", self.kda_model, why), logging.WARNING,
+                                "vLLM plugin: %s layers (first: %s) stay on vLLM's path for "
+                                "%s: %s", self.kda_model, self.prefix, cfg.short(), why)
                 return why
             self.kda_steps[cfg] = step
         if self._kda_conv_weight is None or self._kda_conv_weight.device != mixed_qkv.device:
@@ -303,8 +303,9 @@ class KdaLayerMixin:
             # Validation runs before anything is written: vLLM's path is still exact.
             why = f"the op refused the arguments: {e}"
             self._kda_refused[cfg] = why
-            _log.warning("vLLM plugin: %s stays on vLLM's path for %s: %s", self.prefix,
-                         cfg.short(), e)
+            plugin.log_once(("vllm path", self.kda_model, why), logging.WARNING,
+                            "vLLM plugin: %s layers (first: %s) stay on vLLM's path for %s: %s",
+                            self.kda_model, self.prefix, cfg.short(), why)
             return why
         return None
 

@@ -41,7 +41,7 @@ caller's ``core_attn_out`` buffer in place. There:
   (and GLM-5-Next's ``o_norm``, which vLLM applies after it) unchanged: prefill and mixed
   batches, ragged speculative batches (requests with fewer drafts than configured, dynamic
   speculation), plain decodes beside speculative ones. Each reason is logged once per model
-  (logger ``"kda"``, INFO), and ``layer.kda_last_path`` says which path the last call took.
+  (:data:`LOGGER_NAME`, INFO), and ``layer.kda_last_path`` says which path the last call took.
 
 A layer whose setup the op does not serve runs vLLM's own ``forward`` for every batch, the
 reason logged once: a recurrent state other than fp32 / bf16, a quantized ``f_b_proj``,
@@ -90,7 +90,7 @@ Choosing the backend (one setting per process)
 ``--additional-config '{"kda_fused_decode_backend": "<value>"}'``, else ``$KDA_BACKEND``, else
 ``auto``. ``<value>`` is one of :data:`kda.registry.CHOICES` or ``"vllm"``, which keeps every
 KDA layer of the process on vLLM's own path. The choice and where it came from are logged
-once per process (logger ``"kda"``, INFO); any other value raises at layer construction
+once per process (:data:`LOGGER_NAME`, INFO); any other value raises at layer construction
 (model build, i.e. startup) listing the valid values. The key is deliberately not vLLM's
 ``kda_decode_backend`` / ``kda_spec_decode_backend``: Kimi-K3's layer reads those (auto /
 native / flashinfer / triton) and they keep that meaning, choosing vLLM's kernel wherever
@@ -98,6 +98,10 @@ vLLM's path runs.
 
 Environment: vLLM 0.33.0 (:data:`TESTED_VLLM_VERSIONS`). Tests: ``tools/vllm/run_tests.sh``
 (tests/integrations/test_vllm.py, against each tested version).
+
+The log: :data:`LOGGER_NAME` is a child of vLLM's ``vllm`` logger, so every line of the plugin
+goes where vLLM's own go (the handler, format and level vLLM configures on ``vllm``, which does
+not propagate further).
 This module imports vLLM only inside functions, so ``import kda.integrations.vllm`` works
 without vLLM; ``import kda`` never imports this module.
 """
@@ -119,8 +123,10 @@ CONFIG_KEY = "kda_fused_decode_backend"
 VLLM_PATH = "vllm"
 #: The vLLM releases the plugin is tested against (``tools/vllm/run_tests.sh`` runs each).
 TESTED_VLLM_VERSIONS: Tuple[str, ...] = ("0.33.0",)
+#: The plugin's logger: a child of vLLM's ``vllm`` logger, so that its lines go where vLLM's go.
+LOGGER_NAME = "vllm.plugins.kda"
 
-_log = logging.getLogger("kda")
+_log = logging.getLogger(LOGGER_NAME)
 _lock = threading.RLock()
 _registered = False
 _logged: set = set()
@@ -153,7 +159,7 @@ VLLM_CLASS = MODELS["Kimi-Linear"].vllm_class
 
 
 def log_once(key, level: int, msg: str, *args) -> None:
-    """Log ``msg % args`` on the ``"kda"`` logger the first time ``key`` is seen in this process."""
+    """Log ``msg % args`` on :data:`LOGGER_NAME` the first time ``key`` is seen in this process."""
     with _lock:
         if key in _logged:
             return
@@ -182,7 +188,7 @@ def backend_choice(additional_config=None) -> Tuple[str, str]:
     Order: ``additional_config[CONFIG_KEY]`` (vLLM's ``--additional-config``), then
     ``$KDA_BACKEND``, then ``"auto"``. The value is a backend name for :class:`kda.KdaDecode`
     or :data:`VLLM_PATH` (every layer on vLLM's path). Logs the choice once per process
-    (logger ``"kda"``).
+    (:data:`LOGGER_NAME`).
 
     Raises:
       kda.KdaBackendError: the value is not one of :func:`setting_values` (the message names

@@ -59,6 +59,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -90,6 +91,7 @@ HIDDEN = 256           # the layers' hidden size (the op never sees it; small ke
 SLOTS = 16
 PAGE_PAD = 48          # bytes past the states in each page: slot pitches larger than the states
 ENTRY_POINT = "kda.integrations.vllm:register"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _prefixes = itertools.count()
 
 
@@ -135,8 +137,13 @@ def glm_package_shell() -> None:
 
 @pytest.fixture(scope="module")
 def env():
+    return init_vllm()
+
+
+def init_vllm() -> bool:
     """A single-process gloo TP group, the interpreter workarounds, the plugin registered and
-    the three layer modules imported (their classes registered by the plugin's import hook)."""
+    the three layer modules imported (their classes registered by the plugin's import hook).
+    (The ``env`` fixture; a plain function for the subprocess of the logging test.)"""
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed.parallel_state import (init_distributed_environment,
                                                  initialize_model_parallel,
@@ -452,6 +459,31 @@ def dtype_of(name):
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
 
+@pytest.fixture
+def plugin_log(caplog):
+    """The plugin's log records from now on (its "once" memory cleared: this test's first
+    time), read from the plugin's logger itself, whatever vLLM's logger propagates."""
+    logger = logging.getLogger(plugin.LOGGER_NAME)
+    old = logger.level, logger.propagate
+    logger.setLevel(logging.INFO)
+    logger.addHandler(caplog.handler)
+    logger.propagate = False            # else caplog's handler on the root sees them twice
+    caplog.clear()
+    saved = set(plugin._logged)
+    plugin._logged.clear()
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+        logger.setLevel(old[0])
+        logger.propagate = old[1]
+        plugin._logged.update(saved)
+
+
+def messages(log, text: str):
+    return [r.getMessage() for r in log.records if text in r.getMessage()]
+
+
 # ---- the plugin loader and the class swap ----------------------------------------------------
 
 def test_entry_point_is_discovered_and_loaded_by_vllm(env, monkeypatch):
@@ -502,18 +534,16 @@ def test_vllm_loader_registers_the_layers_in_a_fresh_process():
         "kda.integrations._vllm_glm5next.KdaGlm5NextLinearAttention"]
 
 
-def test_k3_is_not_replaced_where_vllm_builds_another_class(env, monkeypatch, caplog):
+def test_k3_is_not_replaced_where_vllm_builds_another_class(env, monkeypatch, plugin_log):
     """On ROCm vLLM builds ``vllm.models.kimi_k3.amd``'s class of the same name: the plugin
     must not register its NVIDIA subclass for that name there."""
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.platforms import current_platform
-    caplog.set_level(logging.INFO, logger="kda")
     monkeypatch.setattr(type(current_platform), "is_rocm", lambda self: True)
     monkeypatch.delitem(op_registry_oot, "KimiK3DeltaAttention")
-    monkeypatch.setattr(plugin, "_logged", set())
     plugin._register_model(plugin.MODELS["Kimi-K3"])
     assert "KimiK3DeltaAttention" not in op_registry_oot
-    assert any("Kimi-K3's layer is not replaced" in r.getMessage() for r in caplog.records)
+    assert messages(plugin_log, "Kimi-K3's layer is not replaced")
 
 
 @pytest.mark.parametrize("model", MODEL_CASES, ids=lambda m: m.name)
@@ -739,13 +769,12 @@ def test_state_difference_is_the_interpreters_truncation(env, model_dir):
 
 # ---- other batches and setups fall back to vLLM's path ---------------------------------------
 
-def assert_falls_back(vc, layer, raw, md, hs, reason: str, caplog=None):
+def assert_falls_back(vc, layer, raw, md, hs, reason: str, log=None):
     """The plugin leaves this batch on vLLM's path (its path starts with ``reason``): output
     and pages bit-identical to vLLM's own run, no KdaDecode built; the reason logged once
-    over two calls."""
-    if caplog is not None:
-        caplog.set_level(logging.INFO, logger="kda")
-        caplog.clear()
+    over two calls (``log``: the ``plugin_log`` fixture)."""
+    if log is not None:
+        log.clear()
         plugin._logged.clear()           # "once per process": this test's first time
     y, _, page, path = step(vc, layer, raw, md, hs)
     step(vc, layer, raw, md, hs)
@@ -753,10 +782,9 @@ def assert_falls_back(vc, layer, raw, md, hs, reason: str, caplog=None):
     assert path.startswith(reason), path
     assert torch.equal(y, y_v) and torch.equal(page, page_v)
     assert not layer.kda_steps
-    if caplog is not None:
+    if log is not None:
         why = path[len("vllm: "):]
-        logged = [r for r in caplog.records if why in r.getMessage()]
-        assert len(logged) == 1, [r.getMessage() for r in caplog.records]
+        assert len(messages(log, why)) == 1, [r.getMessage() for r in log.records]
 
 
 def stand_in_prefill_kernels(monkeypatch, model, calls):
@@ -803,7 +831,7 @@ def stand_in_prefill_kernels(monkeypatch, model, calls):
 
 
 @pytest.mark.parametrize("model", MODEL_CASES, ids=lambda m: m.name)
-def test_prefill_and_mixed_batches_fall_back(env, model_dir, model, monkeypatch, caplog):
+def test_prefill_and_mixed_batches_fall_back(env, model_dir, model, monkeypatch, plugin_log):
     """A plain decode (slot 5, has state) and a prefill of 4 tokens (slot 2, fresh): the batch
     reaches vLLM's own prefill code with the same tensors (g1 = f_b_proj(f_a) included) and
     gives the same result, bit for bit (vLLM's prefill kernels are stood in for, see
@@ -815,8 +843,6 @@ def test_prefill_and_mixed_batches_fall_back(env, model_dir, model, monkeypatch,
     table = torch.tensor([[5], [2]], dtype=torch.int32)
     md = build_md(vc, model, layer, table, [1, 4], prefilling=[False, True], context=0)
     hs = hidden(5, seed=6)
-    caplog.set_level(logging.INFO, logger="kda")
-    plugin._logged.clear()
     y, core, page, path = step(vc, layer, raw, md, hs)
     ours, calls[:] = list(calls), []
     y_v, core_v, page_v, _ = step(vc, layer, raw, md, hs, use_kda=False)
@@ -828,11 +854,11 @@ def test_prefill_and_mixed_batches_fall_back(env, model_dir, model, monkeypatch,
     assert torch.equal(y, y_v) and torch.equal(core, core_v) and torch.equal(page, page_v)
     assert not torch.equal(page, raw)
     assert not layer.kda_steps
-    assert [r for r in caplog.records if "prefill or mixed batch" in r.getMessage()]
+    assert messages(plugin_log, "prefill or mixed batch")
 
 
 @pytest.mark.parametrize("model", MODEL_CASES, ids=lambda m: m.name)
-def test_ragged_verify_batch_falls_back(env, model_dir, model, caplog):
+def test_ragged_verify_batch_falls_back(env, model_dir, model, plugin_log):
     T = 3
     vc = vllm_config(model_dir, num_spec=T - 1)
     layer, raw = make_layer(vc, model, model.tp8, seed=9)
@@ -840,10 +866,10 @@ def test_ragged_verify_batch_falls_back(env, model_dir, model, caplog):
     # a request that drafted nothing: 1 token
     md = verify_md(vc, model, layer, table, torch.tensor([2, 1], dtype=torch.int32), [3, 1])
     assert_falls_back(vc, layer, raw, md, hidden(4, seed=10), "vllm: ragged speculative batch",
-                      caplog)
+                      plugin_log)
 
 
-def test_k3_plain_decodes_beside_speculative_ones_fall_back(env, model_dir, caplog):
+def test_k3_plain_decodes_beside_speculative_ones_fall_back(env, model_dir, plugin_log):
     """Kimi-K3's builder keeps one-token decodes of requests that are not speculative apart
     (GDN's reclassifies them as prefills)."""
     T = 2
@@ -854,20 +880,20 @@ def test_k3_plain_decodes_beside_speculative_ones_fall_back(env, model_dir, capl
                   drafts=torch.tensor([T - 1, -1]))
     assert (md.num_spec_decodes, md.num_decodes, md.num_prefills) == (1, 1, 0)
     assert_falls_back(vc, layer, raw, md, hidden(T + 1, seed=12),
-                      "vllm: plain decodes beside speculative decodes", caplog)
+                      "vllm: plain decodes beside speculative decodes", plugin_log)
 
 
-def test_k3_adaptive_verification_keeps_verify_on_vllms_path(env, model_dir, caplog):
+def test_k3_adaptive_verification_keeps_verify_on_vllms_path(env, model_dir, plugin_log):
     T = 2
     vc = vllm_config(model_dir, num_spec=T - 1, adaptive=True)
     layer, raw = make_layer(vc, K3, K3.tp8, seed=13)
     table = torch.tensor([[5, 6], [9, 10]], dtype=torch.int32)
     md = verify_md(vc, K3, layer, table, torch.tensor([2, 1], dtype=torch.int32), [T, T])
     assert_falls_back(vc, layer, raw, md, hidden(2 * T, seed=14),
-                      "vllm: adaptive verification", caplog)
+                      "vllm: adaptive verification", plugin_log)
 
 
-def test_k3_recoverssm_keeps_the_layer_on_vllms_path(env, model_dir, caplog):
+def test_k3_recoverssm_keeps_the_layer_on_vllms_path(env, model_dir, plugin_log):
     """RecoverSSM (``--use-replayssm`` with speculation): every call runs vLLM's own
     ``forward`` (here a pure-decode batch, its packed decode kernel)."""
     vc = vllm_config(model_dir, num_spec=1, recoverssm=True)
@@ -875,7 +901,8 @@ def test_k3_recoverssm_keeps_the_layer_on_vllms_path(env, model_dir, caplog):
     assert layer.use_recoverssm
     table = torch.tensor([[5, 6], [9, 10]], dtype=torch.int32)
     md = decode_md(vc, K3, layer, table)
-    assert_falls_back(vc, layer, raw, md, hidden(2, seed=16), "vllm: ReplaySSM / RecoverSSM", caplog)
+    assert_falls_back(vc, layer, raw, md, hidden(2, seed=16), "vllm: ReplaySSM / RecoverSSM",
+                      plugin_log)
 
 
 @pytest.mark.parametrize("kind", ["decode", "verify"])
@@ -908,13 +935,13 @@ def test_setting_vllm_keeps_the_model_on_vllms_path(env, model_dir, model):
     assert not layer.kda_steps
 
 
-def test_glm_lower_bound_outside_the_contract_stays_on_vllms_path(env, model_dir, caplog):
+def test_glm_lower_bound_outside_the_contract_stays_on_vllms_path(env, model_dir, plugin_log):
     """GLM-5-Next with a gate bound the op's contract refuses (< -5): vLLM's path, logged."""
     vc = vllm_config(model_dir)
     layer, raw = make_layer(vc, GLM, GLM.tp8, seed=23, lower_bound=-8.0)
     md = decode_md(vc, GLM, layer, torch.tensor([[5], [2]], dtype=torch.int32))
     assert_falls_back(vc, layer, raw, md, hidden(2, seed=24),
-                      "vllm: the op refuses this layer's setup: lower_bound", caplog)
+                      "vllm: the op refuses this layer's setup: lower_bound", plugin_log)
 
 
 def test_quantized_f_b_proj_keeps_the_layer_on_vllms_path(env, model_dir):
@@ -936,6 +963,53 @@ def test_one_kdadecode_per_layer_and_configuration(env, model_dir):
     (cfg, obj), = built.items()
     assert (cfg.num_heads, cfg.T, cfg.window, cfg.conv_layout) == (8, 1, 3, "SD")
     assert obj.backend_name == "reference"
+
+
+# ---- the log ---------------------------------------------------------------------------------
+
+LOG_LINE = re.compile(r"\(\S+ pid=\d+\) (INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d "
+                      r"\[\S+:\d+\] vLLM plugin: ")
+
+
+def test_the_plugin_logs_into_vllms_log():
+    """In a fresh process whose logging vLLM configured as its engine does
+    (``vllm.logger.configure_logging``: a handler on the ``vllm`` logger, which does not
+    propagate), the plugin's lines come out through vLLM's handler, in vLLM's format, once
+    each: the class replaced and the setting."""
+    code = GLM_SHELL + (
+        "import torch\n"
+        "from vllm.config.logging import LoggingConfig\n"
+        "from vllm.logger import configure_logging\n"
+        "configure_logging(LoggingConfig(log_level='INFO'))\n"
+        "import tests.integrations.test_vllm as t\n"
+        "t.init_vllm()\n"
+        "d = t.tempfile.mkdtemp()\n"
+        "from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig\n"
+        "c = KimiLinearConfig(hidden_size=t.HIDDEN, num_hidden_layers=1, num_attention_heads=4,"
+        " linear_attn_config={'head_dim': 128, 'num_heads': 8, 'short_conv_kernel_size': 4,"
+        " 'kda_layers': [1], 'full_attn_layers': []})\n"
+        "c.architectures = ['KimiLinearForCausalLM']\n"
+        "c.save_pretrained(d)\n"
+        "vc = t.vllm_config(d, backend=None)\n"
+        "layer, raw = t.make_layer(vc, t.KIMI, 4)\n"
+        "md = t.decode_md(vc, t.KIMI, layer, torch.tensor([[5], [2]], dtype=torch.int32))\n"
+        "for _ in range(2):\n"
+        "    path = t.step(vc, layer, raw, md, t.hidden(2))[3]\n"
+        "print('PATH', path, flush=True)\n")
+    env_ = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1",
+                VLLM_LOGGING_STREAM="ext://sys.stdout", VLLM_CONFIGURE_LOGGING="1")
+    for var in ("VLLM_PLUGINS", "KDA_BACKEND", "VLLM_LOGGING_CONFIG_PATH"):
+        env_.pop(var, None)
+    res = subprocess.run([sys.executable, "-c", code], env=env_, capture_output=True,
+                         text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [ln for ln in res.stdout.splitlines() if "vLLM plugin: " in ln]
+    assert lines and all(LOG_LINE.search(ln) for ln in lines), (lines, res.stderr[-3000:])
+    assert "vLLM plugin" not in res.stderr, res.stderr[-3000:]
+    for text in ("KimiGatedDeltaNetAttention (Kimi-Linear) -> ",
+                 "KDA fused decode backend 'auto' (from default)"):
+        found = [ln for ln in lines if text in ln]
+        assert len(found) == 1, (text, lines)
 
 
 # ---- vLLM's breakable CUDA graphs ------------------------------------------------------------
@@ -1094,10 +1168,8 @@ def test_unknown_value_fails_at_construction_listing_the_values(env, model_dir, 
     assert construct(vc2, model, model.tp8).kda_backend == "auto"
 
 
-def test_backend_choice_is_logged_once(caplog):
-    caplog.set_level(logging.INFO, logger="kda")
+def test_backend_choice_is_logged_once(plugin_log):
     for _ in range(3):
         assert plugin.backend_choice({plugin.CONFIG_KEY: "cutedsl_wide"}) == (
             "cutedsl_wide", f"--additional-config {plugin.CONFIG_KEY}")
-    msgs = [r.getMessage() for r in caplog.records if "cutedsl_wide" in r.getMessage()]
-    assert len(msgs) == 1, msgs
+    assert len(messages(plugin_log, "cutedsl_wide")) == 1

@@ -20,6 +20,26 @@ from kda.integrations import vllm as plugin
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.fixture
+def vllm_log():
+    """Records as vLLM's configured logging receives them: a handler on the ``vllm`` logger,
+    which does not propagate (vLLM's ``DEFAULT_LOGGING_CONFIG``)."""
+    records = []
+    handler = logging.Handler(level=logging.DEBUG)
+    handler.emit = records.append
+    logger = logging.getLogger("vllm")
+    old = (logger.propagate, logger.level)
+    logger.addHandler(handler)
+    logger.propagate = False
+    logger.setLevel(logging.INFO)          # setLevel: also clears the loggers' level caches
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = old[0]
+        logger.setLevel(old[1])
+
+
 def test_import_does_not_import_vllm():
     import subprocess
     code = ("import sys, kda.integrations.vllm as p; assert 'vllm' not in sys.modules; "
@@ -55,13 +75,16 @@ def test_an_unknown_value_names_the_setting_the_valid_values_and_the_value(value
         assert name in msg
 
 
-def test_the_choice_is_logged_once(caplog, monkeypatch):
+def test_the_choice_is_logged_once_into_vllms_log(vllm_log, monkeypatch):
+    """The plugin's logger is a child of vLLM's ``vllm`` logger: its lines reach the handler
+    vLLM configures there (and nothing else of the process's logging is needed)."""
     monkeypatch.setattr(plugin, "_logged", set())
-    caplog.set_level(logging.INFO, logger="kda")
+    assert plugin.LOGGER_NAME.startswith("vllm.")
     for _ in range(3):
         plugin.backend_choice({plugin.CONFIG_KEY: "vllm"})
-    msgs = [r.getMessage() for r in caplog.records if "vLLM's own path" in r.getMessage()]
+    msgs = [r.getMessage() for r in vllm_log if "vLLM's own path" in r.getMessage()]
     assert len(msgs) == 1, msgs
+    assert vllm_log[0].levelno == logging.INFO and vllm_log[0].name == plugin.LOGGER_NAME
 
 
 def test_a_deferred_model_registers_when_its_module_is_imported(tmp_path, monkeypatch):
