@@ -8,7 +8,7 @@ import torch
 from vllm.models.glm5next.common.kda import Glm5NextLinearAttention
 
 from kda.integrations import vllm as plugin
-from kda.integrations._vllm_layer import KdaLayerMixin
+from kda.integrations._vllm_layer import KdaLayerMixin, VllmKernels
 
 # vLLM's ``_forward`` body without its decorator (our ``_kda_forward`` carries it).
 _vllm_forward_body = getattr(Glm5NextLinearAttention._forward, "__wrapped__",
@@ -63,6 +63,10 @@ class KdaGlm5NextLinearAttention(KdaLayerMixin, Glm5NextLinearAttention):
     def _kda_decode_requests(self, m) -> int:
         # vLLM's decode kernels take the first num_decodes slots and query starts
         return m.num_decodes
+
+    def _kda_vllm_kernels(self, T: int) -> VllmKernels:
+        return VllmKernels("vLLM's Triton causal_conv1d_update + fused_recurrent_kda",
+                           fused=False)
 
     def _kda_model_reason(self) -> Optional[str]:
         if not self.kda_safe_gate or self.kda_lower_bound is None:

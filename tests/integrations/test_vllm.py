@@ -919,8 +919,8 @@ def test_k3_auto_keeps_vllms_flashinfer_kernels(env, model_dir, kind):
         md = verify_md(vc, K3, layer, table, torch.tensor([1, 2], dtype=torch.int32), [2, 2])
         layer.kda_spec_decode_backend = "flashinfer"
     why = layer._kda_batch(md)
-    assert isinstance(why, str) and why.startswith("auto keeps vLLM's FlashInfer"), why
-    layer.kda_backend = "reference"              # a named backend runs the op
+    assert isinstance(why, str) and why.startswith("auto keeps FlashInfer's"), why
+    layer._kda_init("reference", "--additional-config")      # a named backend runs the op
     assert not isinstance(layer._kda_batch(md), str)
 
 
@@ -965,6 +965,65 @@ def test_one_kdadecode_per_layer_and_configuration(env, model_dir):
     assert obj.backend_name == "reference"
 
 
+# ---- what the op replaces, and where it does not run -------------------------------------------
+
+def test_k3_auto_keeps_vllms_native_fused_decode(env, model_dir, monkeypatch, plugin_log):
+    """Kimi-K3 where vLLM chose its native CUDA ``fused_kda_decode`` (SM90 / SM10x / SM12x, an
+    fp32 pool, no speculation: set by hand here, with the buffers vLLM then allocates, and a
+    recording stand-in for the CUDA op): ``auto`` keeps it, logged once by name."""
+    from vllm import _custom_ops
+    vc = vllm_config(model_dir, backend="auto")
+    layer, raw = make_layer(vc, K3, K3.tp8, seed=51)
+    layer.kda_decode_backend = "native"
+    D3 = layer.local_projection_size
+    layer.decode_conv1d_weight = layer._kda_relayout_conv_weight().view(3, 4, D3)
+    layer.decode_norm_weight = layer.o_norm.weight.float()
+    ran = []
+
+    def fused_kda_decode(**kw):
+        ran.append(kw["state_indices"].clone())
+        kw["out"].zero_()
+
+    monkeypatch.setattr(_custom_ops, "fused_kda_decode", fused_kda_decode, raising=False)
+    md = decode_md(vc, K3, layer, torch.tensor([[5], [2]], dtype=torch.int32))
+    for _ in range(2):
+        _, _, _, path = step(vc, layer, raw, md, hidden(2, seed=52))
+    assert path.startswith("vllm: auto keeps vLLM's native CUDA fused_kda_decode"), path
+    assert len(ran) == 2 and not layer.kda_steps
+    assert len(messages(plugin_log, "auto keeps vLLM's native CUDA fused_kda_decode")) == 1
+
+
+def test_a_named_backend_replacing_a_native_kernel_says_so(env, model_dir, plugin_log):
+    """A backend named in the setting replaces vLLM's native kernel too, and the log names
+    the kernel it replaces and the backend that runs instead (once)."""
+    vc = vllm_config(model_dir, backend="reference")
+    layer, raw = make_layer(vc, K3, K3.tp8, seed=53)
+    layer.kda_decode_backend = "native"
+    md = decode_md(vc, K3, layer, torch.tensor([[5], [2]], dtype=torch.int32))
+    for _ in range(2):
+        _, _, _, path = step(vc, layer, raw, md, hidden(2, seed=54))
+    assert path == "kda"
+    (msg,) = messages(plugin_log, "in place of")
+    assert "Kimi-K3 pure-decode batches run kda.KdaDecode (backend reference)" in msg
+    assert "vLLM's native CUDA fused_kda_decode (kda_decode_backend 'native')" in msg
+
+
+@pytest.mark.parametrize("model", MODEL_CASES, ids=lambda m: m.name)
+def test_auto_without_a_gpu_backend_stays_on_vllms_path(env, model_dir, model, plugin_log):
+    """The default setting on a platform with no GPU backend of kda (here the CPU; vLLM's CPU
+    or XPU platform alike): ``auto`` would find only the PyTorch reference; the layer stays
+    on vLLM's path instead (bit-identical to it), with one warning naming the setting."""
+    vc = vllm_config(model_dir, backend=None)
+    layer, raw = make_layer(vc, model, model.tp8, seed=55)
+    assert layer.kda_backend == "auto"
+    md = decode_md(vc, model, layer, torch.tensor([[5], [2]], dtype=torch.int32))
+    assert_falls_back(vc, layer, raw, md, hidden(2, seed=56),
+                      "vllm: auto found no GPU backend of kda for cpu", plugin_log)
+    (warning,) = [r for r in plugin_log.records if r.levelno == logging.WARNING]
+    assert "auto found no GPU backend" in warning.getMessage()
+    assert plugin.CONFIG_KEY in warning.getMessage()
+
+
 # ---- the log ---------------------------------------------------------------------------------
 
 LOG_LINE = re.compile(r"\(\S+ pid=\d+\) (INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d "
@@ -975,7 +1034,8 @@ def test_the_plugin_logs_into_vllms_log():
     """In a fresh process whose logging vLLM configured as its engine does
     (``vllm.logger.configure_logging``: a handler on the ``vllm`` logger, which does not
     propagate), the plugin's lines come out through vLLM's handler, in vLLM's format, once
-    each: the class replaced and the setting."""
+    each: the class replaced, the setting, the reason the layer stays on vLLM's path (a
+    warning, once over two batches)."""
     code = GLM_SHELL + (
         "import torch\n"
         "from vllm.config.logging import LoggingConfig\n"
@@ -1007,9 +1067,12 @@ def test_the_plugin_logs_into_vllms_log():
     assert lines and all(LOG_LINE.search(ln) for ln in lines), (lines, res.stderr[-3000:])
     assert "vLLM plugin" not in res.stderr, res.stderr[-3000:]
     for text in ("KimiGatedDeltaNetAttention (Kimi-Linear) -> ",
-                 "KDA fused decode backend 'auto' (from default)"):
+                 "KDA fused decode backend 'auto' (from default)",
+                 "auto found no GPU backend"):
         found = [ln for ln in lines if text in ln]
         assert len(found) == 1, (text, lines)
+    assert [ln for ln in lines if "WARNING" in ln and "no GPU backend" in ln]
+    assert "PATH vllm: auto found no GPU backend" in res.stdout, res.stdout[-3000:]
 
 
 # ---- vLLM's breakable CUDA graphs ------------------------------------------------------------
