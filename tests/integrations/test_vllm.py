@@ -82,9 +82,12 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import kda  # noqa: E402
+from kda.errors import KdaArgumentError  # noqa: E402
 from kda.integrations import vllm as plugin  # noqa: E402
 from kda.testing import BF16_STATE_DIFFER_FRAC, TOLERANCES, Tolerance  # noqa: E402
 from tests.integrations.triton_rne import rne_casts  # noqa: E402
+
+VLLM_VERSION = plugin.vllm_version()
 
 D = 128
 HIDDEN = 256           # the layers' hidden size (the op never sees it; small keeps GEMMs cheap)
@@ -459,6 +462,13 @@ def dtype_of(name):
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
 
+def kimi_prefill_stores_into_bf16() -> bool:
+    """vLLM 0.34's Kimi-Linear prefill stores into a bf16 pool (``scatter_states``), 0.33's
+    cannot (the plugin then refuses a bf16 pool at construction)."""
+    from kda.integrations import _vllm_kimi_linear
+    return _vllm_kimi_linear.PREFILL_STORES_INTO_BF16
+
+
 @pytest.fixture
 def plugin_log(caplog):
     """The plugin's log records from now on (its "once" memory cleared: this test's first
@@ -560,10 +570,15 @@ def test_constructing_vllms_layer_yields_ours(env, model_dir, model):
 @pytest.mark.parametrize("ssm", ["auto", "float32", "bfloat16"])
 def test_ssm_cache_dtype_reaches_the_cache(env, model_dir, model, ssm):
     """``--mamba-ssm-cache-dtype`` gives the pool the dtype the model class computes:
-    vLLM's own ``get_kv_cache_spec`` and binding, no dtype set by hand (vLLM 0.33's
-    Kimi-Linear layer alone reports fp32 for bfloat16)."""
+    vLLM's own ``get_kv_cache_spec`` and binding, no dtype set by hand (vLLM's Kimi-Linear
+    layer alone reports fp32 for bfloat16). Under vLLM 0.33 Kimi-Linear with bfloat16 is
+    refused instead (``test_kimi_linear_bf16_pool``)."""
     from vllm.models.kimi_k3.nvidia.model import KimiLinearForCausalLM
     vc = vllm_config(model_dir, ssm_dtype=ssm)
+    if model is KIMI and ssm == "bfloat16" and not kimi_prefill_stores_into_bf16():
+        with pytest.raises(KdaArgumentError, match="--mamba-ssm-cache-dtype"):
+            make_layer(vc, model, model.tp8)
+        return
     want = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}[ssm]
     layer, _ = make_layer(vc, model, model.tp8)
     spec = layer.get_kv_cache_spec(vc)
@@ -618,9 +633,17 @@ def expected_path_matches(vc, model, layer, raw, md, hs, touched, label, live_ro
     return layer
 
 
+def skip_refused(model, sd):
+    """Kimi-Linear on a bf16 pool is refused under vLLM 0.33 (``test_kimi_linear_bf16_pool``)."""
+    if model is KIMI and sd == "bf16" and not kimi_prefill_stores_into_bf16():
+        pytest.skip(f"vLLM {VLLM_VERSION}: Kimi-Linear on a bf16 pool is refused at "
+                    "construction (test_kimi_linear_bf16_pool)")
+
+
 @pytest.mark.parametrize("case", STEP_CASES, ids=step_id)
 def test_decode_step_matches_vllm(env, model_dir, case):
     model, H, layout, sd = case
+    skip_refused(model, sd)
     vc = vllm_config(model_dir, ssm_dtype={"fp32": "float32", "bf16": "bfloat16"}[sd])
     # a 2-column block table (so [:, 0] is a strided column) and a null-block request
     table = torch.tensor([[5, 11], [0, 0], [2, 12], [9, 13]], dtype=torch.int32)
@@ -643,6 +666,7 @@ def test_decode_step_matches_vllm(env, model_dir, case):
 @pytest.mark.parametrize("case", STEP_CASES, ids=step_id)
 def test_verify_step_matches_vllm(env, model_dir, case):
     model, H, layout, sd = case
+    skip_refused(model, sd)
     T = 3
     vc = vllm_config(model_dir, ssm_dtype={"fp32": "float32", "bf16": "bfloat16"}[sd],
                      num_spec=T - 1)
@@ -788,11 +812,15 @@ def assert_falls_back(vc, layer, raw, md, hs, reason: str, log=None):
 
 
 def stand_in_prefill_kernels(monkeypatch, model, calls):
-    """vLLM's prefill kernels do not run on a CPU (``gather_initial_states`` and GLM-5-Next's
-    ``scatter_states`` assert a CUDA / XPU tensor; ``causal_conv1d_fn``'s grid callback takes
-    Triton's interpreter handles for torch tensors): recording stand-ins where the model's ``_forward`` looks them up, the same
-    for both runs of a test. (GLM-5-Next's ``_cast_sigmoid`` is a torch.compile'd
-    ``x.float().sigmoid()``: called as that, without Inductor.)"""
+    """vLLM's prefill kernels do not run on a CPU (``gather_initial_states`` and
+    ``scatter_states`` (GLM-5-Next; Kimi-Linear from vLLM 0.34) assert a CUDA / XPU tensor;
+    ``causal_conv1d_fn``'s grid callback takes Triton's interpreter handles for torch
+    tensors): recording stand-ins where the model's ``_forward`` looks them up, the same for
+    both runs of a test. The chunk kernel's stand-in returns its final state in fp32, as the
+    real one does whatever the pool's dtype (fla's ``chunk_gated_delta_rule_fwd_h``); the
+    ``scatter_states`` stand-in converts it to the pool's dtype as the real Triton store does.
+    (GLM-5-Next's ``_cast_sigmoid`` is a torch.compile'd ``x.float().sigmoid()``: called as
+    that, without Inductor.)"""
     import vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn as kimi
     import vllm.models.glm5next.common.kda as glm
     import vllm.models.kimi_k3.nvidia.kda as k3
@@ -813,7 +841,7 @@ def stand_in_prefill_kernels(monkeypatch, model, calls):
         calls.append(("chunk", raw_g.clone(), beta.clone(), cu_seqlens.clone()))
         o = (v.float() * torch.sigmoid(raw_g.float())
              * torch.sigmoid(beta.float())[..., None]).to(q.dtype)
-        return o, initial_state + 1.0
+        return o, initial_state.float() + 1.0          # fp32, as fla's chunk kernel
 
     # the module whose globals _forward reads, and where it finds the chunk kernel
     mod, chunk_mod = {"Kimi-Linear": (kimi, kda_ops), "Kimi-K3": (k3, kda_ops),
@@ -821,13 +849,15 @@ def stand_in_prefill_kernels(monkeypatch, model, calls):
     monkeypatch.setattr(mod, "causal_conv1d_fn", conv_fn)
     monkeypatch.setattr(mod, "gather_initial_states", gather)
     monkeypatch.setattr(chunk_mod, "chunk_kda_with_fused_gate", chunk)
-    if model is GLM:
-        def scatter(state, new, indices):       # asserts a CUDA tensor
-            calls.append(("scatter", new.clone(), indices.clone()))
-            state[indices.long()] = new.to(state.dtype)
 
+    def scatter(state, new, indices):       # asserts a CUDA tensor
+        calls.append(("scatter", new.clone(), indices.clone()))
+        state[indices.long()] = new.to(state.dtype)
+
+    if hasattr(mod, "scatter_states"):      # GLM-5-Next; Kimi-Linear from vLLM 0.34
+        monkeypatch.setattr(mod, "scatter_states", scatter)
+    if model is GLM:
         monkeypatch.setattr(glm, "_cast_sigmoid", lambda x: x.float().sigmoid())
-        monkeypatch.setattr(glm, "scatter_states", scatter)
 
 
 @pytest.mark.parametrize("model", MODEL_CASES, ids=lambda m: m.name)
@@ -1073,6 +1103,74 @@ def test_the_plugin_logs_into_vllms_log():
         assert len(found) == 1, (text, lines)
     assert [ln for ln in lines if "WARNING" in ln and "no GPU backend" in ln]
     assert "PATH vllm: auto found no GPU backend" in res.stdout, res.stdout[-3000:]
+
+
+# ---- Kimi-Linear on a bf16 pool ----------------------------------------------------------------
+
+@pytest.mark.parametrize("setting", ["reference", "vllm"])
+def test_kimi_linear_bf16_pool(env, model_dir, setting, monkeypatch):
+    """``--mamba-ssm-cache-dtype bfloat16`` gives Kimi-Linear a bf16 pool (the subclass
+    honors it), with the op on and with the setting ``vllm``. Under vLLM 0.34 every kind of
+    batch is served on it, one after the other on the same pages: a prefill, a verify beside
+    a prefill, a uniform verify, a pure decode (each on the path it should take; vLLM's prefill
+    kernels stood in for, the chunk kernel's final state fp32 as the real one's, stored
+    through vLLM's ``scatter_states``), the stored states are the chunk kernel's rounded to
+    bf16. Under vLLM 0.33, whose prefill cannot store into a bf16 pool, the layer is refused
+    at construction (startup), the error naming the flag, what is expected and what was
+    given: never a crash at the first prefill."""
+    T = 3
+    vc = vllm_config(model_dir, ssm_dtype="bfloat16", num_spec=T - 1, backend=setting)
+    if not kimi_prefill_stores_into_bf16():
+        with pytest.raises(KdaArgumentError) as e:
+            construct(vc, KIMI, KIMI.tp8)
+        assert e.value.arg == "--mamba-ssm-cache-dtype", str(e.value)
+        assert "'bfloat16'" in str(e.value) and "float32" in str(e.value)
+        assert VLLM_VERSION in str(e.value)
+        return
+    layer, raw = make_layer(vc, KIMI, KIMI.tp8, seed=41)
+    calls = []
+    stand_in_prefill_kernels(monkeypatch, KIMI, calls)
+    page = raw.clone()
+    bind(vc, layer, page)
+    state = layer.kv_cache[1]
+    assert state.dtype == torch.bfloat16
+    on = setting != "vllm"
+
+    def run(md, n, seed):
+        from vllm.config import set_current_vllm_config
+        from vllm.forward_context import set_forward_context
+        calls.clear()
+        with torch.no_grad(), set_current_vllm_config(vc), \
+                set_forward_context({layer.prefix: md}, vc):
+            y = layer(hidden(n, seed=seed), torch.zeros(n, dtype=torch.long))
+        assert bool(torch.isfinite(y.float()).all())
+        return layer.kda_last_path
+
+    # a prefill of 4 tokens into the fresh slot 2: its final state (0 + 1, fp32) stored bf16
+    md = build_md(vc, KIMI, layer, torch.tensor([[2, 12, 13]], dtype=torch.int32), [4],
+                  prefilling=[True], context=0)
+    assert run(md, 4, 42) == ("vllm: prefill or mixed batch" if on else
+                              "vllm: disabled (kda_enabled=False; "
+                              f"{plugin.CONFIG_KEY}='vllm')")
+    (_, stored, _), = [c for c in calls if c[0] == "scatter"]
+    assert stored.dtype == torch.float32
+    assert torch.equal(state[2], torch.ones_like(state[2]))
+    # a verify of slot 2's request beside a prefill into slot 9 (vLLM's verify kernel runs)
+    md = build_md(vc, KIMI, layer, torch.tensor([[2, 12, 13], [9, 14, 15]], dtype=torch.int32),
+                  [T, 4], accepted=torch.tensor([1, 1], dtype=torch.int32),
+                  drafts=torch.tensor([T - 1, -1]), prefilling=[False, True], context=0)
+    assert (md.num_spec_decodes, md.num_prefills) == (1, 1)
+    assert run(md, T + 4, 43).startswith("vllm: ")
+    assert torch.equal(state[9], torch.ones_like(state[9]))
+    # a uniform verify, then a pure decode: the op's path when it is on
+    table = torch.tensor([[2, 12, 13], [9, 14, 15]], dtype=torch.int32)
+    md = verify_md(vc, KIMI, layer, table, torch.tensor([2, 1], dtype=torch.int32), [T, T])
+    path = run(md, 2 * T, 44)
+    assert path == "kda" if on else path.startswith("vllm: disabled"), path
+    md = decode_md(vc, KIMI, layer, torch.tensor([[12], [9]], dtype=torch.int32))
+    path = run(md, 2, 45)
+    assert path == "kda" if on else path.startswith("vllm: disabled"), path
+    assert state.dtype == torch.bfloat16 and bool(torch.isfinite(state.float()).all())
 
 
 # ---- vLLM's breakable CUDA graphs ------------------------------------------------------------
