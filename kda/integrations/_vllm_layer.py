@@ -81,11 +81,13 @@ class KdaLayerMixin:
 
     # ---- weights -----------------------------------------------------------------------
     def process_weights_after_loading(self, act_dtype=None) -> None:
-        """Called by vLLM's loader after (re)loading weights: re-lay out the conv weight."""
+        """Called by vLLM's loader after (re)loading weights: re-lay out the conv weight (a
+        layer on vLLM's path only drops the old one; it is laid out on first use)."""
         parent = getattr(super(), "process_weights_after_loading", None)
         if parent is not None:
             parent(act_dtype)
-        self._kda_conv_weight = self._kda_relayout_conv_weight()
+        self._kda_conv_weight = (self._kda_relayout_conv_weight()
+                                 if getattr(self, "kda_enabled", True) else None)
 
     def _kda_relayout_conv_weight(self) -> torch.Tensor:
         # [3*dim, 4] (q|k|v channels, tap last) -> [3, 4, dim] fp32 contiguous

@@ -96,8 +96,9 @@ once per process (:data:`LOGGER_NAME`, INFO); any other value raises at layer co
 native / flashinfer / triton) and they keep that meaning, choosing vLLM's kernel wherever
 vLLM's path runs.
 
-Environment: vLLM 0.33.0 (:data:`TESTED_VLLM_VERSIONS`). Tests: ``tools/vllm/run_tests.sh``
-(tests/integrations/test_vllm.py, against each tested version).
+Environment: vLLM 0.33.0 and 0.34.0 (:data:`TESTED_VLLM_VERSIONS`); under another version the
+default setting keeps every layer on vLLM's path (:func:`backend_choice`). Tests:
+``tools/vllm/run_tests.sh`` (tests/integrations/test_vllm.py, against each tested version).
 
 The log: :data:`LOGGER_NAME` is a child of vLLM's ``vllm`` logger, so every line of the plugin
 goes where vLLM's own go (the handler, format and level vLLM configures on ``vllm``, which does
@@ -122,7 +123,7 @@ CONFIG_KEY = "kda_fused_decode_backend"
 #: The setting's value that keeps every KDA layer on vLLM's own path.
 VLLM_PATH = "vllm"
 #: The vLLM releases the plugin is tested against (``tools/vllm/run_tests.sh`` runs each).
-TESTED_VLLM_VERSIONS: Tuple[str, ...] = ("0.33.0",)
+TESTED_VLLM_VERSIONS: Tuple[str, ...] = ("0.33.0", "0.34.0")
 #: The plugin's logger: a child of vLLM's ``vllm`` logger, so that its lines go where vLLM's go.
 LOGGER_NAME = "vllm.plugins.kda"
 
@@ -187,8 +188,10 @@ def backend_choice(additional_config=None) -> Tuple[str, str]:
 
     Order: ``additional_config[CONFIG_KEY]`` (vLLM's ``--additional-config``), then
     ``$KDA_BACKEND``, then ``"auto"``. The value is a backend name for :class:`kda.KdaDecode`
-    or :data:`VLLM_PATH` (every layer on vLLM's path). Logs the choice once per process
-    (:data:`LOGGER_NAME`).
+    or :data:`VLLM_PATH` (every layer on vLLM's path). Under a vLLM version outside
+    :data:`TESTED_VLLM_VERSIONS` the default is :data:`VLLM_PATH` instead of ``"auto"``, and
+    the version is warned about once per process (also when the setting was given). Logs the
+    choice once per process (:data:`LOGGER_NAME`).
 
     Raises:
       kda.KdaBackendError: the value is not one of :func:`setting_values` (the message names
@@ -206,6 +209,22 @@ def backend_choice(additional_config=None) -> Tuple[str, str]:
     if not isinstance(name, str) or name not in valid:
         raise KdaBackendError(f"vLLM plugin: unknown value {name!r} for {source}: expected one "
                               f"of {', '.join(valid)} ({VLLM_PATH!r} keeps vLLM's own path)")
+    version = vllm_version()
+    if version is not None and version not in TESTED_VLLM_VERSIONS:
+        tested = ", ".join(TESTED_VLLM_VERSIONS)
+        if source == "default":
+            name, source = VLLM_PATH, f"default under the untested vLLM {version}"
+            log_once(("version", version), logging.WARNING,
+                     "vLLM plugin: vLLM %s is not a version the KDA plugin was tested with "
+                     "(%s): every KDA layer stays on vLLM's own path. To run kda.KdaDecode "
+                     "anyway, give the setting: --additional-config '{\"%s\": \"auto\"}' "
+                     "(or a backend name; or $%s).", version, tested, CONFIG_KEY,
+                     registry.ENV_VAR)
+        elif name != VLLM_PATH:
+            log_once(("version", version), logging.WARNING,
+                     "vLLM plugin: vLLM %s is not a version the KDA plugin was tested with "
+                     "(%s); kda.KdaDecode runs because %s asks for %r.", version, tested,
+                     source, name)
     if name == VLLM_PATH:
         log_once(("choice", name, source), logging.INFO,
                  "vLLM plugin: %s %r (from %s): every KDA layer runs vLLM's own path.",

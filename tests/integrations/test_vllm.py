@@ -1,7 +1,9 @@
-"""The vLLM plugin (kda/integrations/vllm.py) against the real vLLM 0.33.0 package, on a CPU.
+"""The vLLM plugin (kda/integrations/vllm.py) against the real vLLM package, on a CPU.
 
-Run with ``tools/vllm/run_tests.sh``: it builds an isolated virtual environment with
-vllm==0.33.0 and runs this file. Without vLLM every test here is skipped.
+Run with ``tools/vllm/run_tests.sh``: it builds an isolated virtual environment per tested
+vLLM version (``plugin.TESTED_VLLM_VERSIONS``: 0.33.0 and 0.34.0) and runs this file in each.
+Where the versions differ, the tests follow the installed one (noted at each). Without vLLM
+every test here is skipped.
 
 How vLLM runs here. Each model's KDA layer is built for real (``KimiGatedDeltaNetAttention``,
 ``KimiK3DeltaAttention``, ``Glm5NextLinearAttention``; small hidden size, the per-rank head
@@ -69,8 +71,8 @@ import types
 import pytest
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm is not importable: tools/vllm/run_tests.sh installs vllm==0.33.0 into an "
-                "isolated venv and runs these tests", allow_module_level=True)
+    pytest.skip("vllm is not importable: tools/vllm/run_tests.sh installs each tested vLLM "
+                "into an isolated venv and runs these tests", allow_module_level=True)
 
 # Before vLLM (and its Triton kernels) are imported; this file runs vLLM on the CPU only.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -913,12 +915,16 @@ def test_k3_plain_decodes_beside_speculative_ones_fall_back(env, model_dir, plug
                       "vllm: plain decodes beside speculative decodes", plugin_log)
 
 
-def test_k3_adaptive_verification_keeps_verify_on_vllms_path(env, model_dir, plugin_log):
+@pytest.mark.parametrize("model", MODEL_CASES, ids=lambda m: m.name)
+def test_adaptive_verification_keeps_verify_on_vllms_path(env, model_dir, model, plugin_log):
+    """Adaptive verification trims each request's drafts on the device: the host's query
+    lengths are upper bounds (Kimi-K3's builder; from vLLM 0.34 also the GDN builder of
+    Kimi-Linear and GLM-5-Next, which then supports device/host query-length mismatches)."""
     T = 2
     vc = vllm_config(model_dir, num_spec=T - 1, adaptive=True)
-    layer, raw = make_layer(vc, K3, K3.tp8, seed=13)
+    layer, raw = make_layer(vc, model, model.tp8, seed=13)
     table = torch.tensor([[5, 6], [9, 10]], dtype=torch.int32)
-    md = verify_md(vc, K3, layer, table, torch.tensor([2, 1], dtype=torch.int32), [T, T])
+    md = verify_md(vc, model, layer, table, torch.tensor([2, 1], dtype=torch.int32), [T, T])
     assert_falls_back(vc, layer, raw, md, hidden(2 * T, seed=14),
                       "vllm: adaptive verification", plugin_log)
 
@@ -995,7 +1001,7 @@ def test_one_kdadecode_per_layer_and_configuration(env, model_dir):
     assert obj.backend_name == "reference"
 
 
-# ---- what the op replaces, and where it does not run -------------------------------------------
+# ---- what the op replaces, where it does not run, and the log ----------------------------------
 
 def test_k3_auto_keeps_vllms_native_fused_decode(env, model_dir, monkeypatch, plugin_log):
     """Kimi-K3 where vLLM chose its native CUDA ``fused_kda_decode`` (SM90 / SM10x / SM12x, an
@@ -1054,7 +1060,21 @@ def test_auto_without_a_gpu_backend_stays_on_vllms_path(env, model_dir, model, p
     assert plugin.CONFIG_KEY in warning.getMessage()
 
 
-# ---- the log ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("explicit", [False, True], ids=["default", "named"])
+def test_an_untested_vllm_version_keeps_vllms_path_unless_asked(env, model_dir, explicit,
+                                                               monkeypatch, plugin_log):
+    """Under a vLLM version outside TESTED_VLLM_VERSIONS: one warning; the default setting
+    keeps every layer on vLLM's path, a setting given runs the op."""
+    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.99.0")
+    vc = vllm_config(model_dir, backend="reference" if explicit else None)
+    for _ in range(2):
+        layer, raw = make_layer(vc, KIMI, KIMI.tp8, seed=57)
+    md = decode_md(vc, KIMI, layer, torch.tensor([[5], [2]], dtype=torch.int32))
+    path = step(vc, layer, raw, md, hidden(2, seed=58), use_kda=layer.kda_enabled)[3]
+    assert path == "kda" if explicit else path.startswith("vllm: disabled"), path
+    (warning,) = [r.getMessage() for r in plugin_log.records if r.levelno == logging.WARNING]
+    assert "vLLM 0.99.0" in warning and "0.33.0, 0.34.0" in warning
+
 
 LOG_LINE = re.compile(r"\(\S+ pid=\d+\) (INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d "
                       r"\[\S+:\d+\] vLLM plugin: ")

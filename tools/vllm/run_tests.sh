@@ -2,7 +2,7 @@
 # The vLLM plugin's tests against the real vLLM packages, on a CPU, one venv per vLLM version:
 #
 #   tools/vllm/run_tests.sh                       every tested version, one after the other
-#   tools/vllm/run_tests.sh 0.33.0 [pytest args]  one version, e.g. 0.33.0 -k verify -x
+#   tools/vllm/run_tests.sh 0.34.0 [pytest args]  one version, e.g. 0.34.0 -k verify -x
 #   tools/vllm/run_tests.sh all [pytest args]     every tested version, with pytest args
 #
 # The tested versions are kda.integrations.vllm.TESTED_VLLM_VERSIONS (read from that file).
@@ -56,6 +56,7 @@ fi
 deps_for() {
   case "$1" in
     0.33.0) echo "transformers>=5.16.1,<5.21.0 huggingface_hub>=1.31.0 tokenizers>=0.23.2" ;;
+    0.34.0) echo "transformers>=5.16.1,<5.23.0 huggingface_hub>=2.0.0 tokenizers>=0.23.3" ;;
     *) return 1 ;;
   esac
 }
