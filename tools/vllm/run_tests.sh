@@ -28,10 +28,10 @@
 #     import check then keeps its kernels) and TRITON_INTERPRET=1.
 # pip then warns that vLLM's own pins (torch==2.14.0, ...) are not met: expected, harmless here.
 # Steps 1-3 are skipped when the venv was built by this version of the script. On a 2-core
-# machine, per version: 1.5-2.5 minutes to build the venv (3 GB; PyPI reachable), then about
-# 20 minutes of tests (vLLM's kernels in Triton's interpreter; the verify steps at the TP 1
-# head counts, 64 and 96 heads, are the slow ones: -k "not H96 and not H64 and not H32" skips
-# them).
+# machine, per version: 1-2.5 minutes to build the venv (3 GB; PyPI reachable), then about
+# 10 minutes of tests when nothing else runs, more on a busy machine (vLLM's kernels in
+# Triton's interpreter; the verify steps at the TP 1 head counts, 64 and 96 heads, are the
+# slow ones: -k "not H96 and not H64 and not H32" skips them).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
