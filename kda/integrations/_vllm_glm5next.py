@@ -8,7 +8,7 @@ import torch
 from vllm.models.glm5next.common.kda import Glm5NextLinearAttention
 
 from kda.integrations import vllm as plugin
-from kda.integrations._vllm_layer import KdaLayerMixin
+from kda.integrations._vllm_layer import KdaLayerMixin, VllmKernels
 
 # vLLM's ``_forward`` body without its decorator (our ``_kda_forward`` carries it).
 _vllm_forward_body = getattr(Glm5NextLinearAttention._forward, "__wrapped__",
@@ -16,7 +16,8 @@ _vllm_forward_body = getattr(Glm5NextLinearAttention._forward, "__wrapped__",
 
 
 class KdaGlm5NextLinearAttention(KdaLayerMixin, Glm5NextLinearAttention):
-    """vLLM's GLM-5-Next KDA layer whose decode / verify batches run :class:`kda.KdaDecode`.
+    """vLLM's GLM-5-Next KDA layer (GLM-5.3-Flash's) whose decode / verify batches run
+    :class:`kda.KdaDecode`.
 
     See :mod:`kda.integrations.vllm`. Constructed by vLLM in place of
     ``Glm5NextLinearAttention(config, vllm_config, prefix)``. On the op's path ``o_norm`` is
@@ -46,13 +47,19 @@ class KdaGlm5NextLinearAttention(KdaLayerMixin, Glm5NextLinearAttention):
         return self.o_proj(attn)[0]
 
     # ---- the model's pieces ----------------------------------------------------------
+    def _kda_convs(self) -> tuple:
+        # vLLM 0.34: one merged q|k|v ``conv1d``; 0.33: ``q_conv1d``, ``k_conv1d``, ``v_conv1d``
+        if hasattr(self, "conv1d"):
+            return (self.conv1d,)
+        return (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+
     def _kda_conv_weight_rows(self) -> torch.Tensor:
-        # q|k|v conv weights [dim, 1, 4] each, stacked as vLLM's merged conv weight
-        return torch.cat([c.weight.view(c.weight.shape[0], c.weight.shape[-1])
-                          for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+        # [3*dim, 4] as vLLM's merged conv weight (0.33: its three [dim, 1, 4] weights stacked)
+        rows = [c.weight.view(c.weight.shape[0], c.weight.shape[-1]) for c in self._kda_convs()]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def _kda_conv_bias(self) -> Optional[torch.Tensor]:
-        return self.q_conv1d.bias
+        return self._kda_convs()[0].bias       # what vLLM's _forward passes (0.33: q's)
 
     def _kda_lower_bound(self) -> Optional[float]:
         return self.kda_lower_bound
@@ -64,10 +71,15 @@ class KdaGlm5NextLinearAttention(KdaLayerMixin, Glm5NextLinearAttention):
         # vLLM's decode kernels take the first num_decodes slots and query starts
         return m.num_decodes
 
+    def _kda_vllm_kernels(self, T: int) -> VllmKernels:
+        return VllmKernels("vLLM's Triton causal_conv1d_update + fused_recurrent_kda",
+                           fused=False)
+
     def _kda_model_reason(self) -> Optional[str]:
         if not self.kda_safe_gate or self.kda_lower_bound is None:
             return "no bounded gate (vLLM's GLM-5-Next kernels implement only the bounded one)"
-        if any(c.bias is not None for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)):
+        convs = self._kda_convs()
+        if len(convs) == 3 and any(c.bias is not None for c in convs):
             return "conv biases (vLLM's GLM-5-Next path passes q_conv1d.bias for all channels)"
         return None
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from einops import rearrange
 from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention
 
 from kda.integrations import vllm as plugin
-from kda.integrations._vllm_layer import KdaLayerMixin
+from kda.integrations._vllm_layer import KdaLayerMixin, VllmKernels
 
 # vLLM's ``_forward`` body without its decorator (our ``_kda_forward`` carries it).
 _vllm_forward_body = getattr(KimiK3DeltaAttention._forward, "__wrapped__",
@@ -48,22 +46,20 @@ class KdaKimiK3DeltaAttention(KdaLayerMixin, KimiK3DeltaAttention):
             return self.gemm_rs_ar.apply(attn, self.o_proj)
         return self.o_proj(attn)[0]
 
-    def _kda_decode_reason(self) -> Optional[str]:
-        if self.kda_backend == "auto" and self.kda_decode_backend == "flashinfer":
-            return ("auto keeps vLLM's FlashInfer fused KDA decode (SM100 family), which the "
-                    f"op was not measured against; name a backend with {plugin.CONFIG_KEY} "
-                    "to run the op")
-        return None
-
-    def _kda_verify_reason(self) -> Optional[str]:
-        if getattr(self.speculative_config, "enable_adaptive_verification", False):
-            return ("adaptive verification: each request's drafts are trimmed on the device, "
-                    "so the host cannot tell a uniform batch")
-        if self.kda_backend == "auto" and self.kda_spec_decode_backend == "flashinfer":
-            return ("auto keeps vLLM's FlashInfer packed KDA verify (SM100 family), which the "
-                    f"op was not measured against; name a backend with {plugin.CONFIG_KEY} "
-                    "to run the op")
-        return None
+    def _kda_vllm_kernels(self, T: int) -> VllmKernels:
+        # vLLM's choice, made at its layer's construction from its kda_decode_backend /
+        # kda_spec_decode_backend keys and the GPU
+        if T == 1:
+            if self.kda_decode_backend == "native":
+                return VllmKernels("vLLM's native CUDA fused_kda_decode (kda_decode_backend "
+                                   "'native')", fused=True)
+            if self.kda_decode_backend == "flashinfer":
+                return VllmKernels("FlashInfer's fused_kda_decode (kda_decode_backend "
+                                   "'flashinfer')", fused=True)
+        elif self.kda_spec_decode_backend == "flashinfer":
+            return VllmKernels("FlashInfer's packed_fused_kda_decode (kda_spec_decode_backend "
+                               "'flashinfer')", fused=True)
+        return super()._kda_vllm_kernels(T)
 
     def _kda_vllm_path(self, mixed_qkv, f_a, output_gate, beta, core_attn_out) -> None:
         # as vLLM's forward (outside capture) hands them to _forward, whose body ends with

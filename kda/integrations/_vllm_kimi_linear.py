@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import torch
+import vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn as _vllm_kimi
 from einops import rearrange
 from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import KimiGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator
 
+from kda.errors import KdaArgumentError
 from kda.integrations import vllm as plugin
 from kda.integrations._vllm_layer import KdaLayerMixin
 
@@ -14,6 +16,21 @@ from kda.integrations._vllm_layer import KdaLayerMixin
 # decorator, so the fallback must not open a second eager segment inside it.
 _vllm_forward_body = getattr(KimiGatedDeltaNetAttention._forward, "__wrapped__",
                              KimiGatedDeltaNetAttention._forward)
+
+#: Whether vLLM's Kimi-Linear prefill can store its chunk kernel's fp32 final state into a
+#: bf16 pool. vLLM 0.34 stores it through ``scatter_states`` (a Triton store, which converts
+#: to the pool's dtype); 0.33 by ``recurrent_state[indices] = last_recurrent_state``, which
+#: raises on a bf16 pool ("Index put requires the source and destination dtypes match").
+PREFILL_STORES_INTO_BF16 = hasattr(_vllm_kimi, "scatter_states")
+
+
+def state_dtypes(model_config, cache_config) -> tuple[torch.dtype, torch.dtype]:
+    """(conv state, recurrent state) dtypes of a Kimi-Linear layer, as
+    ``KimiLinearForCausalLM.get_mamba_state_dtype_from_config`` computes them: the
+    ``--mamba-ssm-cache-dtype`` setting (``cache_config.mamba_ssm_cache_dtype``) honored
+    (vLLM's layer class leaves it out, so its pool stays fp32 whatever the setting)."""
+    return MambaStateDtypeCalculator.kda_state_dtype(
+        model_config.dtype, cache_config.mamba_cache_dtype, cache_config.mamba_ssm_cache_dtype)
 
 
 class KdaKimiGatedDeltaNetAttention(KdaLayerMixin, KimiGatedDeltaNetAttention):
@@ -25,6 +42,9 @@ class KdaKimiGatedDeltaNetAttention(KdaLayerMixin, KimiGatedDeltaNetAttention):
     Raises:
       kda.KdaBackendError: at construction, an unknown ``kda_fused_decode_backend`` /
         ``$KDA_BACKEND`` value (the message lists the valid ones).
+      kda.KdaArgumentError: at construction, ``--mamba-ssm-cache-dtype bfloat16`` under a
+        vLLM whose Kimi-Linear prefill cannot store into a bf16 pool (0.33; the error names
+        the flag, what vLLM supports and what was given).
     """
 
     kda_model = "Kimi-Linear"
@@ -32,23 +52,30 @@ class KdaKimiGatedDeltaNetAttention(KdaLayerMixin, KimiGatedDeltaNetAttention):
     def __init__(self, config, vllm_config, prefix: str = "") -> None:
         # Before anything is registered under ``prefix``: an unknown value fails here.
         backend, source = plugin.backend_choice(getattr(vllm_config, "additional_config", None))
+        mc, cc = vllm_config.model_config, vllm_config.cache_config
+        if not PREFILL_STORES_INTO_BF16 and mc is not None and cc is not None \
+                and state_dtypes(mc, cc)[1] == torch.bfloat16:
+            raise KdaArgumentError(
+                "--mamba-ssm-cache-dtype",
+                f"expected float32 or auto for Kimi-Linear under vLLM "
+                f"{plugin.vllm_version()}, got "
+                f"{cc.mamba_ssm_cache_dtype!r}: a bf16 state pool fails "
+                "at the first prefill there (vLLM's Kimi-Linear prefill stores the chunk "
+                "kernel's fp32 final state into the pool without a cast). vLLM 0.34 stores it "
+                "into a bf16 pool.")
         super().__init__(config, vllm_config, prefix)
         self._kda_init(backend, source)
 
     def get_state_dtype(self) -> tuple[torch.dtype, torch.dtype]:
-        """(conv state, recurrent state) dtypes, honoring ``--mamba-ssm-cache-dtype``.
-
-        As ``KimiLinearForCausalLM.get_mamba_state_dtype_from_config`` computes them (vLLM
-        0.33's layer leaves the ssm dtype out, so its pool stays fp32 whatever the setting).
+        """(conv state, recurrent state) dtypes, honoring ``--mamba-ssm-cache-dtype``
+        (:func:`state_dtypes`).
 
         Raises:
           ValueError: the layer has no model or cache config (as vLLM's method).
         """
         if self.model_config is None or self.cache_config is None:
             raise ValueError("model_config and cache_config must be set")
-        return MambaStateDtypeCalculator.kda_state_dtype(
-            self.model_config.dtype, self.cache_config.mamba_cache_dtype,
-            self.cache_config.mamba_ssm_cache_dtype)
+        return state_dtypes(self.model_config, self.cache_config)
 
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self._kda_off():

@@ -1,10 +1,13 @@
 """What the vLLM plugin's three layer subclasses share (imports vLLM; see kda.integrations.vllm).
 
 :class:`KdaLayerMixin` goes first in each subclass's bases, before vLLM's layer class. The
-subclass supplies its ``forward`` (vLLM's projections, keeping ``f_a``), the model's pieces of
-the mapping (:meth:`KdaLayerMixin._kda_conv_weight_rows`, ``_kda_lower_bound``, ``_kda_A_log``,
-...) and :meth:`KdaLayerMixin._kda_vllm_path`, the call of vLLM's own ``_forward`` body; the
-mixin decides per batch, from host metadata only, whether the op runs, and runs it.
+subclass supplies its ``forward`` (vLLM's projections, keeping ``f_a``, then
+:meth:`KdaLayerMixin._kda_attention`), the model's pieces of the mapping
+(:meth:`KdaLayerMixin._kda_conv_weight_rows`, ``_kda_lower_bound``, ``_kda_A_log``,
+``_kda_vllm_kernels``, ...) and :meth:`KdaLayerMixin._kda_vllm_path`, the call of vLLM's own
+``_forward`` body; the mixin decides per batch, from host metadata only, whether the op runs,
+and runs it, in the eager segment :meth:`KdaLayerMixin._kda_forward`, which writes the
+caller's buffer in place.
 """
 
 from __future__ import annotations
@@ -22,10 +25,9 @@ from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
 import kda
 from kda.config import CONV_TAPS, HEAD_DIM
-from kda.errors import KdaArgumentError
+from kda.errors import KdaArgumentError, KdaBackendError
 from kda.integrations import vllm as plugin
-
-_log = logging.getLogger("kda")
+from kda.registry import describe
 
 
 class Batch(NamedTuple):
@@ -39,13 +41,23 @@ class Batch(NamedTuple):
     num_accepted_tokens: Optional[torch.Tensor]
 
 
+class VllmKernels(NamedTuple):
+    """vLLM's kernels for one kind of batch of a layer: their names (as the log shows them),
+    and whether they are one of vLLM's single-launch fused kernels, which ``auto`` keeps (no
+    measurement of the op against them is recorded)."""
+
+    names: str
+    fused: bool
+
+
 class KdaLayerMixin:
     """The op's path for a vLLM KDA layer; see :mod:`kda.integrations.vllm`.
 
     Attributes for inspection (set by :meth:`_kda_init`): ``kda_backend`` (the setting's
-    value), ``kda_enabled`` (False: every call runs vLLM's own ``forward``; False when the
-    setting is ``"vllm"``), ``kda_last_path`` ("kda" or "vllm: <reason>", the path of the
-    last call), ``kda_steps`` ({KdaConfig: KdaDecode}).
+    value), ``kda_backend_source`` (where it came from), ``kda_enabled`` (False: every call
+    runs vLLM's own ``forward``; False when the setting is ``"vllm"``), ``kda_last_path``
+    ("kda" or "vllm: <reason>", the path of the last call), ``kda_steps``
+    ({KdaConfig: KdaDecode}).
     """
 
     _kda_plugin = True
@@ -56,7 +68,9 @@ class KdaLayerMixin:
     def _kda_init(self, backend: str, source: str) -> None:
         """Called at the end of the subclass's ``__init__`` with :func:`backend_choice`'s result."""
         self.kda_backend: str = backend
-        self._kda_backend_named = source != "default" and backend != plugin.VLLM_PATH
+        self.kda_backend_source: str = source
+        # a backend name (not auto, not vllm): it runs wherever the op can, tried anyway
+        self._kda_backend_named = backend not in ("auto", plugin.VLLM_PATH)
         self.kda_enabled: bool = backend != plugin.VLLM_PATH
         self.kda_last_path: Optional[str] = None
         self.kda_steps: dict = {}
@@ -67,11 +81,13 @@ class KdaLayerMixin:
 
     # ---- weights -----------------------------------------------------------------------
     def process_weights_after_loading(self, act_dtype=None) -> None:
-        """Called by vLLM's loader after (re)loading weights: re-lay out the conv weight."""
+        """Called by vLLM's loader after (re)loading weights: re-lay out the conv weight (a
+        layer on vLLM's path only drops the old one; it is laid out on first use)."""
         parent = getattr(super(), "process_weights_after_loading", None)
         if parent is not None:
             parent(act_dtype)
-        self._kda_conv_weight = self._kda_relayout_conv_weight()
+        self._kda_conv_weight = (self._kda_relayout_conv_weight()
+                                 if getattr(self, "kda_enabled", True) else None)
 
     def _kda_relayout_conv_weight(self) -> torch.Tensor:
         # [3*dim, 4] (q|k|v channels, tap last) -> [3, 4, dim] fp32 contiguous
@@ -98,13 +114,12 @@ class KdaLayerMixin:
         """Why this model's layer setup stays on vLLM's path (None: it does not)."""
         return None
 
-    def _kda_decode_reason(self) -> Optional[str]:
-        """Why this layer's pure-decode batches stay on vLLM's path (None: they do not)."""
-        return None
-
-    def _kda_verify_reason(self) -> Optional[str]:
-        """Why this layer's speculative batches stay on vLLM's path (None: they do not)."""
-        return None
+    def _kda_vllm_kernels(self, T: int) -> VllmKernels:
+        """vLLM's kernels for this layer's batches of ``T`` tokens per request (1: pure
+        decode, else uniform verify) on vLLM's path: Kimi-Linear's, the default here."""
+        return VllmKernels("vLLM's Triton causal_conv1d_update + "
+                           + ("fused_recurrent_kda_packed_decode" if T == 1
+                              else "fused_recurrent_kda"), fused=False)
 
     def _kda_decode_requests(self, m) -> int:
         """How many requests of a pure-decode batch vLLM's kernels serve (from its metadata)."""
@@ -172,12 +187,14 @@ class KdaLayerMixin:
         return self._kda_model_reason()
 
     # ---- one batch ---------------------------------------------------------------------
-    @eager_break_during_capture
     def _kda_attention(self, hidden_states: torch.Tensor, mixed_qkv: torch.Tensor,
                        f_a: torch.Tensor, output_gate: torch.Tensor,
                        beta: torch.Tensor) -> torch.Tensor:
-        """The layer's normed attention output ``[tokens, dim]`` (before ``o_proj``) from the
-        projection's slices (:meth:`_kda_forward`), in a new buffer of the model's dtype."""
+        """The layer's normed attention output ``[tokens, dim]`` (``o_proj``'s input) from the
+        projection's slices: allocated here, in the caller's segment (captured under vLLM's
+        breakable CUDA graphs, like vLLM's own ``forward``'s buffer), and written in place by
+        the eager segment :meth:`_kda_forward`, so that what runs after it reads the address
+        it had at capture."""
         num_tokens = hidden_states.size(0)
         core_attn_out = torch.empty((1, num_tokens, self.local_num_heads, self.head_dim),
                                     dtype=hidden_states.dtype, device=hidden_states.device)
@@ -185,11 +202,13 @@ class KdaLayerMixin:
                           core_attn_out=core_attn_out)
         return core_attn_out.view(num_tokens, self.local_num_heads * self.head_dim)
 
+    @eager_break_during_capture
     def _kda_forward(self, mixed_qkv: torch.Tensor, f_a: torch.Tensor,
                      output_gate: torch.Tensor, beta: torch.Tensor,
                      core_attn_out: torch.Tensor) -> None:
         """Writes ``core_attn_out`` ``[1, tokens, H, D]`` in place: the op's normed output, or
-        vLLM's path. ``mixed_qkv`` ``[tokens, 3*dim]``, ``f_a`` ``[tokens, 128]``,
+        vLLM's path; returns nothing (an eager segment under vLLM's breakable CUDA graphs,
+        re-run at every replay). ``mixed_qkv`` ``[tokens, 3*dim]``, ``f_a`` ``[tokens, 128]``,
         ``output_gate`` ``[tokens, dim]`` (logits), ``beta`` ``[tokens, H]`` (logits): the
         projection's slices, bf16."""
         why = self._kda_try_step(mixed_qkv, f_a, output_gate, beta, core_attn_out)
@@ -197,7 +216,8 @@ class KdaLayerMixin:
             self.kda_last_path = "kda"
             return
         self.kda_last_path = f"vllm: {why}"
-        plugin.log_once(("batch", self.kda_model, why), logging.INFO,
+        # one key per model and reason: a reason already warned about is not repeated here
+        plugin.log_once(("vllm path", self.kda_model, why), logging.INFO,
                         "vLLM plugin: %s: batches run vLLM's path: %s (first: %s)",
                         self.kda_model, why, self.prefix)
         self._kda_vllm_path(mixed_qkv, f_a, output_gate, beta, core_attn_out)
@@ -210,10 +230,13 @@ class KdaLayerMixin:
         if m.num_spec_decodes > 0:
             if m.num_decodes != 0:
                 return "plain decodes beside speculative decodes"
-            why = self._kda_verify_reason()
+            if getattr(self.speculative_config, "enable_adaptive_verification", False):
+                return ("adaptive verification: each request's drafts are trimmed on the "
+                        "device, so the host cannot tell a uniform batch")
+            T, R = self.num_spec + 1, m.num_spec_decodes
+            why = self._kda_kept_kernels(T)
             if why is not None:
                 return why
-            T, R = self.num_spec + 1, m.num_spec_decodes
             # every request has 1 .. num_spec + 1 tokens: the total says whether all have T
             if m.num_spec_decode_tokens != R * T:
                 return f"ragged speculative batch (not every request has {T} tokens)"
@@ -227,7 +250,7 @@ class KdaLayerMixin:
             if nacc.dtype != torch.int32 or not nacc.is_contiguous():
                 nacc = nacc.to(torch.int32).contiguous()
             return Batch(T, R, self._kda_slot_table(idx[:R]), nacc)
-        why = self._kda_decode_reason()
+        why = self._kda_kept_kernels(1)
         if why is not None:
             return why
         R = self._kda_decode_requests(m)
@@ -235,6 +258,15 @@ class KdaLayerMixin:
         if idx is None or idx.dim() != 1 or idx.shape[0] < R or m.num_actual_tokens < R:
             return "no slot table for every decode row"
         return Batch(1, R, self._kda_slot_table(idx[:R]), None)
+
+    def _kda_kept_kernels(self, T: int) -> Optional[str]:
+        """Why ``auto`` keeps vLLM's kernels for batches of ``T`` tokens per request (one of
+        vLLM's fused kernels), else None."""
+        kernels = self._kda_vllm_kernels(T)
+        if self._kda_backend_named or not kernels.fused:
+            return None
+        return (f"auto keeps {kernels.names}, against which no measurement of the op is "
+                f"recorded; name a backend with {plugin.CONFIG_KEY} to run the op")
 
     def _kda_try_step(self, mixed_qkv, f_a, output_gate, beta, core_attn_out
                       ) -> Optional[str]:
@@ -274,17 +306,10 @@ class KdaLayerMixin:
             return self._kda_refused[cfg]
         step = self.kda_steps.get(cfg)
         if step is None:
-            # Built once per (layer, configuration); a backend that cannot serve it
-            # (an explicitly named one on the wrong GPU) raises here, at warm-up.
-            step = kda.KdaDecode(cfg, device=mixed_qkv.device, backend=self.kda_backend)
-            if (mixed_qkv.device.type == "cuda" and self.kda_backend == "auto"
-                    and step.backend_name == "reference"):
-                why = ("auto found no GPU backend for this GPU (only the PyTorch "
-                       "reference, slower than vLLM's kernels)")
-                self._kda_refused[cfg] = why
-                _log.warning("vLLM plugin: %s stays on vLLM's path for %s: %s",
-                             self.prefix, cfg.short(), why)
-                return why
+            step = self._kda_build(cfg, batch.T, mixed_qkv.device)
+            if isinstance(step, str):
+                self._kda_refused[cfg] = step
+                return step
             self.kda_steps[cfg] = step
         if self._kda_conv_weight is None or self._kda_conv_weight.device != mixed_qkv.device:
             self._kda_conv_weight = self._kda_relayout_conv_weight()
@@ -298,10 +323,45 @@ class KdaLayerMixin:
             # Validation runs before anything is written: vLLM's path is still exact.
             why = f"the op refused the arguments: {e}"
             self._kda_refused[cfg] = why
-            _log.warning("vLLM plugin: %s stays on vLLM's path for %s: %s", self.prefix,
-                         cfg.short(), e)
+            plugin.log_once(("vllm path", self.kda_model, why), logging.WARNING,
+                            "vLLM plugin: %s layers (first: %s) stay on vLLM's path for %s: %s",
+                            self.kda_model, self.prefix, cfg.short(), why)
             return why
         return None
+
+    def _kda_build(self, cfg, T: int, device: torch.device) -> "kda.KdaDecode | str":
+        """This layer's step for ``cfg`` (built once, at vLLM's warm-up), or why the
+        configuration stays on vLLM's path: ``auto`` finding no GPU backend for it (logged as a
+        warning). A named backend that cannot serve it raises, at warm-up (startup).
+
+        Raises:
+          kda.KdaBackendError: the named backend cannot serve ``cfg`` on ``device``.
+        """
+        auto = self.kda_backend == "auto"
+        try:
+            step = kda.KdaDecode(cfg, device=device, backend=self.kda_backend)
+        except KdaBackendError as e:
+            if not auto:
+                raise
+            why = f"auto found no kda backend for this configuration ({e})"
+        else:
+            if not (auto and step.backend_name == "reference"):
+                kind = "pure-decode" if T == 1 else f"uniform verify (T={T})"
+                plugin.log_once(("replaces", self.kda_model, kind, self._kda_vllm_kernels(T),
+                                 step.backend_name), logging.INFO,
+                                "vLLM plugin: %s %s batches run kda.KdaDecode (backend %s) in "
+                                "place of %s (first: %s, %s)", self.kda_model, kind,
+                                describe(step.backend), self._kda_vllm_kernels(T).names,
+                                self.prefix, cfg.short())
+                return step
+            where = "this GPU" if device.type == "cuda" else device.type
+            why = (f"auto found no GPU backend of kda for {where} (only the PyTorch "
+                   "reference, which is not for serving)")
+        plugin.log_once(("vllm path", self.kda_model, why), logging.WARNING,
+                        "vLLM plugin: %s layers (first: %s) stay on vLLM's path: %s; name a "
+                        "backend with %s to run the op anyway", self.kda_model, self.prefix,
+                        why, plugin.CONFIG_KEY)
+        return why
 
     @staticmethod
     def _kda_slot_table(idx: torch.Tensor) -> torch.Tensor:

@@ -105,7 +105,11 @@ What it does not cover (SGLang's own path stays, by not calling it, or by the
   ``f_b_proj``);
 * a recurrent state other than fp32 or bf16, head dims other than 128, conv kernels other
   than 4, GQA (``num_q_heads != num_v_heads``);
-* ReplaySSM (``--enable-linear-replayssm``: SGLang's decode then writes rings, not states);
+* ReplaySSM (``--enable-linear-replayssm`` or ``--enable-linear-replayssm-spec``: the pool
+  then holds the ``replayssm_d`` / ``_k`` / ``_g`` rings, and SGLang's decode records each
+  step there, folding the rings into the states only when they wrap; what SGLang's
+  ``forward_decode`` routes on is ``replayssm_d`` being set): :func:`forward_decode` refuses
+  it, naming the flags;
 * Kimi-K3 (``kimi_k3.py``), which already has SGLang's own fused decode
   (``kda_fused_decode``, reached through the ``layer._k3_*`` hand-off);
 * SGLang's CPU / NPU / HIP kernel variants (``sgl_kernel`` AMX conv layout, NPU conv layout).
@@ -115,8 +119,9 @@ padding slot 0 and pad id -1 are dead items for the op (zeros out, nothing writt
 SGLang computes them (their rows are discarded either way).
 
 Tests: tests/integrations/test_sglang.py (a PyTorch transcription of SGLang's decode path and
-kda's reference, in the default suite) and, against the real SGLang 0.5.23 kernels on a CPU,
-``tools/sglang/run_tests.sh``. This module never imports SGLang (it reads attributes of the
+kda's reference, in the default suite) and, against the real SGLang 0.5.23 on a CPU (its pool,
+forward batch, metadata and ``RadixLinearAttention`` objects, its ``forward_decode`` and
+kernels in Triton's interpreter), ``tools/sglang/run_tests.sh``. This module never imports SGLang (it reads attributes of the
 objects it is given); ``import kda`` never imports this module.
 """
 
@@ -273,8 +278,9 @@ def forward_decode(attn_backend, layer, forward_batch, mixed_qkv: torch.Tensor,
     Raises:
       kda.KdaArgumentError: the layer or batch is not one the op serves (named: ``layer``
         for head dims / conv taps / GQA, ``ssm_states`` for a pool neither fp32 nor bf16,
-        ``forward_batch`` for a non-decode batch), or the op refuses an argument. Raised
-        before anything is written, so SGLang's own path can still run the batch.
+        ``forward_batch`` for a non-decode batch, ``attn_backend`` for a pool with SGLang's
+        ReplaySSM rings), or the op refuses an argument. Raised before anything is written,
+        so SGLang's own path can still run the batch.
       kda.KdaBackendError: the named backend cannot serve it (at the first step).
     """
     import kda
@@ -295,6 +301,14 @@ def forward_decode(attn_backend, layer, forward_batch, mixed_qkv: torch.Tensor,
             f"{layer.num_q_heads}/{layer.num_k_heads}/{layer.num_v_heads} heads of dim "
             f"{layer.head_q_dim}/{layer.head_k_dim}/{layer.head_v_dim}")
     cache = attn_backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
+    if getattr(cache, "replayssm_d", None) is not None:
+        # what SGLang's own forward_decode routes on: its decode then appends to the rings
+        raise KdaArgumentError(
+            "attn_backend", "expected a pool without ReplaySSM rings, got one with them "
+            "(--enable-linear-replayssm or --enable-linear-replayssm-spec): SGLang's decode "
+            "then records each step in the replayssm_d / _k / _g rings, folded into the "
+            "states only when they wrap, which the op does not do; SGLang's forward_decode "
+            "serves it")
     conv_states, ssm_states = cache.conv[0], cache.temporal
     if ssm_states.dtype not in (torch.float32, torch.bfloat16):
         raise KdaArgumentError("ssm_states", f"the op keeps fp32 or bf16 states; SGLang's pool "

@@ -1,8 +1,8 @@
 """vLLM plugin: the KDA decode and speculative-verify batches of vLLM's KDA layers through :class:`kda.KdaDecode`.
 
-Install this distribution next to vLLM 0.33 and vLLM loads :func:`register` from the
-``vllm.general_plugins`` entry point (pyproject.toml) in every process. ``register`` replaces
-three of vLLM's KDA layer classes by subclasses, through vLLM's
+Install this distribution next to vLLM (tested: :data:`TESTED_VLLM_VERSIONS`) and vLLM loads
+:func:`register` from the ``vllm.general_plugins`` entry point (pyproject.toml) in every
+process. ``register`` replaces three of vLLM's KDA layer classes by subclasses, through vLLM's
 ``PluggableLayer.register_oot`` (keyed by the class's name): constructing vLLM's class then
 yields the subclass.
 
@@ -11,22 +11,28 @@ yields the subclass.
   too) -> ``KdaKimiGatedDeltaNetAttention`` (``kda.integrations._vllm_kimi_linear``);
 * Kimi-K3: ``KimiK3DeltaAttention`` (``vllm.models.kimi_k3.nvidia.kda``) ->
   ``KdaKimiK3DeltaAttention`` (``kda.integrations._vllm_kimi_k3``);
-* GLM-5-Next: ``Glm5NextLinearAttention`` (``vllm.models.glm5next.common.kda``) ->
-  ``KdaGlm5NextLinearAttention`` (``kda.integrations._vllm_glm5next``).
+* GLM-5-Next, the layer of GLM-5.3-Flash: ``Glm5NextLinearAttention``
+  (``vllm.models.glm5next.common.kda``) -> ``KdaGlm5NextLinearAttention``
+  (``kda.integrations._vllm_glm5next``).
 
 Kimi-Linear's class is registered when ``register`` runs; the Kimi-K3 and GLM-5-Next classes
 when vLLM itself imports their module (an import hook on exactly those two module names; at
-once when they are already imported), so a process serving another model never imports them. Kimi-K3's is not registered on ROCm or TPU:
-there vLLM builds the class of the same name in ``vllm.models.kimi_k3.amd`` (or a plugin's),
-which a subclass of the NVIDIA class must not stand in for.
+once when they are already imported), so a process serving another model never imports
+them. Kimi-K3's is not registered on ROCm or TPU: there vLLM builds the class of the same name
+in ``vllm.models.kimi_k3.amd`` (or a plugin's), which a subclass of the NVIDIA class must not
+stand in for.
 
 What each subclass does
 -----------------------
 ``forward`` runs vLLM's projections as vLLM does, except that it keeps ``f_a`` instead of
-projecting it through ``f_b_proj`` (the op fuses that low-rank GEMM), and hands the slices of
+projecting it through ``f_b_proj`` (the op fuses that low-rank GEMM), allocates the
+attention output ``core_attn_out`` as vLLM's ``forward`` does, and hands it with the slices of
 the packed projection output to ``_kda_forward`` (``kda.integrations._vllm_layer``), which,
-like vLLM's ``_forward``, is decorated ``@eager_break_during_capture`` and writes into the
-caller's ``core_attn_out`` buffer in place. There:
+like vLLM's ``_forward``, is decorated ``@eager_break_during_capture`` and writes
+``core_attn_out`` in place and returns nothing. (Under vLLM's breakable CUDA graphs, the
+default for these models, that function runs eagerly at every replay between captured
+segments; the ``o_proj`` segment after it reads the buffer allocated before it, at the address
+it had at capture.) There:
 
 * a **pure-decode batch** (no prefill, no speculative request) and a **uniform
   speculative-verify batch** (no prefill or plain decode, every request
@@ -40,15 +46,51 @@ caller's ``core_attn_out`` buffer in place. There:
 * **every other batch** computes ``f_b_proj(f_a)`` and calls vLLM's own ``_forward`` body
   (and GLM-5-Next's ``o_norm``, which vLLM applies after it) unchanged: prefill and mixed
   batches, ragged speculative batches (requests with fewer drafts than configured, dynamic
-  speculation), plain decodes beside speculative ones. Each reason is logged once per model
-  (logger ``"kda"``, INFO), and ``layer.kda_last_path`` says which path the last call took.
+  speculation), plain decodes beside speculative ones, and verify batches under adaptive
+  verification (vLLM trims each request's drafts on the device, so the host cannot know that
+  a batch is uniform). ``layer.kda_last_path`` says which path the last call took.
 
-A layer whose setup the op does not serve runs vLLM's own ``forward`` for every batch, the
-reason logged once: a recurrent state other than fp32 / bf16, a quantized ``f_b_proj``,
-ReplaySSM / RecoverSSM, a model dtype other than bf16, a head dim other than 128 or conv
-other than 4 taps, ROCm unless a backend is named (the op's GPU backends target NVIDIA GPUs).
-Arguments the op's validation refuses (logged as a warning) and ``auto`` finding only the
-PyTorch ``reference`` on a GPU leave that configuration on vLLM's path.
+A layer whose setup the op does not serve runs vLLM's own ``forward`` for every batch: a
+recurrent state other than fp32 / bf16, a quantized ``f_b_proj``, ReplaySSM / RecoverSSM, a
+model dtype other than bf16, a head dim other than 128 or conv other than 4 taps, ROCm unless
+a backend is named (the op's GPU backends target NVIDIA GPUs). Arguments the op's validation
+refuses, and ``auto`` finding no GPU backend (on a GPU it does not serve, or on a platform
+without one: vLLM's CPU or XPU platform; ``auto`` would run the PyTorch reference there) leave
+that configuration on vLLM's path with a warning.
+
+Where the op replaces vLLM's kernels
+------------------------------------
+With ``auto`` the op replaces vLLM's Triton decode / verify chains: separate launches for the
+conv update, the recurrence and ``o_norm`` (and the ``f_b`` GEMM before them), which the op
+fuses into one. It keeps vLLM's own single-launch fused kernels, against which no measurement
+of the op is recorded: Kimi-K3's native CUDA ``fused_kda_decode`` (vLLM's choice for Kimi-K3
+decode on SM90 / SM10x / SM12x with an fp32 pool and no speculation) and FlashInfer's fused
+decode and packed verify; those batches stay on vLLM's path, said once in the log. A backend
+named in the setting replaces them too. The log names, once per model and kind of batch, the
+vLLM kernels the op replaces and the backend it runs.
+
+The log
+-------
+Every decision is logged once per process and reason, on the logger :data:`LOGGER_NAME`, a
+child of vLLM's ``vllm`` logger: its lines reach wherever vLLM's own go (vLLM's handler,
+format and ``VLLM_LOGGING_LEVEL``; vLLM's ``vllm`` logger does not propagate further). INFO:
+the setting and where it came from, each class replaced, each path and the kernels the op
+replaces (with the backend it runs), each reason a layer or a kind of batch stays on vLLM's
+path. WARNING: an untested vLLM version, arguments the op refuses, ``auto`` without a GPU
+backend.
+
+vLLM versions
+-------------
+Tested against :data:`TESTED_VLLM_VERSIONS`. Under any other version (read from the installed
+``vllm`` distribution) a process whose setting is the default logs one warning and keeps every
+KDA layer on vLLM's own path; a setting given explicitly (``--additional-config`` or
+``$KDA_BACKEND``) runs the op, also with that warning. Differences between the tested
+versions the subclasses follow: GLM-5-Next's q / k / v convs are three parameters in 0.33 and
+one merged ``conv1d`` in 0.34; Kimi-Linear's prefill stores the chunk kernel's fp32 final
+state into the pool by index assignment in 0.33, which fails on a bf16 pool, and through
+``scatter_states`` (a store that converts to the pool's dtype) in 0.34 (see
+``--mamba-ssm-cache-dtype`` below); adaptive verification reaches the GDN builder of
+Kimi-Linear and GLM-5-Next in 0.34.
 
 How each model maps onto the op (docs/contract.md)
 -------------------------------------------------
@@ -56,30 +98,31 @@ How each model maps onto the op (docs/contract.md)
   config, the bounded gate; output gate ``g_b_proj(g_a_proj(h))`` (or the full-rank slice of
   the packed projection), computed as vLLM does and passed as ``output_gate``; beta raw logits;
   ``o_norm.eps``. The layer's ``get_state_dtype`` here passes ``--mamba-ssm-cache-dtype``
-  through (vLLM 0.33's class drops it, so its pool stayed fp32 while the model's
-  ``get_mamba_state_dtype_from_config`` said bf16): ``bfloat16`` gives a bf16 pool, on vLLM's
-  path too.
+  through (vLLM's class drops it, so its pool stays fp32 while the model's
+  ``get_mamba_state_dtype_from_config`` says bf16): ``bfloat16`` gives a bf16 pool, on vLLM's
+  path too. Under vLLM 0.33, whose Kimi-Linear prefill cannot store into a bf16 pool, a bf16
+  pool is refused at layer construction (model build, i.e. startup) with an error naming
+  ``--mamba-ssm-cache-dtype``.
 * **Kimi-K3**: the bounded gate with the config's ``gate_lower_bound`` (softplus without one),
   the full-rank output-gate slice of the packed projection, beta raw logits, ``o_norm.eps``.
   Under CUDA-graph capture vLLM computes the in-projection and the ``f_b`` GEMM on an
   auxiliary stream (TP 8); the subclass computes the in-projection alone (the op fuses the
   ``f_b`` GEMM) and, on vLLM's path, ``f_b_proj(f_a)`` inside the eager segment. Its
-  ``gemm_rs_ar`` ``o_proj`` is kept. With ``auto``, decode / verify batches for which vLLM
-  chose its FlashInfer kernels (SM100 family) stay there: the op was not measured against
-  them (name a backend to use the op). With adaptive verification, vLLM trims each request's
-  drafts on the device, so the host cannot know that a batch is uniform: verify batches stay
-  on vLLM's path. RecoverSSM (``--use-replayssm``) keeps the layer on vLLM's path.
-* **GLM-5-Next**: the bounded gate ``linear_lower_bound * sigmoid(exp(A_log) * (f_b(f_a) +
-  dt_bias))`` (vLLM's kernels have no other gate); ``A_log`` ``[1, 1, H, 1]`` viewed as
-  ``[H]``; the separate q / k / v conv weights laid out once as the op's ``[3, 4, dim]``; the
+  ``gemm_rs_ar`` ``o_proj`` is kept. vLLM's kernel choice (``kda_decode_backend``,
+  ``kda_spec_decode_backend``) decides which of its fused kernels ``auto`` keeps (above).
+  RecoverSSM (``--use-replayssm``) keeps the layer on vLLM's path.
+* **GLM-5-Next** (GLM-5.3-Flash): the bounded gate ``linear_lower_bound * sigmoid(exp(A_log) *
+  (f_b(f_a) + dt_bias))`` (vLLM's kernels have no other gate); ``A_log`` ``[1, 1, H, 1]``
+  viewed as ``[H]``; the q / k / v conv weights laid out once as the op's ``[3, 4, dim]``; the
   output gate ``g_b_proj(g_a)``, a low-rank projection computed as vLLM does and passed as
   ``output_gate``; beta raw logits; ``o_norm.eps``. A lower bound outside the contract's
   [-5, 0) stays on vLLM's path (the op's validation refuses it, logged).
 
 The conv weight is re-laid out once to the op's ``[3, 4, dim]`` fp32 (in
 ``process_weights_after_loading``, which vLLM's loader calls after loading and reloading
-weights, else lazily on first use) and cached on the layer; code that rewrites a conv weight
-in place without vLLM's loader must call ``layer.process_weights_after_loading()`` after it.
+weights, else lazily on first use; not for a layer the setting keeps on vLLM's path) and
+cached on the layer; code that rewrites a conv weight in place without vLLM's loader must call
+``layer.process_weights_after_loading()`` after it.
 One ``KdaDecode`` per layer and configuration (T, window, conv layout, dtypes) is built on
 first use (vLLM's warm-up runs, before CUDA-graph capture) and reused. Nothing is copied
 except a non-contiguous slot table (a column slice of vLLM's block table: R or R*T int32);
@@ -89,22 +132,22 @@ Choosing the backend (one setting per process)
 ----------------------------------------------
 ``--additional-config '{"kda_fused_decode_backend": "<value>"}'``, else ``$KDA_BACKEND``, else
 ``auto``. ``<value>`` is one of :data:`kda.registry.CHOICES` or ``"vllm"``, which keeps every
-KDA layer of the process on vLLM's own path. The choice and where it came from are logged
-once per process (logger ``"kda"``, INFO); any other value raises at layer construction
+KDA layer of the process on vLLM's own path. Any other value raises at layer construction
 (model build, i.e. startup) listing the valid values. The key is deliberately not vLLM's
 ``kda_decode_backend`` / ``kda_spec_decode_backend``: Kimi-K3's layer reads those (auto /
 native / flashinfer / triton) and they keep that meaning, choosing vLLM's kernel wherever
 vLLM's path runs.
 
-Environment: vLLM 0.33.0. Tests: ``tools/vllm/run_tests.sh`` (tests/integrations/test_vllm.py).
-This module imports vLLM only inside functions, so ``import kda.integrations.vllm`` works
-without vLLM; ``import kda`` never imports this module.
+Tests: ``tools/vllm/run_tests.sh`` (tests/integrations/test_vllm.py, against each tested
+version). This module imports vLLM only inside functions, so ``import kda.integrations.vllm``
+works without vLLM; ``import kda`` never imports this module.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.metadata
 import logging
 import os
 import sys
@@ -115,8 +158,12 @@ from typing import Dict, NamedTuple, Optional, Tuple
 CONFIG_KEY = "kda_fused_decode_backend"
 #: The setting's value that keeps every KDA layer on vLLM's own path.
 VLLM_PATH = "vllm"
+#: The vLLM releases the plugin is tested against (``tools/vllm/run_tests.sh`` runs each).
+TESTED_VLLM_VERSIONS: Tuple[str, ...] = ("0.33.0", "0.34.0")
+#: The plugin's logger: a child of vLLM's ``vllm`` logger, so that its lines go where vLLM's go.
+LOGGER_NAME = "vllm.plugins.kda"
 
-_log = logging.getLogger("kda")
+_log = logging.getLogger(LOGGER_NAME)
 _lock = threading.RLock()
 _registered = False
 _logged: set = set()
@@ -149,7 +196,7 @@ VLLM_CLASS = MODELS["Kimi-Linear"].vllm_class
 
 
 def log_once(key, level: int, msg: str, *args) -> None:
-    """Log ``msg % args`` on the ``"kda"`` logger the first time ``key`` is seen in this process."""
+    """Log ``msg % args`` on :data:`LOGGER_NAME` the first time ``key`` is seen in this process."""
     with _lock:
         if key in _logged:
             return
@@ -163,13 +210,24 @@ def setting_values() -> Tuple[str, ...]:
     return registry.CHOICES + (VLLM_PATH,)
 
 
+def vllm_version() -> Optional[str]:
+    """The installed ``vllm`` distribution's version without its local part (``0.34.0`` for
+    ``0.34.0+cu130``), or None when vLLM is not installed."""
+    try:
+        return importlib.metadata.version("vllm").split("+", 1)[0]
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def backend_choice(additional_config=None) -> Tuple[str, str]:
     """The setting's value for this process, and where it came from.
 
     Order: ``additional_config[CONFIG_KEY]`` (vLLM's ``--additional-config``), then
     ``$KDA_BACKEND``, then ``"auto"``. The value is a backend name for :class:`kda.KdaDecode`
-    or :data:`VLLM_PATH` (every layer on vLLM's path). Logs the choice once per process
-    (logger ``"kda"``).
+    or :data:`VLLM_PATH` (every layer on vLLM's path). Under a vLLM version outside
+    :data:`TESTED_VLLM_VERSIONS` the default is :data:`VLLM_PATH` instead of ``"auto"``, and
+    the version is warned about once per process (also when a given setting asks for the op).
+    Logs the choice once per process (:data:`LOGGER_NAME`).
 
     Raises:
       kda.KdaBackendError: the value is not one of :func:`setting_values` (the message names
@@ -187,6 +245,22 @@ def backend_choice(additional_config=None) -> Tuple[str, str]:
     if not isinstance(name, str) or name not in valid:
         raise KdaBackendError(f"vLLM plugin: unknown value {name!r} for {source}: expected one "
                               f"of {', '.join(valid)} ({VLLM_PATH!r} keeps vLLM's own path)")
+    version = vllm_version()
+    if version is not None and version not in TESTED_VLLM_VERSIONS:
+        tested = ", ".join(TESTED_VLLM_VERSIONS)
+        if source == "default":
+            name, source = VLLM_PATH, f"default under the untested vLLM {version}"
+            log_once(("version", version), logging.WARNING,
+                     "vLLM plugin: vLLM %s is not a version the KDA plugin was tested with "
+                     "(%s): every KDA layer stays on vLLM's own path. To run kda.KdaDecode "
+                     "anyway, give the setting: --additional-config '{\"%s\": \"auto\"}' "
+                     "(or a backend name; or $%s).", version, tested, CONFIG_KEY,
+                     registry.ENV_VAR)
+        elif name != VLLM_PATH:
+            log_once(("version", version), logging.WARNING,
+                     "vLLM plugin: vLLM %s is not a version the KDA plugin was tested with "
+                     "(%s); kda.KdaDecode runs because %s asks for %r.", version, tested,
+                     source, name)
     if name == VLLM_PATH:
         log_once(("choice", name, source), logging.INFO,
                  "vLLM plugin: %s %r (from %s): every KDA layer runs vLLM's own path.",

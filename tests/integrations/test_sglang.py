@@ -44,7 +44,8 @@ SLOTS = 12           # SGLang allocates size + 1 slots; slot 0 is its padding sl
 # ---- SGLang's layouts, built by hand -------------------------------------------------------
 
 def sglang_layer(H: int, N: int, *, seed: int = 0, lower_bound=None, bias: bool = False,
-                 norm_dtype=torch.bfloat16, pad_rows: int = 1, ssm_dtype=torch.float32):
+                 norm_dtype=torch.bfloat16, pad_rows: int = 1, ssm_dtype=torch.float32,
+                 pad_id: int = 0):
     """The tensors SGLang 0.5.23 hands a Kimi-Linear KDA layer's decode, in its layouts.
 
     * Packed projection: ``KimiDeltaAttention.forward_qkvbfg_fused``
@@ -65,7 +66,8 @@ def sglang_layer(H: int, N: int, *, seed: int = 0, lower_bound=None, bias: bool 
     * Slot table: ``MambaAttnBackendBase._forward_metadata``
       (sglang/srt/layers/attention/hybrid_linear_attn_backend.py) gathers
       ``forward_metadata.mamba_cache_indices`` int32 ``[bs]``; CUDA-graph padding rows carry
-      the reserved padding slot 0.
+      the reserved padding slot 0 (``pad_id=0``); SGLang's kernels also take the pad id -1
+      (``pad_id=-1``), a row they skip.
     """
     g = torch.Generator().manual_seed(seed)
 
@@ -81,7 +83,7 @@ def sglang_layer(H: int, N: int, *, seed: int = 0, lower_bound=None, bias: bool 
     pools_conv = randn(LAYERS, SLOTS, 3, 3 * dim)
     pools_temporal = (torch.randn(LAYERS, SLOTS, H, D, D, generator=g) * 0.05).to(ssm_dtype)
     live = torch.randperm(SLOTS - 1, generator=g)[: N - pad_rows].to(torch.int32) + 1
-    cache_indices = torch.cat([live, torch.zeros(pad_rows, dtype=torch.int32)])
+    cache_indices = torch.cat([live, torch.full((pad_rows,), pad_id, dtype=torch.int32)])
     t = types.SimpleNamespace(
         H=H, N=N, dim=dim, fused=fused, qkv=qkv, beta=beta.unsqueeze(0),  # b: [1, N, H]
         f_a=fg_a[:, :D], g_a=fg_a[:, D:], fg_b_weight=fg_b_weight,
@@ -315,14 +317,17 @@ class _Mode:
         return "DECODE" if self.decode else "EXTEND"
 
 
-def sglang_objects(t, decode=True):
+def sglang_objects(t, decode=True, replayssm=False):
     """The attributes forward_decode reads, shaped as SGLang 0.5.23 holds them:
     ``KDAAttnBackend.req_to_token_pool.mamba2_layer_cache(layer_id)`` -> ``.conv`` (list),
-    ``.temporal``; ``.forward_metadata.mamba_cache_indices``; ``RadixLinearAttention``'s
-    fields (sglang/srt/layers/radix_linear_attention.py)."""
+    ``.temporal``, ``.replayssm_d`` (None unless ReplaySSM allocated its rings: what SGLang's
+    ``forward_decode`` routes on); ``.forward_metadata.mamba_cache_indices``;
+    ``RadixLinearAttention``'s fields (sglang/srt/layers/radix_linear_attention.py)."""
     tracked = []
+    ring = torch.zeros(LAYERS, SLOTS, t.H, 16, D) if replayssm else None
     pool = types.SimpleNamespace(mamba2_layer_cache=lambda lid: types.SimpleNamespace(
-        conv=[t.pools_conv[lid]], temporal=t.pools_temporal[lid]))
+        conv=[t.pools_conv[lid]], temporal=t.pools_temporal[lid],
+        replayssm_d=None if ring is None else ring[lid]))
     backend = types.SimpleNamespace(
         req_to_token_pool=pool,
         forward_metadata=types.SimpleNamespace(mamba_cache_indices=t.cache_indices),
@@ -342,16 +347,59 @@ def call_forward_decode(t, backend, layer, batch):
         kda_backend="reference")
 
 
+FORWARD_CASES = [dict(), dict(lower_bound=-5.0), dict(ssm_dtype=torch.bfloat16),
+                 dict(lower_bound=-3.0, ssm_dtype=torch.bfloat16, pad_id=-1)]
+
+
+def case_id(c):
+    return "-".join(f"{k}{v}" for k, v in c.items()) or "softplus"
+
+
+@pytest.mark.parametrize("case", FORWARD_CASES, ids=case_id)
+def test_forward_decode_matches_sglang_transcription(case):
+    """``forward_decode`` on SGLang's objects, both gates (the layer's ``lower_bound``), fp32
+    and bf16 pools, padding rows (slot 0, pad id -1): SGLang's results for the live rows,
+    zeros for the dead ones, and no page written but the live slots' (SGLang writes its
+    padding slot 0 too; rows it discards)."""
+    t = sglang_layer(H=8, N=5, pad_rows=2, **case)
+    s = sglang_layer(H=8, N=5, pad_rows=2, **case)
+    before = (t.pools_conv.clone(), t.pools_temporal.clone())
+    backend, layer, batch, _ = sglang_objects(t)
+    for step in range(2):
+        if step:
+            new_inputs(t, 300 + step)
+            new_inputs(s, 300 + step)
+        out = call_forward_decode(t, backend, layer, batch)
+        ref = sglang_decode(s, s.conv_states, s.ssm_states)
+        rows = live_rows(t)
+        slots = t.cache_indices[rows].long()
+        assert not (msg := within(out[rows].float(), ref[rows].float(), TOLERANCES["out"])), \
+            f"step {step}: out {msg}"
+        tol = TOLERANCES["state_bf16" if t.ssm_states.dtype == torch.bfloat16 else "state"]
+        assert not (msg := within(t.ssm_states[slots].float(), s.ssm_states[slots].float(),
+                                  tol)), f"step {step}: state {msg}"
+        assert torch.equal(t.conv_states[slots], s.conv_states[slots]), f"step {step}: window"
+        assert (out[t.cache_indices <= 0] == 0).all(), "padding rows are dead items (zeros)"
+    others = torch.ones(SLOTS, dtype=torch.bool)
+    others[slots] = False
+    assert torch.equal(t.pools_temporal[:, others], before[1][:, others])
+    assert torch.equal(t.pools_conv[:, others], before[0][:, others])
+    assert torch.equal(t.pools_temporal[0], before[1][0])
+
+
 @pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_forward_decode_reads_sglang_caches_and_tracks(ssm_dtype):
-    t = sglang_layer(H=8, N=4, ssm_dtype=ssm_dtype)
-    s = sglang_layer(H=8, N=4, ssm_dtype=ssm_dtype)
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "lower_bound"])
+def test_forward_decode_reads_sglang_caches_and_tracks(ssm_dtype, lower_bound):
+    t = sglang_layer(H=8, N=4, ssm_dtype=ssm_dtype, lower_bound=lower_bound)
+    s = sglang_layer(H=8, N=4, ssm_dtype=ssm_dtype, lower_bound=lower_bound)
     backend, layer, batch, tracked = sglang_objects(t)
     out = call_forward_decode(t, backend, layer, batch)
     ref = run_adapter(s)
     assert torch.equal(out, ref)
     assert torch.equal(t.pools_temporal, s.pools_temporal)
     assert torch.equal(t.pools_conv, s.pools_conv)
+    (cfg, _, _), = layer._kda_sglang["steps"]
+    assert cfg.lower_bound == lower_bound and cfg.state_dtype == ssm_dtype
     # SGLang's forward_decode ends with _track_mamba_state_decode(forward_batch, conv_states,
     # ssm_states, cache_indices, layer_id); so must the stand-in.
     (args,) = tracked
@@ -381,12 +429,14 @@ def test_forward_decode_caches_per_layer_and_sees_new_conv_weights():
 
 
 @pytest.mark.parametrize("what,arg", [("extend", "forward_batch"), ("fp16 pool", "ssm_states"),
-                                      ("gqa", "layer"), ("head dim", "layer")])
+                                      ("gqa", "layer"), ("head dim", "layer"),
+                                      ("replayssm", "attn_backend")])
 def test_forward_decode_refuses_what_it_does_not_serve(what, arg):
     t = sglang_layer(H=8, N=3)
     if what == "fp16 pool":
         t.pools_temporal = t.pools_temporal.to(torch.float16)
-    backend, layer, batch, tracked = sglang_objects(t, decode=what != "extend")
+    backend, layer, batch, tracked = sglang_objects(t, decode=what != "extend",
+                                                    replayssm=what == "replayssm")
     if what == "gqa":
         layer.num_q_heads = layer.num_k_heads = 4
     elif what == "head dim":
@@ -395,6 +445,8 @@ def test_forward_decode_refuses_what_it_does_not_serve(what, arg):
     with pytest.raises(KdaArgumentError) as e:
         call_forward_decode(t, backend, layer, batch)
     assert e.value.arg == arg, str(e.value)
+    if what == "replayssm":
+        assert "--enable-linear-replayssm" in str(e.value)
     assert not tracked
     assert torch.equal(t.pools_conv, before[0]) and torch.equal(t.pools_temporal, before[1])
 

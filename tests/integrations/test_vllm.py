@@ -1,7 +1,9 @@
-"""The vLLM plugin (kda/integrations/vllm.py) against the real vLLM 0.33.0 package, on a CPU.
+"""The vLLM plugin (kda/integrations/vllm.py) against the real vLLM package, on a CPU.
 
-Run with ``tools/vllm/run_tests.sh``: it builds an isolated virtual environment with
-vllm==0.33.0 and runs this file. Without vLLM every test here is skipped.
+Run with ``tools/vllm/run_tests.sh``: it builds an isolated virtual environment per tested
+vLLM version (``plugin.TESTED_VLLM_VERSIONS``: 0.33.0 and 0.34.0) and runs this file in each.
+Where the versions differ, the tests follow the installed one (noted at each). Without vLLM
+every test here is skipped.
 
 How vLLM runs here. Each model's KDA layer is built for real (``KimiGatedDeltaNetAttention``,
 ``KimiK3DeltaAttention``, ``Glm5NextLinearAttention``; small hidden size, the per-rank head
@@ -32,6 +34,13 @@ needs:
 The comparison baseline is vLLM's own path on the same layer instance (``kda_enabled=False``:
 the plugin's ``forward`` then is ``super().forward``), on copies of the same caches.
 
+vLLM's breakable CUDA graphs (its default for all four architectures the plugin serves) run
+here through vLLM's own ``BreakableCUDAGraphWrapper`` and ``BreakableCUDAGraphCapture``, with
+``torch.cuda.CUDAGraph`` replaced by ``CpuGraph``, which keeps a CUDA graph's contract on a
+CPU: capture records the ATen ops of a segment on the tensors they ran on, replay runs them
+again writing each result into the tensor the op produced at capture (allocations are not
+redone). So a captured segment reads, at replay, the memory it read at capture, as on a GPU.
+
 Rounding: Triton's interpreter casts fp32 to bf16 by truncation, not round-to-nearest-even as
 Triton does on a GPU, so in the interpreter vLLM's kernels round their conv output y, o, the
 normed output and a bf16 state toward zero. ``rne_casts`` patches that one cast to round to
@@ -52,6 +61,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -61,8 +71,8 @@ import types
 import pytest
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm is not importable: tools/vllm/run_tests.sh installs vllm==0.33.0 into an "
-                "isolated venv and runs these tests", allow_module_level=True)
+    pytest.skip("vllm is not importable: tools/vllm/run_tests.sh installs each tested vLLM "
+                "into an isolated venv and runs these tests", allow_module_level=True)
 
 # Before vLLM (and its Triton kernels) are imported; this file runs vLLM on the CPU only.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -74,15 +84,19 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import kda  # noqa: E402
+from kda.errors import KdaArgumentError  # noqa: E402
 from kda.integrations import vllm as plugin  # noqa: E402
 from kda.testing import BF16_STATE_DIFFER_FRAC, TOLERANCES, Tolerance  # noqa: E402
 from tests.integrations.triton_rne import rne_casts  # noqa: E402
+
+VLLM_VERSION = plugin.vllm_version()
 
 D = 128
 HIDDEN = 256           # the layers' hidden size (the op never sees it; small keeps GEMMs cheap)
 SLOTS = 16
 PAGE_PAD = 48          # bytes past the states in each page: slot pitches larger than the states
 ENTRY_POINT = "kda.integrations.vllm:register"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _prefixes = itertools.count()
 
 
@@ -128,8 +142,13 @@ def glm_package_shell() -> None:
 
 @pytest.fixture(scope="module")
 def env():
+    return init_vllm()
+
+
+def init_vllm() -> bool:
     """A single-process gloo TP group, the interpreter workarounds, the plugin registered and
-    the three layer modules imported (their classes registered by the plugin's import hook)."""
+    the three layer modules imported (their classes registered by the plugin's import hook).
+    (The ``env`` fixture; a plain function for the subprocess of the logging test.)"""
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed.parallel_state import (init_distributed_environment,
                                                  initialize_model_parallel,
@@ -445,6 +464,38 @@ def dtype_of(name):
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
 
+def kimi_prefill_stores_into_bf16() -> bool:
+    """vLLM 0.34's Kimi-Linear prefill stores into a bf16 pool (``scatter_states``), 0.33's
+    cannot (the plugin then refuses a bf16 pool at construction)."""
+    from kda.integrations import _vllm_kimi_linear
+    return _vllm_kimi_linear.PREFILL_STORES_INTO_BF16
+
+
+@pytest.fixture
+def plugin_log(caplog):
+    """The plugin's log records from now on (its "once" memory cleared: this test's first
+    time), read from the plugin's logger itself, whatever vLLM's logger propagates."""
+    logger = logging.getLogger(plugin.LOGGER_NAME)
+    old = logger.level, logger.propagate
+    logger.setLevel(logging.INFO)
+    logger.addHandler(caplog.handler)
+    logger.propagate = False            # else caplog's handler on the root sees them twice
+    caplog.clear()
+    saved = set(plugin._logged)
+    plugin._logged.clear()
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+        logger.setLevel(old[0])
+        logger.propagate = old[1]
+        plugin._logged.update(saved)
+
+
+def messages(log, text: str):
+    return [r.getMessage() for r in log.records if text in r.getMessage()]
+
+
 # ---- the plugin loader and the class swap ----------------------------------------------------
 
 def test_entry_point_is_discovered_and_loaded_by_vllm(env, monkeypatch):
@@ -495,18 +546,16 @@ def test_vllm_loader_registers_the_layers_in_a_fresh_process():
         "kda.integrations._vllm_glm5next.KdaGlm5NextLinearAttention"]
 
 
-def test_k3_is_not_replaced_where_vllm_builds_another_class(env, monkeypatch, caplog):
+def test_k3_is_not_replaced_where_vllm_builds_another_class(env, monkeypatch, plugin_log):
     """On ROCm vLLM builds ``vllm.models.kimi_k3.amd``'s class of the same name: the plugin
     must not register its NVIDIA subclass for that name there."""
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.platforms import current_platform
-    caplog.set_level(logging.INFO, logger="kda")
     monkeypatch.setattr(type(current_platform), "is_rocm", lambda self: True)
     monkeypatch.delitem(op_registry_oot, "KimiK3DeltaAttention")
-    monkeypatch.setattr(plugin, "_logged", set())
     plugin._register_model(plugin.MODELS["Kimi-K3"])
     assert "KimiK3DeltaAttention" not in op_registry_oot
-    assert any("Kimi-K3's layer is not replaced" in r.getMessage() for r in caplog.records)
+    assert messages(plugin_log, "Kimi-K3's layer is not replaced")
 
 
 @pytest.mark.parametrize("model", MODEL_CASES, ids=lambda m: m.name)
@@ -523,10 +572,15 @@ def test_constructing_vllms_layer_yields_ours(env, model_dir, model):
 @pytest.mark.parametrize("ssm", ["auto", "float32", "bfloat16"])
 def test_ssm_cache_dtype_reaches_the_cache(env, model_dir, model, ssm):
     """``--mamba-ssm-cache-dtype`` gives the pool the dtype the model class computes:
-    vLLM's own ``get_kv_cache_spec`` and binding, no dtype set by hand (vLLM 0.33's
-    Kimi-Linear layer alone reports fp32 for bfloat16)."""
+    vLLM's own ``get_kv_cache_spec`` and binding, no dtype set by hand (vLLM's Kimi-Linear
+    layer alone reports fp32 for bfloat16). Under vLLM 0.33 Kimi-Linear with bfloat16 is
+    refused instead (``test_kimi_linear_bf16_pool``)."""
     from vllm.models.kimi_k3.nvidia.model import KimiLinearForCausalLM
     vc = vllm_config(model_dir, ssm_dtype=ssm)
+    if model is KIMI and ssm == "bfloat16" and not kimi_prefill_stores_into_bf16():
+        with pytest.raises(KdaArgumentError, match="--mamba-ssm-cache-dtype"):
+            make_layer(vc, model, model.tp8)
+        return
     want = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}[ssm]
     layer, _ = make_layer(vc, model, model.tp8)
     spec = layer.get_kv_cache_spec(vc)
@@ -581,9 +635,17 @@ def expected_path_matches(vc, model, layer, raw, md, hs, touched, label, live_ro
     return layer
 
 
+def skip_refused(model, sd):
+    """Kimi-Linear on a bf16 pool is refused under vLLM 0.33 (``test_kimi_linear_bf16_pool``)."""
+    if model is KIMI and sd == "bf16" and not kimi_prefill_stores_into_bf16():
+        pytest.skip(f"vLLM {VLLM_VERSION}: Kimi-Linear on a bf16 pool is refused at "
+                    "construction (test_kimi_linear_bf16_pool)")
+
+
 @pytest.mark.parametrize("case", STEP_CASES, ids=step_id)
 def test_decode_step_matches_vllm(env, model_dir, case):
     model, H, layout, sd = case
+    skip_refused(model, sd)
     vc = vllm_config(model_dir, ssm_dtype={"fp32": "float32", "bf16": "bfloat16"}[sd])
     # a 2-column block table (so [:, 0] is a strided column) and a null-block request
     table = torch.tensor([[5, 11], [0, 0], [2, 12], [9, 13]], dtype=torch.int32)
@@ -606,6 +668,7 @@ def test_decode_step_matches_vllm(env, model_dir, case):
 @pytest.mark.parametrize("case", STEP_CASES, ids=step_id)
 def test_verify_step_matches_vllm(env, model_dir, case):
     model, H, layout, sd = case
+    skip_refused(model, sd)
     T = 3
     vc = vllm_config(model_dir, ssm_dtype={"fp32": "float32", "bf16": "bfloat16"}[sd],
                      num_spec=T - 1)
@@ -732,13 +795,12 @@ def test_state_difference_is_the_interpreters_truncation(env, model_dir):
 
 # ---- other batches and setups fall back to vLLM's path ---------------------------------------
 
-def assert_falls_back(vc, layer, raw, md, hs, reason: str, caplog=None):
+def assert_falls_back(vc, layer, raw, md, hs, reason: str, log=None):
     """The plugin leaves this batch on vLLM's path (its path starts with ``reason``): output
     and pages bit-identical to vLLM's own run, no KdaDecode built; the reason logged once
-    over two calls."""
-    if caplog is not None:
-        caplog.set_level(logging.INFO, logger="kda")
-        caplog.clear()
+    over two calls (``log``: the ``plugin_log`` fixture)."""
+    if log is not None:
+        log.clear()
         plugin._logged.clear()           # "once per process": this test's first time
     y, _, page, path = step(vc, layer, raw, md, hs)
     step(vc, layer, raw, md, hs)
@@ -746,18 +808,21 @@ def assert_falls_back(vc, layer, raw, md, hs, reason: str, caplog=None):
     assert path.startswith(reason), path
     assert torch.equal(y, y_v) and torch.equal(page, page_v)
     assert not layer.kda_steps
-    if caplog is not None:
+    if log is not None:
         why = path[len("vllm: "):]
-        logged = [r for r in caplog.records if why in r.getMessage()]
-        assert len(logged) == 1, [r.getMessage() for r in caplog.records]
+        assert len(messages(log, why)) == 1, [r.getMessage() for r in log.records]
 
 
 def stand_in_prefill_kernels(monkeypatch, model, calls):
-    """vLLM's prefill kernels do not run on a CPU (``gather_initial_states`` and GLM-5-Next's
-    ``scatter_states`` assert a CUDA / XPU tensor; ``causal_conv1d_fn``'s grid callback takes
-    Triton's interpreter handles for torch tensors): recording stand-ins where the model's ``_forward`` looks them up, the same
-    for both runs of a test. (GLM-5-Next's ``_cast_sigmoid`` is a torch.compile'd
-    ``x.float().sigmoid()``: called as that, without Inductor.)"""
+    """vLLM's prefill kernels do not run on a CPU (``gather_initial_states`` and
+    ``scatter_states`` (GLM-5-Next; Kimi-Linear from vLLM 0.34) assert a CUDA / XPU tensor;
+    ``causal_conv1d_fn``'s grid callback takes Triton's interpreter handles for torch
+    tensors): recording stand-ins where the model's ``_forward`` looks them up, the same for
+    both runs of a test. The chunk kernel's stand-in returns its final state in fp32, as the
+    real one does whatever the pool's dtype (fla's ``chunk_gated_delta_rule_fwd_h``); the
+    ``scatter_states`` stand-in converts it to the pool's dtype as the real Triton store does.
+    (GLM-5-Next's ``_cast_sigmoid`` is a torch.compile'd ``x.float().sigmoid()``: called as
+    that, without Inductor.)"""
     import vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn as kimi
     import vllm.models.glm5next.common.kda as glm
     import vllm.models.kimi_k3.nvidia.kda as k3
@@ -778,7 +843,7 @@ def stand_in_prefill_kernels(monkeypatch, model, calls):
         calls.append(("chunk", raw_g.clone(), beta.clone(), cu_seqlens.clone()))
         o = (v.float() * torch.sigmoid(raw_g.float())
              * torch.sigmoid(beta.float())[..., None]).to(q.dtype)
-        return o, initial_state + 1.0
+        return o, initial_state.float() + 1.0          # fp32, as fla's chunk kernel
 
     # the module whose globals _forward reads, and where it finds the chunk kernel
     mod, chunk_mod = {"Kimi-Linear": (kimi, kda_ops), "Kimi-K3": (k3, kda_ops),
@@ -786,17 +851,19 @@ def stand_in_prefill_kernels(monkeypatch, model, calls):
     monkeypatch.setattr(mod, "causal_conv1d_fn", conv_fn)
     monkeypatch.setattr(mod, "gather_initial_states", gather)
     monkeypatch.setattr(chunk_mod, "chunk_kda_with_fused_gate", chunk)
-    if model is GLM:
-        def scatter(state, new, indices):       # asserts a CUDA tensor
-            calls.append(("scatter", new.clone(), indices.clone()))
-            state[indices.long()] = new.to(state.dtype)
 
+    def scatter(state, new, indices):       # asserts a CUDA tensor
+        calls.append(("scatter", new.clone(), indices.clone()))
+        state[indices.long()] = new.to(state.dtype)
+
+    if hasattr(mod, "scatter_states"):      # GLM-5-Next; Kimi-Linear from vLLM 0.34
+        monkeypatch.setattr(mod, "scatter_states", scatter)
+    if model is GLM:
         monkeypatch.setattr(glm, "_cast_sigmoid", lambda x: x.float().sigmoid())
-        monkeypatch.setattr(glm, "scatter_states", scatter)
 
 
 @pytest.mark.parametrize("model", MODEL_CASES, ids=lambda m: m.name)
-def test_prefill_and_mixed_batches_fall_back(env, model_dir, model, monkeypatch, caplog):
+def test_prefill_and_mixed_batches_fall_back(env, model_dir, model, monkeypatch, plugin_log):
     """A plain decode (slot 5, has state) and a prefill of 4 tokens (slot 2, fresh): the batch
     reaches vLLM's own prefill code with the same tensors (g1 = f_b_proj(f_a) included) and
     gives the same result, bit for bit (vLLM's prefill kernels are stood in for, see
@@ -808,8 +875,6 @@ def test_prefill_and_mixed_batches_fall_back(env, model_dir, model, monkeypatch,
     table = torch.tensor([[5], [2]], dtype=torch.int32)
     md = build_md(vc, model, layer, table, [1, 4], prefilling=[False, True], context=0)
     hs = hidden(5, seed=6)
-    caplog.set_level(logging.INFO, logger="kda")
-    plugin._logged.clear()
     y, core, page, path = step(vc, layer, raw, md, hs)
     ours, calls[:] = list(calls), []
     y_v, core_v, page_v, _ = step(vc, layer, raw, md, hs, use_kda=False)
@@ -821,11 +886,11 @@ def test_prefill_and_mixed_batches_fall_back(env, model_dir, model, monkeypatch,
     assert torch.equal(y, y_v) and torch.equal(core, core_v) and torch.equal(page, page_v)
     assert not torch.equal(page, raw)
     assert not layer.kda_steps
-    assert [r for r in caplog.records if "prefill or mixed batch" in r.getMessage()]
+    assert messages(plugin_log, "prefill or mixed batch")
 
 
 @pytest.mark.parametrize("model", MODEL_CASES, ids=lambda m: m.name)
-def test_ragged_verify_batch_falls_back(env, model_dir, model, caplog):
+def test_ragged_verify_batch_falls_back(env, model_dir, model, plugin_log):
     T = 3
     vc = vllm_config(model_dir, num_spec=T - 1)
     layer, raw = make_layer(vc, model, model.tp8, seed=9)
@@ -833,10 +898,10 @@ def test_ragged_verify_batch_falls_back(env, model_dir, model, caplog):
     # a request that drafted nothing: 1 token
     md = verify_md(vc, model, layer, table, torch.tensor([2, 1], dtype=torch.int32), [3, 1])
     assert_falls_back(vc, layer, raw, md, hidden(4, seed=10), "vllm: ragged speculative batch",
-                      caplog)
+                      plugin_log)
 
 
-def test_k3_plain_decodes_beside_speculative_ones_fall_back(env, model_dir, caplog):
+def test_k3_plain_decodes_beside_speculative_ones_fall_back(env, model_dir, plugin_log):
     """Kimi-K3's builder keeps one-token decodes of requests that are not speculative apart
     (GDN's reclassifies them as prefills)."""
     T = 2
@@ -847,20 +912,24 @@ def test_k3_plain_decodes_beside_speculative_ones_fall_back(env, model_dir, capl
                   drafts=torch.tensor([T - 1, -1]))
     assert (md.num_spec_decodes, md.num_decodes, md.num_prefills) == (1, 1, 0)
     assert_falls_back(vc, layer, raw, md, hidden(T + 1, seed=12),
-                      "vllm: plain decodes beside speculative decodes", caplog)
+                      "vllm: plain decodes beside speculative decodes", plugin_log)
 
 
-def test_k3_adaptive_verification_keeps_verify_on_vllms_path(env, model_dir, caplog):
+@pytest.mark.parametrize("model", MODEL_CASES, ids=lambda m: m.name)
+def test_adaptive_verification_keeps_verify_on_vllms_path(env, model_dir, model, plugin_log):
+    """Adaptive verification trims each request's drafts on the device: the host's query
+    lengths are upper bounds (Kimi-K3's builder; from vLLM 0.34 also the GDN builder of
+    Kimi-Linear and GLM-5-Next, which then supports device/host query-length mismatches)."""
     T = 2
     vc = vllm_config(model_dir, num_spec=T - 1, adaptive=True)
-    layer, raw = make_layer(vc, K3, K3.tp8, seed=13)
+    layer, raw = make_layer(vc, model, model.tp8, seed=13)
     table = torch.tensor([[5, 6], [9, 10]], dtype=torch.int32)
-    md = verify_md(vc, K3, layer, table, torch.tensor([2, 1], dtype=torch.int32), [T, T])
+    md = verify_md(vc, model, layer, table, torch.tensor([2, 1], dtype=torch.int32), [T, T])
     assert_falls_back(vc, layer, raw, md, hidden(2 * T, seed=14),
-                      "vllm: adaptive verification", caplog)
+                      "vllm: adaptive verification", plugin_log)
 
 
-def test_k3_recoverssm_keeps_the_layer_on_vllms_path(env, model_dir, caplog):
+def test_k3_recoverssm_keeps_the_layer_on_vllms_path(env, model_dir, plugin_log):
     """RecoverSSM (``--use-replayssm`` with speculation): every call runs vLLM's own
     ``forward`` (here a pure-decode batch, its packed decode kernel)."""
     vc = vllm_config(model_dir, num_spec=1, recoverssm=True)
@@ -868,7 +937,8 @@ def test_k3_recoverssm_keeps_the_layer_on_vllms_path(env, model_dir, caplog):
     assert layer.use_recoverssm
     table = torch.tensor([[5, 6], [9, 10]], dtype=torch.int32)
     md = decode_md(vc, K3, layer, table)
-    assert_falls_back(vc, layer, raw, md, hidden(2, seed=16), "vllm: ReplaySSM / RecoverSSM", caplog)
+    assert_falls_back(vc, layer, raw, md, hidden(2, seed=16), "vllm: ReplaySSM / RecoverSSM",
+                      plugin_log)
 
 
 @pytest.mark.parametrize("kind", ["decode", "verify"])
@@ -885,8 +955,8 @@ def test_k3_auto_keeps_vllms_flashinfer_kernels(env, model_dir, kind):
         md = verify_md(vc, K3, layer, table, torch.tensor([1, 2], dtype=torch.int32), [2, 2])
         layer.kda_spec_decode_backend = "flashinfer"
     why = layer._kda_batch(md)
-    assert isinstance(why, str) and why.startswith("auto keeps vLLM's FlashInfer"), why
-    layer.kda_backend = "reference"              # a named backend runs the op
+    assert isinstance(why, str) and why.startswith("auto keeps FlashInfer's"), why
+    layer._kda_init("reference", "--additional-config")      # a named backend runs the op
     assert not isinstance(layer._kda_batch(md), str)
 
 
@@ -901,13 +971,13 @@ def test_setting_vllm_keeps_the_model_on_vllms_path(env, model_dir, model):
     assert not layer.kda_steps
 
 
-def test_glm_lower_bound_outside_the_contract_stays_on_vllms_path(env, model_dir, caplog):
+def test_glm_lower_bound_outside_the_contract_stays_on_vllms_path(env, model_dir, plugin_log):
     """GLM-5-Next with a gate bound the op's contract refuses (< -5): vLLM's path, logged."""
     vc = vllm_config(model_dir)
     layer, raw = make_layer(vc, GLM, GLM.tp8, seed=23, lower_bound=-8.0)
     md = decode_md(vc, GLM, layer, torch.tensor([[5], [2]], dtype=torch.int32))
     assert_falls_back(vc, layer, raw, md, hidden(2, seed=24),
-                      "vllm: the op refuses this layer's setup: lower_bound", caplog)
+                      "vllm: the op refuses this layer's setup: lower_bound", plugin_log)
 
 
 def test_quantized_f_b_proj_keeps_the_layer_on_vllms_path(env, model_dir):
@@ -931,6 +1001,335 @@ def test_one_kdadecode_per_layer_and_configuration(env, model_dir):
     assert obj.backend_name == "reference"
 
 
+# ---- what the op replaces, where it does not run, and the log ----------------------------------
+
+def test_k3_auto_keeps_vllms_native_fused_decode(env, model_dir, monkeypatch, plugin_log):
+    """Kimi-K3 where vLLM chose its native CUDA ``fused_kda_decode`` (SM90 / SM10x / SM12x, an
+    fp32 pool, no speculation: set by hand here, with the buffers vLLM then allocates, and a
+    recording stand-in for the CUDA op): ``auto`` keeps it, logged once by name."""
+    from vllm import _custom_ops
+    vc = vllm_config(model_dir, backend="auto")
+    layer, raw = make_layer(vc, K3, K3.tp8, seed=51)
+    layer.kda_decode_backend = "native"
+    D3 = layer.local_projection_size
+    layer.decode_conv1d_weight = layer._kda_relayout_conv_weight().view(3, 4, D3)
+    layer.decode_norm_weight = layer.o_norm.weight.float()
+    ran = []
+
+    def fused_kda_decode(**kw):
+        ran.append(kw["state_indices"].clone())
+        kw["out"].zero_()
+
+    monkeypatch.setattr(_custom_ops, "fused_kda_decode", fused_kda_decode, raising=False)
+    md = decode_md(vc, K3, layer, torch.tensor([[5], [2]], dtype=torch.int32))
+    for _ in range(2):
+        _, _, _, path = step(vc, layer, raw, md, hidden(2, seed=52))
+    assert path.startswith("vllm: auto keeps vLLM's native CUDA fused_kda_decode"), path
+    assert len(ran) == 2 and not layer.kda_steps
+    assert len(messages(plugin_log, "auto keeps vLLM's native CUDA fused_kda_decode")) == 1
+
+
+def test_a_named_backend_replacing_a_native_kernel_says_so(env, model_dir, plugin_log):
+    """A backend named in the setting replaces vLLM's native kernel too, and the log names
+    the kernel it replaces and the backend that runs instead (once)."""
+    vc = vllm_config(model_dir, backend="reference")
+    layer, raw = make_layer(vc, K3, K3.tp8, seed=53)
+    layer.kda_decode_backend = "native"
+    md = decode_md(vc, K3, layer, torch.tensor([[5], [2]], dtype=torch.int32))
+    for _ in range(2):
+        _, _, _, path = step(vc, layer, raw, md, hidden(2, seed=54))
+    assert path == "kda"
+    (msg,) = messages(plugin_log, "in place of")
+    assert "Kimi-K3 pure-decode batches run kda.KdaDecode (backend reference)" in msg
+    assert "vLLM's native CUDA fused_kda_decode (kda_decode_backend 'native')" in msg
+
+
+@pytest.mark.parametrize("model", MODEL_CASES, ids=lambda m: m.name)
+def test_auto_without_a_gpu_backend_stays_on_vllms_path(env, model_dir, model, plugin_log):
+    """The default setting on a platform with no GPU backend of kda (here the CPU; vLLM's CPU
+    or XPU platform alike): ``auto`` would find only the PyTorch reference; the layer stays
+    on vLLM's path instead (bit-identical to it), with one warning naming the setting."""
+    vc = vllm_config(model_dir, backend=None)
+    layer, raw = make_layer(vc, model, model.tp8, seed=55)
+    assert layer.kda_backend == "auto"
+    md = decode_md(vc, model, layer, torch.tensor([[5], [2]], dtype=torch.int32))
+    assert_falls_back(vc, layer, raw, md, hidden(2, seed=56),
+                      "vllm: auto found no GPU backend of kda for cpu", plugin_log)
+    (warning,) = [r for r in plugin_log.records if r.levelno == logging.WARNING]
+    assert "auto found no GPU backend" in warning.getMessage()
+    assert plugin.CONFIG_KEY in warning.getMessage()
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["default", "named"])
+def test_an_untested_vllm_version_keeps_vllms_path_unless_asked(env, model_dir, explicit,
+                                                               monkeypatch, plugin_log):
+    """Under a vLLM version outside TESTED_VLLM_VERSIONS: one warning; the default setting
+    keeps every layer on vLLM's path, a setting given runs the op."""
+    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.99.0")
+    vc = vllm_config(model_dir, backend="reference" if explicit else None)
+    for _ in range(2):
+        layer, raw = make_layer(vc, KIMI, KIMI.tp8, seed=57)
+    md = decode_md(vc, KIMI, layer, torch.tensor([[5], [2]], dtype=torch.int32))
+    path = step(vc, layer, raw, md, hidden(2, seed=58), use_kda=layer.kda_enabled)[3]
+    assert path == "kda" if explicit else path.startswith("vllm: disabled"), path
+    (warning,) = [r.getMessage() for r in plugin_log.records if r.levelno == logging.WARNING]
+    assert "vLLM 0.99.0" in warning and "0.33.0, 0.34.0" in warning
+
+
+LOG_LINE = re.compile(r"\(\S+ pid=\d+\) (INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d "
+                      r"\[\S+:\d+\] vLLM plugin: ")
+
+
+def test_the_plugin_logs_into_vllms_log():
+    """In a fresh process whose logging vLLM configured as its engine does
+    (``vllm.logger.configure_logging``: a handler on the ``vllm`` logger, which does not
+    propagate), the plugin's lines come out through vLLM's handler, in vLLM's format, once
+    each: the class replaced, the setting, the reason the layer stays on vLLM's path (a
+    warning, once over two batches)."""
+    code = GLM_SHELL + (
+        "import torch\n"
+        "from vllm.config.logging import LoggingConfig\n"
+        "from vllm.logger import configure_logging\n"
+        "configure_logging(LoggingConfig(log_level='INFO'))\n"
+        "import tests.integrations.test_vllm as t\n"
+        "t.init_vllm()\n"
+        "d = t.tempfile.mkdtemp()\n"
+        "from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig\n"
+        "c = KimiLinearConfig(hidden_size=t.HIDDEN, num_hidden_layers=1, num_attention_heads=4,"
+        " linear_attn_config={'head_dim': 128, 'num_heads': 8, 'short_conv_kernel_size': 4,"
+        " 'kda_layers': [1], 'full_attn_layers': []})\n"
+        "c.architectures = ['KimiLinearForCausalLM']\n"
+        "c.save_pretrained(d)\n"
+        "vc = t.vllm_config(d, backend=None)\n"
+        "layer, raw = t.make_layer(vc, t.KIMI, 4)\n"
+        "md = t.decode_md(vc, t.KIMI, layer, torch.tensor([[5], [2]], dtype=torch.int32))\n"
+        "for _ in range(2):\n"
+        "    path = t.step(vc, layer, raw, md, t.hidden(2))[3]\n"
+        "print('PATH', path, flush=True)\n")
+    env_ = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1",
+                VLLM_LOGGING_STREAM="ext://sys.stdout", VLLM_CONFIGURE_LOGGING="1")
+    for var in ("VLLM_PLUGINS", "KDA_BACKEND", "VLLM_LOGGING_CONFIG_PATH"):
+        env_.pop(var, None)
+    res = subprocess.run([sys.executable, "-c", code], env=env_, capture_output=True,
+                         text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [ln for ln in res.stdout.splitlines() if "vLLM plugin: " in ln]
+    assert lines and all(LOG_LINE.search(ln) for ln in lines), (lines, res.stderr[-3000:])
+    assert "vLLM plugin" not in res.stderr, res.stderr[-3000:]
+    for text in ("KimiGatedDeltaNetAttention (Kimi-Linear) -> ",
+                 "KDA fused decode backend 'auto' (from default)",
+                 "auto found no GPU backend"):
+        found = [ln for ln in lines if text in ln]
+        assert len(found) == 1, (text, lines)
+    assert [ln for ln in lines if "WARNING" in ln and "no GPU backend" in ln]
+    assert "PATH vllm: auto found no GPU backend" in res.stdout, res.stdout[-3000:]
+
+
+# ---- Kimi-Linear on a bf16 pool ----------------------------------------------------------------
+
+@pytest.mark.parametrize("setting", ["reference", "vllm"])
+def test_kimi_linear_bf16_pool(env, model_dir, setting, monkeypatch):
+    """``--mamba-ssm-cache-dtype bfloat16`` gives Kimi-Linear a bf16 pool (the subclass
+    honors it), with the op on and with the setting ``vllm``. Under vLLM 0.34 every kind of
+    batch is served on it, one after the other on the same pages: a prefill, a verify beside
+    a prefill, a uniform verify, a pure decode (each on the path it should take; vLLM's prefill
+    kernels stood in for, the chunk kernel's final state fp32 as the real one's, stored
+    through vLLM's ``scatter_states``), the stored states are the chunk kernel's rounded to
+    bf16. Under vLLM 0.33, whose prefill cannot store into a bf16 pool, the layer is refused
+    at construction (startup), the error naming the flag, what is expected and what was
+    given: never a crash at the first prefill."""
+    T = 3
+    vc = vllm_config(model_dir, ssm_dtype="bfloat16", num_spec=T - 1, backend=setting)
+    if not kimi_prefill_stores_into_bf16():
+        with pytest.raises(KdaArgumentError) as e:
+            construct(vc, KIMI, KIMI.tp8)
+        assert e.value.arg == "--mamba-ssm-cache-dtype", str(e.value)
+        assert "'bfloat16'" in str(e.value) and "float32" in str(e.value)
+        assert VLLM_VERSION in str(e.value)
+        return
+    layer, raw = make_layer(vc, KIMI, KIMI.tp8, seed=41)
+    calls = []
+    stand_in_prefill_kernels(monkeypatch, KIMI, calls)
+    page = raw.clone()
+    bind(vc, layer, page)
+    state = layer.kv_cache[1]
+    assert state.dtype == torch.bfloat16
+    on = setting != "vllm"
+
+    def run(md, n, seed):
+        from vllm.config import set_current_vllm_config
+        from vllm.forward_context import set_forward_context
+        calls.clear()
+        with torch.no_grad(), set_current_vllm_config(vc), \
+                set_forward_context({layer.prefix: md}, vc):
+            y = layer(hidden(n, seed=seed), torch.zeros(n, dtype=torch.long))
+        assert bool(torch.isfinite(y.float()).all())
+        return layer.kda_last_path
+
+    # a prefill of 4 tokens into the fresh slot 2: its final state (0 + 1, fp32) stored bf16
+    md = build_md(vc, KIMI, layer, torch.tensor([[2, 12, 13]], dtype=torch.int32), [4],
+                  prefilling=[True], context=0)
+    assert run(md, 4, 42) == ("vllm: prefill or mixed batch" if on else
+                              "vllm: disabled (kda_enabled=False; "
+                              f"{plugin.CONFIG_KEY}='vllm')")
+    (_, stored, _), = [c for c in calls if c[0] == "scatter"]
+    assert stored.dtype == torch.float32
+    assert torch.equal(state[2], torch.ones_like(state[2]))
+    # a verify of slot 2's request beside a prefill into slot 9 (vLLM's verify kernel runs)
+    md = build_md(vc, KIMI, layer, torch.tensor([[2, 12, 13], [9, 14, 15]], dtype=torch.int32),
+                  [T, 4], accepted=torch.tensor([1, 1], dtype=torch.int32),
+                  drafts=torch.tensor([T - 1, -1]), prefilling=[False, True], context=0)
+    assert (md.num_spec_decodes, md.num_prefills) == (1, 1)
+    assert run(md, T + 4, 43).startswith("vllm: ")
+    assert torch.equal(state[9], torch.ones_like(state[9]))
+    # a uniform verify, then a pure decode: the op's path when it is on
+    table = torch.tensor([[2, 12, 13], [9, 14, 15]], dtype=torch.int32)
+    md = verify_md(vc, KIMI, layer, table, torch.tensor([2, 1], dtype=torch.int32), [T, T])
+    path = run(md, 2 * T, 44)
+    assert path == "kda" if on else path.startswith("vllm: disabled"), path
+    md = decode_md(vc, KIMI, layer, torch.tensor([[12], [9]], dtype=torch.int32))
+    path = run(md, 2, 45)
+    assert path == "kda" if on else path.startswith("vllm: disabled"), path
+    assert state.dtype == torch.bfloat16 and bool(torch.isfinite(state.float()).all())
+
+
+# ---- vLLM's breakable CUDA graphs ------------------------------------------------------------
+
+class CpuGraph:
+    """``torch.cuda.CUDAGraph``'s contract on a CPU, for vLLM's breakable-graph machinery.
+
+    ``capture_begin`` .. ``capture_end`` record every ATen op run in between, with the tensors
+    it ran on and the tensors it produced (kept alive, as a graph's memory pool keeps its
+    blocks). ``replay`` runs the recorded ops again on the same tensors and writes each new
+    result into the tensor the op produced at capture (an op that returns a view or writes in
+    place already lands there); allocations are not redone. So, as on a GPU, a replayed
+    segment reads and writes exactly the memory it did at capture, and a tensor allocated
+    outside the captured segments (in an eager segment) is never seen by them.
+    """
+
+    ALLOCATIONS = ("empty.memory_format", "empty_strided.default", "empty_like.default",
+                   "new_empty.default", "new_empty_strided.default")
+
+    def __init__(self, *args, **kwargs):
+        self.ops = []
+        self._mode = None
+
+    def capture_begin(self, *args, **kwargs):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        ops = self.ops
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                ops.append((func, args, kwargs or {}, out))
+                return out
+
+        self._mode = Record()
+        self._mode.__enter__()
+
+    def capture_end(self):
+        self._mode.__exit__(None, None, None)
+        self._mode = None
+
+    def replay(self):
+        for func, args, kwargs, out in self.ops:
+            if str(func.name()).split("::")[-1] in self.ALLOCATIONS:
+                continue
+            new = func(*args, **kwargs)
+            olds = out if isinstance(out, (tuple, list)) else (out,)
+            news = new if isinstance(new, (tuple, list)) else (new,)
+            for o, n in zip(olds, news):
+                if isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor) \
+                        and n.data_ptr() != o.data_ptr():
+                    o.copy_(n)
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    """vLLM's breakable-graph capture and replay on a CPU: ``torch.cuda.CUDAGraph`` is
+    :class:`CpuGraph`; vLLM's weak references (a CUDA op of its ``_C`` extension) are plain
+    aliases of the same memory; no graph pool handle; the pre-capture cache flush, which
+    needs an accelerator, does nothing."""
+    import vllm.compilation.breakable_cudagraph as bcg
+    from vllm.platforms import current_platform
+
+    def alias(t):
+        return t.view_as(t) if isinstance(t, torch.Tensor) else t
+
+    def alias_all(ts):
+        return type(ts)(alias(t) for t in ts) if isinstance(ts, (tuple, list)) else alias(ts)
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", CpuGraph)
+    monkeypatch.setattr(bcg, "weak_ref_tensor", alias)
+    monkeypatch.setattr(bcg, "weak_ref_tensors", alias_all)
+    monkeypatch.setattr(type(current_platform), "graph_pool_handle", lambda self: None,
+                        raising=False)
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
+    return bcg
+
+
+BREAKABLE_CASES = [(m, kind) for m in MODEL_CASES for kind in ("decode", "mixed")]
+
+
+@pytest.mark.parametrize("case", BREAKABLE_CASES, ids=lambda c: f"{c[0].name}-{c[1]}")
+def test_breakable_cuda_graph_replays_the_next_batch(env, model_dir, case, cpu_graphs,
+                                                     monkeypatch):
+    """vLLM's ``BreakableCUDAGraphWrapper`` (vLLM's default for Kimi-Linear, Kimi-K3 and
+    GLM-5-Next) captures the layer on one batch and replays it on the next batch of the same
+    size (new hidden states copied into the static input, new metadata in the forward
+    context, as vLLM's runner does): the replayed output and pages equal an eager run of the
+    two batches, bit for bit. "decode": the op's path (a pure decode; PIECEWISE, as when it
+    runs beside graphs of other sizes); "mixed": vLLM's path (a plain decode beside a
+    prefill; vLLM's prefill kernels stood in for). The layer's eager segment must write the
+    buffer its caller allocated: ``o_proj``'s captured segment reads that address."""
+    from vllm.config import CUDAGraphMode, set_current_vllm_config
+    from vllm.forward_context import BatchDescriptor, set_forward_context
+    model, kind = case
+    vc = vllm_config(model_dir)
+    layer, raw = make_layer(vc, model, model.tp8, seed=31)
+    if kind == "mixed":
+        stand_in_prefill_kernels(monkeypatch, model, [])
+        tables = [torch.tensor([[5], [2]], dtype=torch.int32),
+                  torch.tensor([[9], [3]], dtype=torch.int32)]
+        mds = [build_md(vc, model, layer, t, [1, 4], prefilling=[False, True], context=0)
+               for t in tables]
+        path = "vllm: prefill or mixed batch"
+    else:
+        tables = [torch.tensor([[5], [2], [9], [7], [4]], dtype=torch.int32),
+                  torch.tensor([[3], [9], [2], [11], [6]], dtype=torch.int32)]
+        mds = [decode_md(vc, model, layer, t) for t in tables]
+        path = "kda"
+    hss = [hidden(5, seed=32), hidden(5, seed=33)]
+    positions = torch.zeros(5, dtype=torch.long)
+
+    def forward(md, hs, mode=CUDAGraphMode.NONE, wrapper=None):
+        with torch.no_grad(), set_current_vllm_config(vc), \
+                set_forward_context({layer.prefix: md}, vc, cudagraph_runtime_mode=mode,
+                                    batch_descriptor=BatchDescriptor(num_tokens=5)):
+            return (wrapper or layer)(hs, positions)
+
+    eager_page = raw.clone()
+    bind(vc, layer, eager_page)
+    forward(mds[0], hss[0])
+    want = forward(mds[1], hss[1]).clone()
+    assert layer.kda_last_path == path, layer.kda_last_path
+
+    page = raw.clone()
+    bind(vc, layer, page)
+    wrapper = cpu_graphs.BreakableCUDAGraphWrapper(layer, vc)
+    static = hss[0].clone()
+    forward(mds[0], static, CUDAGraphMode.PIECEWISE, wrapper)        # capture
+    (entry,) = wrapper.entries.values()
+    assert entry.capture.num_eager_breaks == 1 and entry.capture.num_graphs == 2
+    static.copy_(hss[1])
+    got = forward(mds[1], static, CUDAGraphMode.PIECEWISE, wrapper)   # replay
+    assert layer.kda_last_path == path, layer.kda_last_path
+    assert torch.equal(page, eager_page), "the replayed eager segment wrote other pages"
+    assert torch.equal(got, want), (
+        "the replayed output is not the new batch's: o_proj's captured segment read a "
+        f"buffer the eager segment did not write (max diff {(got - want).abs().max():.3g})")
+
+
 # ---- the setting -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("model", MODEL_CASES, ids=lambda m: m.name)
@@ -950,10 +1349,8 @@ def test_unknown_value_fails_at_construction_listing_the_values(env, model_dir, 
     assert construct(vc2, model, model.tp8).kda_backend == "auto"
 
 
-def test_backend_choice_is_logged_once(caplog):
-    caplog.set_level(logging.INFO, logger="kda")
+def test_backend_choice_is_logged_once(plugin_log):
     for _ in range(3):
         assert plugin.backend_choice({plugin.CONFIG_KEY: "cutedsl_wide"}) == (
             "cutedsl_wide", f"--additional-config {plugin.CONFIG_KEY}")
-    msgs = [r.getMessage() for r in caplog.records if "cutedsl_wide" in r.getMessage()]
-    assert len(msgs) == 1, msgs
+    assert len(messages(plugin_log, "cutedsl_wide")) == 1

@@ -6,13 +6,46 @@ The layers themselves run against the real vLLM in test_vllm.py (tools/vllm/run_
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import logging
+import os
+import re
 import sys
 
 import pytest
 
 import kda
 from kda.integrations import vllm as plugin
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VLLM_VERSION = plugin.vllm_version          # the real one (the fixture below stands in)
+
+
+@pytest.fixture(autouse=True)
+def tested_vllm(monkeypatch):
+    """As under a tested vLLM (whatever is installed here; tests of other versions set theirs)."""
+    monkeypatch.setattr(plugin, "vllm_version", lambda: plugin.TESTED_VLLM_VERSIONS[-1])
+    monkeypatch.setattr(plugin, "_logged", set())
+
+
+@pytest.fixture
+def vllm_log():
+    """Records as vLLM's configured logging receives them: a handler on the ``vllm`` logger,
+    which does not propagate (vLLM's ``DEFAULT_LOGGING_CONFIG``)."""
+    records = []
+    handler = logging.Handler(level=logging.DEBUG)
+    handler.emit = records.append
+    logger = logging.getLogger("vllm")
+    old = (logger.propagate, logger.level)
+    logger.addHandler(handler)
+    logger.propagate = False
+    logger.setLevel(logging.INFO)          # setLevel: also clears the loggers' level caches
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = old[0]
+        logger.setLevel(old[1])
 
 
 def test_import_does_not_import_vllm():
@@ -50,13 +83,54 @@ def test_an_unknown_value_names_the_setting_the_valid_values_and_the_value(value
         assert name in msg
 
 
-def test_the_choice_is_logged_once(caplog, monkeypatch):
-    monkeypatch.setattr(plugin, "_logged", set())
-    caplog.set_level(logging.INFO, logger="kda")
+def test_the_choice_is_logged_once_into_vllms_log(vllm_log):
+    """The plugin's logger is a child of vLLM's ``vllm`` logger: its lines reach the handler
+    vLLM configures there (and nothing else of the process's logging is needed)."""
+    assert plugin.LOGGER_NAME.startswith("vllm.")
     for _ in range(3):
         plugin.backend_choice({plugin.CONFIG_KEY: "vllm"})
-    msgs = [r.getMessage() for r in caplog.records if "vLLM's own path" in r.getMessage()]
+    msgs = [r.getMessage() for r in vllm_log if "vLLM's own path" in r.getMessage()]
     assert len(msgs) == 1, msgs
+    assert vllm_log[0].levelno == logging.INFO and vllm_log[0].name == plugin.LOGGER_NAME
+
+
+@pytest.mark.parametrize("given", [None, "auto", "vllm"])
+def test_an_untested_vllm_version(given, monkeypatch, vllm_log):
+    """vLLM 0.99: the default keeps every layer on vLLM's path; a setting given is kept. One
+    warning either way (none when the setting keeps vLLM's path anyway)."""
+    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.99.0")
+    monkeypatch.delenv("KDA_BACKEND", raising=False)
+    config = {} if given is None else {plugin.CONFIG_KEY: given}
+    for _ in range(2):
+        name, source = plugin.backend_choice(config)
+    assert name == (given or "vllm")
+    assert "untested vLLM 0.99.0" in source if given is None else source.startswith("--")
+    warnings = [r.getMessage() for r in vllm_log if r.levelno == logging.WARNING]
+    if given == "vllm":
+        assert warnings == []
+    else:
+        (msg,) = warnings
+        assert "vLLM 0.99.0" in msg and ", ".join(plugin.TESTED_VLLM_VERSIONS) in msg
+        assert plugin.CONFIG_KEY in msg if given is None else repr(given) in msg
+
+
+def test_vllm_version_drops_the_local_part(monkeypatch):
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.34.0+cu130")
+    assert VLLM_VERSION() == "0.34.0"
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert VLLM_VERSION() is None
+
+
+def test_the_engine_script_has_each_tested_versions_dependencies():
+    """tools/vllm/run_tests.sh runs every tested version, each with its own pins."""
+    script = open(os.path.join(ROOT, "tools", "vllm", "run_tests.sh")).read()
+    cases = re.findall(r"^\s+(\d+\.\d+\.\d+)\) echo ", script, re.M)
+    assert sorted(cases) == sorted(plugin.TESTED_VLLM_VERSIONS)
+    assert "TESTED_VLLM_VERSIONS" in script
 
 
 def test_a_deferred_model_registers_when_its_module_is_imported(tmp_path, monkeypatch):

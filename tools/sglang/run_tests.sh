@@ -22,7 +22,7 @@
 #     with CUDA_VISIBLE_DEVICES="" and TRITON_INTERPRET=1.
 # pip then warns that SGLang's own pins (torch==2.14.1, ...) are not met: expected, harmless.
 # Steps 1-3 are skipped when the venv was built by this version of the script. On a 2-core
-# machine: a few minutes to build the venv (PyPI reachable), then about a minute of tests.
+# machine: a few minutes to build the venv (PyPI reachable), then about two minutes of tests.
 set -euo pipefail
 venv=${KDA_SGLANG_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kda/sglang-venv-0.5.23}
 torch_req=${KDA_SGLANG_TORCH:-torch==2.13.0}
