@@ -199,6 +199,22 @@ def live_rows(t):
     return (t.cache_indices > 0).nonzero().flatten()
 
 
+def check_step(t, s, out, step):
+    """Decode step ``step`` of the op on ``t`` (its output ``out``) against SGLang's on its
+    copy ``s``: the live rows' output and pages within tolerance, their windows exact,
+    padding rows zeros."""
+    ref = sglang_decode(s, s.conv_states, s.ssm_states)
+    rows = live_rows(t)
+    slots = t.cache_indices[rows].long()
+    assert not (msg := within(out[rows].float(), ref[rows].float(), TOLERANCES["out"])), \
+        f"step {step}: out {msg}"
+    tol = TOLERANCES["state_bf16" if t.ssm_states.dtype == torch.bfloat16 else "state"]
+    assert not (msg := within(t.ssm_states[slots].float(), s.ssm_states[slots].float(), tol)), \
+        f"step {step}: state {msg}"
+    assert torch.equal(t.conv_states[slots], s.conv_states[slots]), f"step {step}: window"
+    assert (out[t.cache_indices <= 0] == 0).all(), "padding rows are dead items (zeros)"
+
+
 # ---- tests ---------------------------------------------------------------------------------
 
 CASES = [
@@ -218,17 +234,7 @@ def test_matches_sglang_transcription(case):
         if step:
             new_inputs(t, 100 + step)
             new_inputs(s, 100 + step)
-        out = run_adapter(t)
-        ref = sglang_decode(s, s.conv_states, s.ssm_states)
-        rows = live_rows(t)
-        slots = t.cache_indices[rows].long()
-        assert not (msg := within(out[rows].float(), ref[rows].float(), TOLERANCES["out"])), \
-            f"step {step}: out {msg}"
-        tol = TOLERANCES["state_bf16" if t.ssm_states.dtype == torch.bfloat16 else "state"]
-        assert not (msg := within(t.ssm_states[slots].float(), s.ssm_states[slots].float(), tol)), \
-            f"step {step}: state {msg}"
-        assert torch.equal(t.conv_states[slots], s.conv_states[slots]), f"step {step}: window"
-        assert (out[t.cache_indices <= 0] == 0).all(), "padding rows are dead items (zeros)"
+        check_step(t, s, run_adapter(t), step)
 
 
 def test_mapping_is_bit_exact_against_the_reference_on_native_layouts():
@@ -370,18 +376,9 @@ def test_forward_decode_matches_sglang_transcription(case):
             new_inputs(t, 300 + step)
             new_inputs(s, 300 + step)
         out = call_forward_decode(t, backend, layer, batch)
-        ref = sglang_decode(s, s.conv_states, s.ssm_states)
-        rows = live_rows(t)
-        slots = t.cache_indices[rows].long()
-        assert not (msg := within(out[rows].float(), ref[rows].float(), TOLERANCES["out"])), \
-            f"step {step}: out {msg}"
-        tol = TOLERANCES["state_bf16" if t.ssm_states.dtype == torch.bfloat16 else "state"]
-        assert not (msg := within(t.ssm_states[slots].float(), s.ssm_states[slots].float(),
-                                  tol)), f"step {step}: state {msg}"
-        assert torch.equal(t.conv_states[slots], s.conv_states[slots]), f"step {step}: window"
-        assert (out[t.cache_indices <= 0] == 0).all(), "padding rows are dead items (zeros)"
+        check_step(t, s, out, step)
     others = torch.ones(SLOTS, dtype=torch.bool)
-    others[slots] = False
+    others[t.cache_indices[live_rows(t)].long()] = False
     assert torch.equal(t.pools_temporal[:, others], before[1][:, others])
     assert torch.equal(t.pools_conv[:, others], before[0][:, others])
     assert torch.equal(t.pools_temporal[0], before[1][0])

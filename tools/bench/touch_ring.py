@@ -32,15 +32,14 @@ from kda.config import KdaArgs, KdaConfig
 
 @dataclasses.dataclass(frozen=True)
 class TouchRingStatic:
-    """What one touch_ring kernel is compiled for (the ring's fields of a ``Rows.WARP``
-    :class:`kda.backends.cutedsl.schedule.Schedule`: ``unit_rows``, ``consumers``, ``depth``)."""
+    """What one touch_ring kernel is compiled for: H, T, the state dtype and the streamed
+    kernels' ring (a ``Rows.WARP`` :class:`kda.backends.cutedsl.schedule.Schedule`: its
+    ``unit_rows``, ``consumers`` and ``depth``, the head-major walk, no early reads)."""
 
     H: int
     T: int
     state_bf16: bool
-    rows: int = 32
-    consumers: int = 8
-    depth: int = 1
+    ring: Schedule
 
 
 class TouchRing:
@@ -51,11 +50,8 @@ class TouchRing:
         self.T = ts.T
         self.H = ts.H
         self.st = BFloat16 if ts.state_bf16 else Float32
-        # the streamed kernels' ring, head-major walk, no early reads (a Rows.WARP schedule)
-        self.shape = Schedule(rows=Rows.WARP, prep=Prep.WARPGROUP, items=Items.RANGE,
-                              unit_rows=ts.rows, consumers=ts.consumers, depth=ts.depth)
-        self.ring = WarpRing(self.shape, ts.T, self.st)
-        self.threads = 32 * ts.consumers
+        self.ring = WarpRing(ts.ring, ts.T, self.st)
+        self.threads = 32 * ts.ring.consumers
         fields = self.ring.fields()
         self.Storage = cute.struct(type("TouchRingStorage", (), {"__annotations__": fields}))
 
@@ -92,7 +88,7 @@ class TouchRing:
     @cute.jit
     def _unit(self, g_state, stage, h, dst, refill, u, lane, slots):
         """One unit: shared -> registers -> the write slots, 16 rows per pass."""
-        rows = self.ts.rows
+        rows = self.ts.ring.unit_rows
         grp = lane // 8
         l8 = lane % 8
         for p in cutlass.range_constexpr(rows // 16):
@@ -158,13 +154,16 @@ def make_touch_ring(cfg: KdaConfig, args: KdaArgs, ctas_per_sm: int = 1,
         contiguous, slot stride a multiple of 16 bytes) is used.
       ctas_per_sm: persistent CTAs per SM (the grid is at most one CTA per item).
       grid: a fixed number of CTAs instead (tests: several items and ring passes per CTA).
-      shape: :class:`TouchRingStatic` fields (rows, consumers, depth).
+      shape: the ring's ``rows`` (unit rows), ``consumers`` and ``depth`` (default: the
+        streamed kernel's 128 KiB ring, one 16 KiB fp32 unit per warp or two 8 KiB bf16
+        units).
     """
     state = args.state
     bf16 = state.dtype == torch.bfloat16
-    # 128 KiB of stages either way: one 16 KiB fp32 unit per warp, or two 8 KiB bf16 units
-    shape = {"depth": 2 if bf16 else 1, **shape}
-    ts = TouchRingStatic(H=cfg.num_heads, T=cfg.T, state_bf16=bf16, **shape)
+    shape = {"rows": 32, "consumers": 8, "depth": 2 if bf16 else 1, **shape}
+    ring = Schedule(rows=Rows.WARP, prep=Prep.WARPGROUP, items=Items.RANGE,
+                    unit_rows=shape["rows"], consumers=shape["consumers"], depth=shape["depth"])
+    ts = TouchRingStatic(H=cfg.num_heads, T=cfg.T, state_bf16=bf16, ring=ring)
     fn = compile_touch_ring(ts)
     st = BFloat16 if ts.state_bf16 else Float32
     sms = torch.cuda.get_device_properties(state.device).multi_processor_count
