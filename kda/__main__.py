@@ -25,9 +25,11 @@ def _schedules() -> str:
 
     from kda.backends.cutedsl import tables
 
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    gpu = torch.cuda.is_available()
+    name = torch.cuda.get_device_name() if gpu else None
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if gpu else None
     try:
-        return tables.describe(name)
+        return tables.describe(name, sms)
     except ValueError as e:         # a broken table file: say so rather than fail the report
         return f"cutedsl schedules: {e}"
 

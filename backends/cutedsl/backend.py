@@ -49,11 +49,13 @@ import torch
 
 from kda.backend import (Backend, StepFn, current_stream_handle, gpu_reason,
                          kernel_config_reasons, widest_access)
-from kda.backends.cutedsl import policy, scheduler, tables
+from kda.backends.cutedsl import policy, tables
 from kda.backends.cutedsl import schedule as S
 from kda.backends.cutedsl.problem import MAX_T, Problem
 from kda.backends.cutedsl.static import SmemPlan
 from kda.config import KdaArgs, KdaConfig
+
+log = logging.getLogger("kda")
 
 _import_lock = threading.Lock()
 _import_error: Optional[str] = None
@@ -95,11 +97,11 @@ def sm_count(device_index: int) -> int:
 _logged_tables = set()
 
 
-def _log_table_once(device_index: int) -> None:
+def _log_table_once(device_index: int, sms: int) -> None:
     """Log once per device which schedule table ``cutedsl`` uses there."""
     if device_index not in _logged_tables:
         _logged_tables.add(device_index)
-        log.info("%s", tables.describe(device_name(device_index)))
+        log.info("%s", tables.describe(device_name(device_index), sms))
 
 
 def _f32_bits(x: float) -> int:
@@ -134,8 +136,6 @@ def _set_carveout(compiled, smem_bytes: int, device_index: int) -> bool:
         return False
 
 
-log = logging.getLogger("kda")
-
 class _Launcher:
     """The step function of one (schedule, config, device): fills the argument buffer and
     launches.
@@ -152,8 +152,6 @@ class _Launcher:
 
     def __init__(self, sched: S.Schedule, cfg: KdaConfig, device: torch.device, compiled,
                  pb: Problem):
-        from kda.backends.cutedsl import cache
-
         self.sched = sched
         self.cfg = cfg
         self.H, self.T = cfg.num_heads, cfg.T
@@ -161,7 +159,9 @@ class _Launcher:
         self.device = torch.device("cuda", self.device_index)
         self.exe = compiled.to(self.device_index)
         from kda.backends.cutedsl import args as A
+        from kda.backends.cutedsl.scheduler import ctas
 
+        self.ctas = ctas            # the streamed kernels' grid (scheduler.ctas)
         names = A.arg_names()
         self.nargs = len(names)
         self.buf = (ctypes.c_uint64 * self.nargs)()
@@ -236,7 +236,7 @@ class _Launcher:
                              [2 * vals[i] for i in self.row_pitches] if R * self.T > 1 else ())
         launcher = self if rows == self.pb.row_bytes else self.for_rows(rows)
         launcher.buf[0:len(vals)] = vals
-        launcher.buf[launcher.i_ctas] = scheduler.ctas(self.sched, R * self.H, self.sms)
+        launcher.buf[launcher.i_ctas] = self.ctas(self.sched, R * self.H, self.sms)
         launcher.buf[launcher.i_stream] = current_stream_handle(self.device)
         launcher._launch()
 
@@ -285,7 +285,7 @@ class KdaBackend(_CuteDslBackend):
     """
 
     name = "cutedsl"
-    description = ("CuTe DSL: each (request, head) on a cluster of 4-8 CTAs (value rows split, "
+    description = ("CuTe DSL: each (request, head) on a cluster of 2-8 CTAs (value rows split, "
                    "decays and outputs exchanged through distributed shared memory) at small "
                    "batches, persistent CTAs streaming the state pages through a shared-memory "
                    "ring above (prep warps ahead of consumer warps, or each consumer group "
@@ -298,7 +298,10 @@ class KdaBackend(_CuteDslBackend):
         index = device.index if device.index is not None else torch.cuda.current_device()
         sms = sm_count(index)
         table = tables.for_device(device_name(index))
-        _log_table_once(index)
+        if table is not None and table.sms != sms:
+            # (a GPU of this name with other multiprocessors: a MIG slice, a variant)
+            table = None
+        _log_table_once(index, sms)
         launchers = {s: self.launcher(s, cfg, device)
                      for s in policy.schedules(pb, sms, cfg.early_reads, table)}
         chosen = {}         # R -> the schedule for R requests

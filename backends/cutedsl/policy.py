@@ -44,13 +44,15 @@ STREAM4_FROM = 1024
 DEFAULT = {
     "fp32": {
         1: ((32, SPLIT8),    # H=32 R=1: 3.7 us against 4.3 split4, 5.2 stream
-            (96, STREAM),    # H=32 R=3: 7.3 us against 7.7 streamg, 8.9 split4; H=96 R=1 7.3 against 7.8
+            (96, STREAM),    # H=32 R=3: 7.3 us against 7.7 streamg, 8.9 split4; H=96 R=1 7.3
+                             # against 7.8
             (256, STREAMG),  # H=12 R=16: 11.6 us against 13.0 stream; H=32 R=8 13.6 against 14.5
             (STREAM4_FROM - 1, STREAM),  # H=12 R=32: 18.5 us against 19.6 streamg
             (None, STREAM4)),  # ratio to touch, H=32 R=512 1.060 against 1.114 stream
         2: ((48, SPLIT8),     # T=4 H=12 R=4: 8.7 us against 9.4 split4, 13.0 stream
-            (1023, STREAM),   # T=4 H=96 R=8: 77.0 us against 81.5 wide, 85.2 in blocks of 4;
-                              # H=12 R=64 77.0 against 79.2 wide; T=3 H=96 R=8 63.4 against 68.2
+            (STREAM4_FROM - 1, STREAM),  # T=4 H=96 R=8: 77.0 us against 81.5 wide, 85.2 in
+                              # blocks of 4; H=12 R=64 77.0 against 79.2 wide; T=3 H=96 R=8
+                              # 63.4 against 68.2
             (None, STREAM4)),  # T=4 H=32 R=32: 99.4 us against 102.9 stream, 104.3 wide; H=96
                                # R=16 148.5 against 159.3 wide; H=12 R=128 150.0 against 154.5;
                                # H=96 R=128 1168 against 1184; at T=4 wide from 3072
@@ -64,14 +66,16 @@ DEFAULT = {
     "bf16": {
         1: ((32, SPLIT8),     # H=32 R=1: 3.6 us against 4.1 split4, 5.1 stream
             (64, SPLIT4),     # H=32 R=2: 4.6 us against 5.1 streamg
-            (4095, STREAMG),  # H=32 R=3: 5.4 us against 5.8 stream, 5.9 split4; H=32 R=64 47.5 against 49.5
+            (4095, STREAMG),  # H=32 R=3: 5.4 us against 5.8 stream, 5.9 split4; H=32 R=64 47.5
+                              # against 49.5
             (None, STREAM)),  # H=12 R=512: 127.1 us against 129.1 streamg (H=32 R=128: equal)
         2: ((32, SPLIT8),     # T=4 H=12 R=1: 5.1 us against 6.5 split4
             (96, SPLIT4),     # T=4 H=12 R=4: 7.6 us against 8.3 split8; H=12 R=8 10.4 against 11.5
             (None, STREAM)),  # T=4 H=32 R=8: 19.6 us against 23.0 wide; R=128 263.3 against 312.9
         5: ((32, SPLIT8),     # as at T = 2-4 (T=4 H=12 R=4: split4 ahead of split8)
             (96, SPLIT4),     # T=5 H=12 R=8: 12.1 us against 13.6 stream, 14.4 wide
-            (None, STREAM)),  # T=6 H=12 R=16: 22.1 us against 25.4 wide; T=8 H=32 R=128 405.4 against 533.9
+            (None, STREAM)),  # T=6 H=12 R=16: 22.1 us against 25.4 wide; T=8 H=32 R=128
+                              # 405.4 against 533.9
     },
 }
 
@@ -109,11 +113,17 @@ def _within(items: int, most: int, sms: int) -> bool:
     return items * REFERENCE_SMS <= most * sms
 
 
+def _wide_rule_applies(T: int, state_bf16: bool, heads: int) -> bool:
+    """Whether :data:`WIDE_T4` is about this T, dtype and head count (at some items)."""
+    r = WIDE_T4
+    return not state_bf16 and T == 4 and r.least_heads <= heads <= r.most_heads
+
+
 def wide_by_heads(items: int, T: int, state_bf16: bool, heads: int, sms: int) -> bool:
     """Whether the default runs ``WIDE`` where its row names ``STREAM4`` (:data:`WIDE_T4`)."""
     r = WIDE_T4
-    return (not state_bf16 and T == 4 and not _within(items, r.first_items - 1, sms)
-            and _within(items, r.last_items, sms) and r.least_heads <= heads <= r.most_heads)
+    return (_wide_rule_applies(T, state_bf16, heads) and
+            not _within(items, r.first_items - 1, sms) and _within(items, r.last_items, sms))
 
 
 def default_axes(items: int, T: int, state_bf16: bool, heads: int, sms: int) -> dict:
@@ -170,8 +180,7 @@ def schedules(pb: Problem, sms: int, early_reads: bool = False, table=None) -> T
     """Every schedule :func:`schedule_for` may return for ``pb`` on ``sms`` SMs (any batch),
     each once, in row order."""
     all_axes = [axes for _, axes in default_rows(pb.T, pb.state_bf16)]
-    if not pb.state_bf16 and pb.T == 4 and \
-            WIDE_T4.least_heads <= pb.H <= WIDE_T4.most_heads:
+    if _wide_rule_applies(pb.T, pb.state_bf16, pb.H):
         all_axes.append(WIDE)
     if table is not None:
         measured = table.all_axes(pb.T, pb.state_bf16, pb.H)

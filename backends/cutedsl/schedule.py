@@ -82,6 +82,13 @@ STREAM_SMEM_MAX = 232448 - 1024
 #: a warp's fragment loads hit 32 banks).
 PREP_THREADS = 128
 FB_ROW = D + 8
+#: Threads a CTA may have.
+MAX_THREADS = 1024
+#: With ``Prep.GROUP`` the prep warpgroup runs the gate up to 4 items ahead of the groups: 5
+#: item slots, which as many consumer groups at most can hold at once (the item-slot protocol
+#: of ``tests/backends/cutedsl/test_stream_protocol.py`` races with 6).
+GROUP_LAG = 4
+GROUP_SLOTS = GROUP_LAG + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +134,14 @@ class Schedule:
                            f"{self.cluster}")
         elif self.cluster != 1:
             why.append(f"cluster: expected 1 unless rows=CLUSTER, got {self.cluster}")
+        for f in ("cluster", "block", "unit_rows", "consumers", "depth"):
+            if type(getattr(self, f)) is not int:
+                why.append(f"{f}: expected an int, got {getattr(self, f)!r}")
+        if why:
+            return why
+        if not streamed and (self.unit_rows, self.consumers, self.depth) != (32, 8, 1):
+            why.append("unit_rows, consumers, depth: the ring of rows=WARP only (leave them "
+                       "at 32, 8, 1)")
         if streamed:
             if self.prep not in (Prep.WARPGROUP, Prep.GROUP):
                 why.append("rows=WARP runs with prep=WARPGROUP or GROUP")
@@ -139,6 +154,13 @@ class Schedule:
                            f"(units per item), got {self.consumers}")
             if self.depth < 1:
                 why.append(f"depth: expected >= 1, got {self.depth}")
+            if 32 * self.consumers + PREP_THREADS > MAX_THREADS:
+                why.append(f"consumers: {self.consumers} warps and the prep warpgroup pass "
+                           f"{MAX_THREADS} threads a CTA")
+            if self.prep == Prep.GROUP and self.unit_rows == 32 and \
+                    self.consumers // self.units > GROUP_SLOTS:
+                why.append(f"prep=GROUP runs at most {GROUP_SLOTS} consumer groups (its item "
+                           f"slots), got {self.consumers // self.units}")
             if self.prep == Prep.GROUP and (self.items != Items.RANGE or self.unit_rows != 32
                                             or self.early_reads):
                 why.append("prep=GROUP runs with items=RANGE, 32-row units (a group's thread "
@@ -199,7 +221,7 @@ class Schedule:
         """Items between an item's prep and its epilogue on the prep warpgroup
         (``Rows.WARP``): one per consumer group, or 4 with ``Prep.GROUP`` (there the prep
         runs the gate up to 4 items ahead of the groups)."""
-        return 4 if self.prep == Prep.GROUP else self.groups
+        return GROUP_LAG if self.prep == Prep.GROUP else self.groups
 
     @property
     def name(self) -> str:
@@ -231,7 +253,9 @@ class Schedule:
         return "-".join(parts)
 
     def axes(self) -> dict:
-        """The fields a policy table names (the flags come from :func:`make`'s rules)."""
+        """The fields a policy table names: the axes and the ring's shape but its depth. The
+        depth and the flags come from :func:`make`'s rules (:func:`default_flags`; the
+        tuner's candidates keep them), so a table row builds the schedule the tuner timed."""
         out = {"rows": self.rows.value, "prep": self.prep.value, "items": self.items.value}
         for f, default in (("cluster", 1), ("block", 0), ("unit_rows", 32), ("consumers", 8)):
             if getattr(self, f) != default:

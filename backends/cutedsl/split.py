@@ -47,7 +47,7 @@ from kda.backends.cutedsl.args import KernelArgs, Launch, make_views
 from kda.backends.cutedsl.item import chunk, reg_chunk, state_regs, store4
 from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile, smem_fragment
 from kda.backends.cutedsl.problem import Problem
-from kda.backends.cutedsl.schedule import Rows, Schedule
+from kda.backends.cutedsl.schedule import FB_ROW, Rows, Schedule
 from kda.backends.cutedsl.scheduler import grid
 
 D = 128
@@ -55,8 +55,6 @@ MAIN = 128          # conv / norm / recurrence / epilogue threads (warps 0-3)
 NTHREADS = MAIN + 32  # + the gate warp
 LANES = 8           # lanes per state row: a warp instruction covers 4 rows x 128 bytes
 GROUPS = MAIN // LANES  # rows per pass
-FB_ROW = D + 8      # padded f_b row in shared memory (bf16 elements)
-CLUSTERS = (2, 4, 8)  # CTAs per item (st.async needs a cluster of at least 2 CTAs)
 
 
 class KdaSplit(Launch):

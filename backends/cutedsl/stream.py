@@ -1,19 +1,21 @@
 """KdaStream: the persistent, pipelined CuTe DSL kernel of the fused KDA decode step.
 
-One CTA per SM (grid ``ctas``, at most one per item) walks a contiguous head-major range of
-the step's items; or, built with ``block = C``, each CTA of a grid of ``ceil(items / C)``
-takes C items in blocks of C requests, head-major inside (one head, C requests), and the
-hardware starts the next CTA on an SM when one exits, so the CTAs in flight cover all heads
-of a few consecutive requests (:class:`kda.backends.cutedsl.ring.WarpRing`). Two roles:
+It serves the ``Rows.WARP`` schedules (:mod:`kda.backends.cutedsl.schedule`). With
+``Items.RANGE`` one CTA per SM (grid ``ctas``, at most one per item) walks a contiguous
+head-major range of the step's items; with ``Items.BLOCKS`` of C, each CTA of a grid of
+``ceil(items / C)`` takes C items in blocks of C requests, head-major inside (one head, C
+requests), and the hardware starts the next CTA on an SM when one exits, so the CTAs in flight
+cover all heads of a few consecutive requests (:mod:`kda.backends.cutedsl.scheduler`). Two
+roles (warp numbers of the default ring: 8 consumer warps of 32-row units):
 
 * **consumers** (warps 0..7): each keeps its own stages filled with bulk copies of one
   value-row unit per item, ``depth`` items ahead (:class:`kda.backends.cutedsl.ring.WarpRing`);
-  with 32-row units the 4 warps of a group take the 4 units of one item at once and the two
+  with 32-row units the 4 warps of a group take the 4 units of one item at once and the
   groups take turns by item. A consumer runs the delta rule over its rows for the T tokens
   straight from the stage (S *= alpha; u = beta (v - S.k); S += u k; o = S.q), stores the
   state (per token at T > 1) or the record rows, and leaves ``o`` of its rows in the item's
   slot;
-* **prep** (warps 8..11, one warpgroup): per item, conv + SiLU of its 384 channels (thread
+* **prep** (the warpgroup after the consumers, warps 8..11): per item, conv + SiLU of its 384 channels (thread
   ``p``: q, k and v channel ``p``), the window rewrite, the q / k L2 norms, beta, the output
   gate's sigmoid and the gate projection on the tensor cores with its decay, into one of
   ``groups + 1`` item slots; ``groups`` items later, once the item's consumers are done, the

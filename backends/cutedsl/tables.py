@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
+from fractions import Fraction
 from typing import Dict, List, Optional, Tuple
 
 #: The folder of the shipped tables.
@@ -59,15 +59,37 @@ class Row:
 
     @classmethod
     def from_json(cls, d: dict) -> "Row":
-        return cls(state=d["state"], T=int(d["T"]), heads=int(d["heads"]), items=int(d["items"]),
-                   axes=tuple(sorted(d["schedule"].items())),
-                   times=tuple(sorted((k, float(v)) for k, v in d["us"].items())),
-                   touch_us=float(d["touch_us"]))
+        """The row of ``d``; ValueError naming what is out of range (a state dtype, T, heads,
+        items, a schedule that is not one, no times)."""
+        from kda.backends.cutedsl.problem import MAX_T
+        from kda.backends.cutedsl.schedule import Schedule
+
+        row = cls(state=d["state"], T=int(d["T"]), heads=int(d["heads"]), items=int(d["items"]),
+                  axes=tuple(sorted(d["schedule"].items())),
+                  times=tuple(sorted((k, float(v)) for k, v in d["us"].items())),
+                  touch_us=float(d["touch_us"]))
+        why = []
+        if row.state not in ("fp32", "bf16"):
+            why.append(f"state: expected fp32 or bf16, got {row.state!r}")
+        if not 1 <= row.T <= MAX_T:
+            why.append(f"T: expected 1..{MAX_T}, got {row.T}")
+        if row.heads < 1 or row.items < 1:
+            why.append(f"heads, items: expected >= 1, got {row.heads}, {row.items}")
+        if not row.times or row.touch_us <= 0:
+            why.append("us, touch_us: expected step times")
+        try:
+            Schedule(**row.schedule)
+        except (TypeError, ValueError) as e:
+            why.append(f"schedule {row.schedule}: {e}")
+        if why:
+            raise ValueError(f"row {d}: {'; '.join(why)}")
+        return row
 
 
 def _nearest(values, want: int) -> int:
-    """The value of ``values`` nearest ``want`` on a log scale (ties: the smaller)."""
-    return min(sorted(values), key=lambda v: abs(math.log(v) - math.log(want)))
+    """The value of ``values`` nearest ``want`` on a log scale, by the exact ratio of the
+    larger to the smaller (ties: the smaller value)."""
+    return min(values, key=lambda v: (Fraction(max(v, want), min(v, want)), v))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +168,7 @@ def for_device(device_name: str, table_dir: str = TABLE_DIR) -> Optional[Table]:
             try:
                 with open(path) as f:
                     table = Table.from_json(json.load(f))
-            except (OSError, ValueError, KeyError, TypeError) as e:
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ValueError(f"cutedsl schedule table {path}: {type(e).__name__}: {e}") \
                     from None
         _loaded[path] = table
@@ -164,9 +186,10 @@ def shipped() -> List[str]:
     return out
 
 
-def describe(device_name: Optional[str]) -> str:
+def describe(device_name: Optional[str], sms: Optional[int] = None) -> str:
     """One line for ``python3 -m kda`` and the logs: which table ``cutedsl`` uses on
-    ``device_name`` (None: no GPU)."""
+    ``device_name`` (None: no GPU) of ``sms`` multiprocessors (a table measured on another
+    count is not used)."""
     have = ", ".join(shipped()) or "none"
     if device_name is None:
         return f"cutedsl schedules: no GPU here (measured tables in the package: {have})"
@@ -174,6 +197,9 @@ def describe(device_name: Optional[str]) -> str:
     if table is None:
         return (f"cutedsl schedules on {device_name}: the default in SM waves (no measured "
                 f"table for this GPU; tables in the package: {have})")
+    if sms is not None and sms != table.sms:
+        return (f"cutedsl schedules on {device_name}: the default in SM waves (its table was "
+                f"measured on {table.sms} SMs, this GPU has {sms})")
     return (f"cutedsl schedules on {device_name}: the measured table "
             f"{os.path.relpath(path_for(device_name), os.path.dirname(TABLE_DIR))} "
             f"({len(table.rows)} rows, from {table.source})")

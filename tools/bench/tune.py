@@ -12,7 +12,8 @@ candidate, then the fastest ``--finalists`` again at full length; the fastest ti
 cell. The table (:mod:`kda.backends.cutedsl.tables`: one row per cell, the winner's
 schedule axes and every candidate's step time with ``touch``'s) goes to the package, named
 for the device (``backends/cutedsl/tables/<device>.json``), and the whole run's cells to
-``--results_dir`` (``tune-<gpu>.json``) beside it, which the table names as its source.
+``--results_dir`` (``tune-<device>.json``, the table's name) beside it, which the table names
+as its source. Both state dtypes are tuned unless ``--state_dtype`` names one.
 ``--other_backends`` also times the project's other GPU backends at each cell (into the
 results file).
 """
@@ -44,8 +45,8 @@ def define_flags() -> None:
                       "default in SM waves)")
     flags.DEFINE_list("batches", ["1", "2", "4", "8", "16", "32", "64", "128", "256", "512"],
                       "R values")
-    flags.DEFINE_list("candidates", None, "schedule names (tools/schedules.py; default: every "
-                      "one but the early-reading builds)")
+    flags.DEFINE_list("candidates", None, "schedule names (default: all of "
+                      + ", ".join(DEFAULT_CANDIDATES) + ")")
     flags.DEFINE_list("other_backends", [], "the project's other backends to time at each cell "
                       "(e.g. cutedsl_wide,cuda,triton)")
     flags.DEFINE_integer("screen_iters", 24, "timed iterations of the screen")
@@ -59,7 +60,7 @@ def define_flags() -> None:
                        "the cells measured are written")
     flags.DEFINE_string("table", "", "where the table goes (default: the package's table of this "
                         "device)")
-    flags.DEFINE_string("results_dir", "", "where the run's cells go (tune-<gpu>.json)")
+    flags.DEFINE_string("results_dir", "", "where the run's cells go (tune-<device>.json)")
     flags.DEFINE_bool("dry_run", False, "print the plan and exit (no GPU needed)")
     flags.DEFINE_integer("jobs", 0, "processes compiling the candidates into the compile cache "
                          "before the sweep (0: one per CPU)")
@@ -72,7 +73,8 @@ DEFAULT_CANDIDATES = ("split2", "split4", "split8", "stream", "streamg", "stream
 
 
 def plan(heads, tokens, batches, state_dtypes, candidates) -> List[dict]:
-    """The cells of the sweep and each one's candidates (names whose schedule serves it)."""
+    """The cells of the sweep and each one's candidates (names whose schedule serves it); a
+    cell no candidate serves is left out."""
     from kda.config import KdaConfig
     from tools.schedules import parse
 
@@ -88,7 +90,7 @@ def plan(heads, tokens, batches, state_dtypes, candidates) -> List[dict]:
                     except ValueError:
                         continue
                     names.append(name)
-                for R in batches:
+                for R in batches if names else ():
                     cells.append({"state": sd, "T": T, "H": H, "R": R, "items": R * H,
                                   "candidates": names, "cfg": cfg})
     return cells
@@ -163,11 +165,16 @@ def _sweep(cells, console, budget_s) -> List[dict]:
                 launchers[key] = KdaBackend.launcher(parse(name, cfg)[1], cfg, device)
             makes[name] = lambda w, L=launchers[key]: (lambda i: L(w.args_for(i)))
         screen = {n: _measure(m, wl, bw, FLAGS.screen_iters) for n, m in makes.items()}
-        final = sorted(screen, key=screen.get)[:FLAGS.finalists]
         us = dict(screen)
-        for n in final:
+        final = []
+        # the fastest at full length wins; a candidate whose screen beats it is timed at full
+        # length too, until none does
+        for n in sorted(screen, key=screen.get):
+            if len(final) >= FLAGS.finalists and screen[n] >= min(us[f] for f in final):
+                break
             us[n] = _measure(makes[n], wl, bw, FLAGS.iters, screen[n])
-        guess = us[final[0]]
+            final.append(n)
+        guess = min(us[f] for f in final)
         touch = _measure(harness.peer_step("touch"), wl, bw, FLAGS.iters, guess)
         others = {b: _measure(harness.backend_step(b), wl, bw, FLAGS.iters, guess)
                   for b in FLAGS.other_backends}
@@ -187,21 +194,30 @@ def _sweep(cells, console, budget_s) -> List[dict]:
 
 def main(argv):
     del argv
-    from rich.console import Console
+    from tools.progress import tool_console
 
-    console = Console()
+    console = tool_console()
     heads = [int(h) for h in FLAGS.heads]
     tokens = [int(t) for t in FLAGS.tokens]
     batches = [int(b) for b in FLAGS.batches]
     state_dtypes = (["fp32", "bf16"] if FLAGS["state_dtype"].using_default_value
                     else FLAGS.state_dtype)
     candidates = FLAGS.candidates or list(DEFAULT_CANDIDATES)
-    from tools.schedules import BUILD
-    unknown = [n for n in candidates if n not in BUILD]
+    unknown = [n for n in candidates if n not in DEFAULT_CANDIDATES]
     if unknown:
-        console.print(f"--candidates: unknown {unknown}; known: {', '.join(BUILD)}")
+        console.print(f"--candidates: expected names from {', '.join(DEFAULT_CANDIDATES)} "
+                      f"(a table row holds a schedule's axes, which its flags follow), got "
+                      f"{', '.join(unknown)}")
+        return 2
+    bad = [f"--{n}={v}" for n, vs in (("heads", heads), ("tokens", tokens), ("batches", batches))
+           for v in vs if v < 1 or (n == "tokens" and v > 8)]
+    if bad:
+        console.print(f"expected heads and batches >= 1 and tokens 1..8, got {', '.join(bad)}")
         return 2
     cells = plan(heads, tokens, batches, state_dtypes, candidates)
+    if not cells:
+        console.print("no cell has a candidate that serves it (--candidates, --tokens)")
+        return 2
     if FLAGS.dry_run:
         for c in cells:
             console.print(f"{c['state']} T={c['T']} H={c['H']} R={c['R']} ({c['items']} items): "
@@ -231,7 +247,7 @@ def main(argv):
         console.print("no cell was measured")
         return 1
     now = datetime.datetime.now(datetime.timezone.utc)
-    gpu = name.split()[-1].lower()
+    gpu = tables.slug(name)
     meta = {"date": now.isoformat(timespec="seconds"), "commit": harness.git_commit(),
             "command": " ".join(["python3 -m tools.bench.tune"] + sys.argv[1:]),
             "torch": torch.__version__, "python": platform.python_version(),
@@ -258,7 +274,6 @@ def _repo_relative(path: str) -> str:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     full = os.path.abspath(path)
     return os.path.relpath(full, root) if full.startswith(root + os.sep) else full
-
 
 
 

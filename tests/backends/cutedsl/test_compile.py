@@ -4,8 +4,8 @@ Every configuration axis (T in {1, 2, 3, 5, 7, 8}, both conv layouts, both gates
 0/1, conv bias, record mode, conv_state fp32, bf16 conv / norm weights, odd head counts, long
 windows) is exercised by the wide kernel, built as the backend builds it, through a covering
 set of configurations (the full product would take too long on 2 cores), and by the split
-kernel on a subset per cluster size: C = 2, 4 and 8 (the sizes ``cutedsl`` runs) each meet
-T = 1 and T > 1 with and without record mode and most other axes, C = 1 is compiled once.
+kernel on a subset per cluster size: C = 2, 4 and 8 each meet T = 1 and T > 1 with and
+without record mode and most other axes.
 The engine-facing forms (rows of x, f_a, output_gate and out aligned to 8, 4 or 2 bytes only,
 an activated fp32 beta) are compiled for both kernels on a few configurations, with the loads
 their build must use. For each compiled kernel the PTX is checked for the instructions the
@@ -43,7 +43,7 @@ cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installe
 
 import torch  # noqa: E402
 
-from kda.backends.cutedsl import args, cache, policy  # noqa: E402
+from kda.backends.cutedsl import args, cache, policy, tables  # noqa: E402
 from kda.backends.cutedsl import schedule as S  # noqa: E402
 from kda.backends.cutedsl.problem import Problem  # noqa: E402
 from kda.backends.cutedsl.static import SmemPlan  # noqa: E402
@@ -300,10 +300,12 @@ def _check_ptx(ptx, cfg, sched, early=False):
         _check_split_ptx(ptx, cfg, sched.cluster)
 
 
-#: The cluster sizes the default policy runs (the others are built for the bit-identity
-#: checks only).
+#: The cluster sizes the policy runs, by default or by a shipped table (the others are built
+#: for the bit-identity checks only).
 POLICY_CLUSTERS = {axes["cluster"] for rows in policy.DEFAULT.values() for by_t in rows.values()
-                   for _, axes in by_t if "cluster" in axes}
+                   for _, axes in by_t if "cluster" in axes} | {
+    r.schedule["cluster"] for name in tables.shipped() for r in tables.for_device(name).rows
+    if "cluster" in r.schedule}
 
 
 @pytest.mark.parametrize("kind,i", _case_params())
@@ -750,3 +752,21 @@ def test_kernel_args_follow_the_launch_order():
     for kind in ("wide", "split4", "stream"):
         obj = cache.kernel_object(*build(kind, KdaConfig(num_heads=4, T=1, window=3)))
         assert isinstance(obj, Launch) and callable(obj._launch), kind
+
+
+def test_a_process_without_a_gpu_compiles_for_sm90a():
+    """Without a GPU and without ``CUTE_DSL_ARCH``, the backend makes CuTe DSL compile for
+    sm_90a: nothing imports the DSL before :func:`import_cutedsl` sets it (the package, its
+    policy, tables and the launcher's modules import without it)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CUTE_DSL_ARCH", "CUTE_DSL_KEEP",
+                                                             "CUTE_DSL_DUMP_DIR")}
+    code = ("import kda.backends.cutedsl\n"
+            "from kda.backends.cutedsl import policy, tables, schedule\n"
+            "from kda.backends.cutedsl.backend import import_cutedsl\n"
+            "assert import_cutedsl() is None\n"
+            "from kda.backends.cutedsl import cache\n"
+            "print(cache.target_arch())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[-1] == "sm_90a", r.stdout

@@ -153,3 +153,43 @@ def test_cutedsl_builds_every_schedule_and_picks_by_items(monkeypatch, T, state_
     monkeypatch.setattr(be.KdaWideBackend, "launcher", staticmethod(fake_launcher))
     be.KdaWideBackend().build(cfg, dev)
     assert built == [(S.wide(pb), cfg, dev)]
+
+
+def test_package_imports_without_cute_dsl():
+    """The backend package, its policy and tables, and ``python3 -m kda`` work where CuTe DSL
+    is not installed (``import cutlass`` fails): the DSL is imported only to compile."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['cutlass'] = None\n"
+            "import kda.backends.cutedsl as pkg\n"
+            "from kda.backends.cutedsl import policy, schedule, tables\n"
+            "assert all('nvidia-cutlass-dsl' in b.availability() or 'CUDA' in b.availability() "
+            "for b in pkg.BACKENDS), [b.availability() for b in pkg.BACKENDS]\n"
+            "import runpy; runpy.run_module('kda', run_name='__main__')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "cutedsl schedules" in r.stdout, r.stdout
+
+
+def test_the_table_of_a_gpu_with_other_sms_is_not_used(monkeypatch):
+    """A GPU named as a shipped table's but with another SM count (a MIG slice, a variant)
+    runs the default."""
+    from kda.backends.cutedsl import backend as be
+    from kda.backends.cutedsl import tables
+
+    names = tables.shipped()
+    if not names:
+        pytest.skip("no table shipped")
+    table = tables.for_device(names[0])
+    monkeypatch.setattr(be.KdaBackend, "launcher", staticmethod(lambda s, c, d: (lambda a: None)))
+    monkeypatch.setattr(be, "device_name", lambda index: names[0])
+    cfg = KdaConfig(num_heads=32, T=1, window=3)
+    pb = Problem.from_config(cfg)
+    for sms, want in ((table.sms, table), (table.sms - 10, None)):
+        monkeypatch.setattr(be, "sm_count", lambda index, sms=sms: sms)
+        step = be.KdaBackend().build(cfg, torch.device("cuda", 0))
+        assert set(step.launchers) == set(policy.schedules(pb, sms, table=want))
+        assert [step.choose(R) for R in (1, 8, 64, 512)] == \
+            [policy.schedule_for(pb, R * 32, sms, table=want) for R in (1, 8, 64, 512)]

@@ -54,6 +54,14 @@ def test_problem_is_validated():
      "flags of rows=WARP only"),
     (dict(rows="warp", prep="warpgroup", items="range", page_last=True), "page_last"),
     (dict(rows="diagonal", prep="warpgroup", items="range"), "is not a valid Rows"),
+    (dict(rows="cta", prep="inline", items="one", depth=7), "the ring of rows=WARP only"),
+    (dict(rows="cluster", prep="cluster", items="one", cluster=4, consumers=4),
+     "the ring of rows=WARP only"),
+    (dict(rows="cluster", prep="cluster", items="one", cluster=4.0), "cluster: expected an int"),
+    (dict(rows="warp", prep="warpgroup", items="range", unit_rows=16, consumers=32),
+     "pass 1024 threads"),
+    (dict(rows="warp", prep="group", items="range", consumers=24),
+     "prep=GROUP runs at most 5 consumer groups"),
 ])
 def test_schedule_is_validated(fields, msg):
     with pytest.raises(ValueError, match=msg):

@@ -50,7 +50,7 @@ class _Bar:
 def _run(kernel, live, seed):
     """Errors of one random interleaving of one CTA walking ``len(live)`` items."""
     rnd = random.Random(seed)
-    NI, LAG, units, groups = kernel.NI, kernel.LAG, kernel.units, kernel.shape.groups
+    NI, LAG, units, groups = kernel.NI, kernel.LAG, kernel.units, kernel.sched.groups
     n = len(live)
     errors = []
     PW = 4      # prep warps; each arrives once (the model's unit: a warp's 32 threads)

@@ -74,6 +74,35 @@ def test_lookup():
     assert t.all_axes(2, False, 12) == []
 
 
+def test_nearest_breaks_ties_to_the_smaller():
+    assert tables._nearest({2, 8}, 4) == 2 and tables._nearest({16, 64}, 32) == 16
+    assert tables._nearest({12, 48}, 24) == 12 and tables._nearest({12, 48}, 25) == 48
+    for a in range(1, 40):
+        for b in range(a + 1, 80):
+            for want in range(1, 120):
+                if want * want == a * b:        # the geometric mean: a tie
+                    assert tables._nearest({a, b}, want) == a
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("state", "fp16", "state: expected fp32 or bf16"), ("T", 0, "T: expected 1..8"),
+    ("T", 9, "T: expected 1..8"), ("items", 0, "heads, items: expected >= 1"),
+    ("heads", 0, "heads, items: expected >= 1"), ("us", {}, "us, touch_us"),
+    ("schedule", {"rows": "cluster", "prep": "cluster", "items": "one", "clustr": 4},
+     "schedule"),
+    ("schedule", {"rows": "warp", "prep": "inline", "items": "range"}, "schedule"),
+])
+def test_a_broken_table_is_refused_at_load(tmp_path, field, value, msg):
+    """A table file whose rows are out of range raises when it is loaded, naming the row,
+    not at the first step that looks it up."""
+    d = _table().to_json()
+    d["rows"][0][field] = value
+    path = tmp_path / "nvidia-test-gpu.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=msg):
+        tables.for_device("NVIDIA Test GPU", str(tmp_path))
+
+
 def test_policy_reads_the_table():
     """With a table the policy takes its row where it has one that serves the problem, the
     default elsewhere; :func:`policy.schedules` holds every schedule it may return."""
@@ -100,6 +129,11 @@ def test_policy_reads_the_table():
 def test_unknown_gpu_gets_the_default(tmp_path):
     assert tables.for_device("NVIDIA Nonexistent 9000", str(tmp_path)) is None
     assert "the default in SM waves" in tables.describe("NVIDIA Nonexistent 9000")
+    for name in tables.shipped():          # a GPU of a shipped name with other SMs
+        sms = tables.for_device(name).sms
+        assert "the measured table" in tables.describe(name, sms)
+        assert "measured on %d SMs, this GPU has %d" % (sms, sms // 2) in \
+            tables.describe(name, sms // 2)
     assert "no GPU here" in tables.describe(None)
     broken = tmp_path / "nvidia-broken.json"
     broken.write_text("{not json")

@@ -42,3 +42,10 @@ def test_winner_and_table(tmp_path):
     assert back.axes_for(12, 1, False, 12) == policy.SPLIT8
     assert back.axes_for(700, 1, False, 12) == policy.STREAM4
     assert dict(back.rows[1].times) == {"stream": 40.0, "stream4": 38.0}
+
+
+def test_plan_drops_cells_no_candidate_serves():
+    """A T no candidate serves (the groups' prep at T > 1) leaves no cell behind."""
+    cells = tune.plan([12], [1, 4], [1, 8], ["fp32"], ["streamg"])
+    assert {c["T"] for c in cells} == {1} and len(cells) == 2
+    assert tune.plan([12], [4], [1], ["fp32"], ["streamg"]) == []
