@@ -19,6 +19,7 @@ item), and that nothing deadlocks.
 import random
 
 import pytest
+import torch
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
 
@@ -142,8 +143,14 @@ def test_item_slot_protocol(rows, consumers, depth):
                                            depth=depth)))
 
 
-def test_item_slot_protocol_group_prep():
-    _check_protocol(KdaStream(PB, S.stream(PB, prep=S.Prep.GROUP)))
+@pytest.mark.parametrize("consumers", [4, 8, 20], ids=["1group", "2groups", "5groups"])
+def test_item_slot_protocol_group_prep(consumers):
+    """The groups' prep with 1 to 5 consumer groups (on bf16 pages, one stage a warp: 5 groups'
+    units fit; the schedule refuses more groups: its 5 item slots would be passed by the
+    sixth)."""
+    pb = Problem.from_config(KdaConfig(num_heads=4, T=1, window=3, state_dtype=torch.bfloat16))
+    _check_protocol(KdaStream(pb, S.stream(pb, prep=S.Prep.GROUP, consumers=consumers,
+                                           depth=1)))
 
 
 def _check_protocol(kernel):
