@@ -4,6 +4,9 @@
 # that machine: plain python3 + pytest from the repo root, after the staged wheels are installed.
 #
 #   env      environment and backend availability; build (or load) the CUDA extension
+#   tune     alone, only when named in $KDA_STAGES: tools/kda tune's sweep on this GPU
+#            ($KDA_TUNE_FLAGS) -> $OUT/tune/tune-<device>.json and the table it writes into
+#            the package, copied to $OUT/tune/ (commit both: the table names the first)
 #   bench    alone: the benchmark (the backends in $KDA_BENCH_BACKENDS, default
 #            $KDA_GPU_BACKENDS = every GPU backend; the fla-core and touch peers; the default
 #            grid of tools/bench/bench.py on fp32 and bf16 state pools, or other flags in
@@ -78,6 +81,16 @@ import time; t = time.time()
 from kda.backends.cuda import build
 print(build.load().__file__, f'ready in {time.time() - t:.1f} s')"
 wait
+
+if want tune; then
+  t0=$SECONDS
+  mkdir -p "$OUT/tune"
+  timeout "$(left)" python3 -m tools.bench.tune --results_dir="$OUT/tune" ${KDA_TUNE_FLAGS:-} \
+    > "$L/tune.log" 2>&1
+  echo "tune rc=$? $((SECONDS - t0))s" >> "$L/_rc"
+  cp backends/cutedsl/tables/*.json "$OUT/tune/" 2>/dev/null
+  tail -n 4 "$L/tune.log" >> "$OUT/summary.txt"
+fi
 
 if want bench; then
   t0=$SECONDS
