@@ -61,6 +61,10 @@ def define_flags() -> None:
     flags.DEFINE_string("table", "", "where the table goes (default: the package's table of this "
                         "device)")
     flags.DEFINE_string("results_dir", "", "where the run's cells go (tune-<device>.json)")
+    flags.DEFINE_string("source", "", "the path the table names as its source, where the "
+                        "results file will be committed, e.g. docs/results/<run>/"
+                        "tune-<device>.json (default: the results file, relative to the "
+                        "repository where it is inside it)")
     flags.DEFINE_bool("dry_run", False, "print the plan and exit (no GPU needed)")
     flags.DEFINE_integer("jobs", 0, "processes compiling the candidates into the compile cache "
                          "before the sweep (0: one per CPU)")
@@ -262,6 +266,8 @@ def main(argv):
             json.dump({"meta": {**meta, "device": name, "sms": sms}, "cells": done}, f, indent=1)
         console.print(f"wrote {path}")
         source = _repo_relative(path)
+    if FLAGS.source:
+        source = FLAGS.source
     table = make_table(name, sms, source, done, meta)
     out = user_path(FLAGS.table) or tables.path_for(name)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
