@@ -158,6 +158,12 @@ def _axes(pb: Problem, items: int, sms: int, table) -> dict:
     return default_axes(items, pb.T, pb.state_bf16, pb.H, sms)
 
 
+def _schedule(pb: Problem, axes: dict, early_reads: bool) -> S.Schedule:
+    """The schedule of ``axes`` for ``pb``, reading early where ``early_reads``
+    (``KdaConfig.early_reads``) allows it and :func:`reads_early` says so."""
+    return S.from_axes(pb, axes, early_reads=early_reads and reads_early(axes, pb.state_bf16))
+
+
 def _serves(pb: Problem, axes: dict) -> bool:
     try:
         S.from_axes(pb, axes)
@@ -172,8 +178,7 @@ def schedule_for(pb: Problem, items: int, sms: int, early_reads: bool = False,
     SMs: the row of ``table`` (the GPU's :class:`kda.backends.cutedsl.tables.Table`) where it
     has one that serves ``pb``, else the default; reading early where ``early_reads``
     (``KdaConfig.early_reads``) allows it and :func:`reads_early` says so."""
-    axes = _axes(pb, items, sms, table)
-    return S.from_axes(pb, axes, early_reads=early_reads and reads_early(axes, pb.state_bf16))
+    return _schedule(pb, _axes(pb, items, sms, table), early_reads)
 
 
 def schedules(pb: Problem, sms: int, early_reads: bool = False, table=None) -> Tuple:
@@ -190,7 +195,7 @@ def schedules(pb: Problem, sms: int, early_reads: bool = False, table=None) -> T
             all_axes = serving + (all_axes if len(serving) < len(measured) else [])
     out = []
     for axes in all_axes:
-        s = S.from_axes(pb, axes, early_reads=early_reads and reads_early(axes, pb.state_bf16))
+        s = _schedule(pb, axes, early_reads)
         if s not in out:
             out.append(s)
     return tuple(out)

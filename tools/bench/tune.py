@@ -198,6 +198,7 @@ def _sweep(cells, console, budget_s) -> List[dict]:
 
 def main(argv):
     del argv
+    from kda.backends.cutedsl.problem import MAX_T
     from tools.progress import tool_console
 
     console = tool_console()
@@ -214,9 +215,10 @@ def main(argv):
                       f"{', '.join(unknown)}")
         return 2
     bad = [f"--{n}={v}" for n, vs in (("heads", heads), ("tokens", tokens), ("batches", batches))
-           for v in vs if v < 1 or (n == "tokens" and v > 8)]
+           for v in vs if v < 1 or (n == "tokens" and v > MAX_T)]
     if bad:
-        console.print(f"expected heads and batches >= 1 and tokens 1..8, got {', '.join(bad)}")
+        console.print(f"expected heads and batches >= 1 and tokens 1..{MAX_T}, got "
+                      f"{', '.join(bad)}")
         return 2
     cells = plan(heads, tokens, batches, state_dtypes, candidates)
     if not cells:
