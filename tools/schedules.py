@@ -13,6 +13,14 @@ BUILD = {
     "stream+early": lambda pb, **kw: S.stream(pb, early_reads=True, **kw),
     "streamg": lambda pb, **kw: S.stream(pb, prep=S.Prep.GROUP, **kw),
     **{f"stream{C}": (lambda pb, C=C, **kw: S.stream(pb, block=C, **kw)) for C in S.BLOCKS},
+    **{f"stream{C}t": (lambda pb, C=C, **kw: S.stream(pb, block=C, tail=True, **kw))
+       for C in S.BLOCKS},
+    **{f"split{C}+direct": (lambda pb, C=C, **kw: S.split(pb, C, state_direct=True, **kw))
+       for C in S.CLUSTERS if C >= 4},
+    "stream+gb": lambda pb, **kw: S.stream(pb, gate_batch=True, **kw),
+    "streamg+gb": lambda pb, **kw: S.stream(pb, prep=S.Prep.GROUP, gate_batch=True, **kw),
+    **{f"stream{C}+gb": (lambda pb, C=C, **kw: S.stream(pb, block=C, gate_batch=True, **kw))
+       for C in S.BLOCKS},
 }
 
 

@@ -1,23 +1,26 @@
 """The per-item math of the one-CTA-per-item CuTe DSL kernel (:mod:`kda.backends.cutedsl.wide`).
 
 One *item* is one (request r, head h), ``item = r * H + h``. A CTA of 256 threads processes
-an item in these phases (the contract: ``docs/contract.md``):
+an item in these phases (the contract: ``docs/contract.md``). Global operands are the
+family's tensor views (:func:`kda.backends.cutedsl.args.make_views`), shared memory is the
+kernel's storage struct (:func:`storage_fields`, viewed through :class:`Smem`):
 
 * staging (:meth:`ItemMath.issue_state`, :meth:`ItemMath.issue_operands`,
   :meth:`ItemMath.load_window`, :meth:`ItemMath.load_beta`): the 64 KiB state page is copied
-  with 16-byte ``cp.async`` into a [16 chunk, 256 thread, 4] fp32 shared buffer (a bf16 page:
-  8-byte copies of the same chunks, widened to fp32 on the way to registers, and stored back
-  rounded once to nearest even, so the arithmetic is the fp32 page's; every thread
-  stages exactly the chunks it later owns, so no barrier is needed to consume them); the
-  token rows of x (q|k|v of head h) and of the output gate are staged the same way, and so
-  is the conv-window history in the SD layout (DS: per-channel register loads); the beta
-  logits go to registers.
+  with 16-byte ``cp.async.cg`` (CuTe's ``CopyG2SOp`` atom) into ``Smem.page`` [16 chunk, 256
+  thread, 4] fp32 (a bf16 page: 8-byte ``cp.async.ca`` of the same chunks into [16, 256, 4]
+  bf16, widened to fp32 on the way to registers, and stored back rounded once to nearest
+  even, so the arithmetic is the fp32 page's); every thread stages exactly the chunks it
+  later owns, so no barrier is needed to consume them. The token rows of x (q|k|v of head h)
+  and of the output gate are staged the same way (8-element chunks; narrower copies for
+  rows that are not 16-byte aligned), and so is the conv-window history in the SD layout
+  (DS: per-channel register loads); the beta logits go to registers.
 * :meth:`ItemMath.head_loads` + :meth:`ItemMath.gate`: the gate projection on the tensor
-  cores (``mma.sync m16n8k16`` bf16 -> fp32, warp w computes key features 16w..16w+15 for 8
-  token columns over 8 k-steps; gate_mode 0 one accumulator chain, gate_mode 1 four chains
-  combined ((c0+c1)+c2)+c3), rounded once to bf16, and the decay. It needs no staged data
-  (A fragments = f_b rows, B fragments = f_a rows, both from global), so the kernels run it
-  while the staging lands.
+  cores (:mod:`kda.backends.cutedsl.gate`: ``mma.sync m16n8k16`` bf16 -> fp32, warp w
+  computes key features 16w..16w+15 for 8 token columns over 8 k-steps; gate_mode 0 one
+  accumulator chain, gate_mode 1 four chains combined ((c0+c1)+c2)+c3), rounded once to
+  bf16, and the decay. It needs no staged data (A fragments = f_b rows, B fragments = f_a
+  rows, both from global), so the kernel runs it while the staging lands.
 * :meth:`ItemMath.phase_a`: conv + SiLU (threads 0-127: q and k channel ``tid``;
   128-255: v channel ``tid-128``) with the window rewritten in place, per-warp sums of q^2
   and k^2, beta, the q/k L2 normalization and the output-gate sigmoids. Then
@@ -32,8 +35,9 @@ an item in these phases (the contract: ``docs/contract.md``):
 
 The split and streamed kernels (:mod:`kda.backends.cutedsl.split`,
 :mod:`kda.backends.cutedsl.stream`) run the same recurrence and compute every other value in
-the same order (the same conv per channel, warp-then-quarter norm sums, MMA chains), so the
-family is bit-identical. All arithmetic that feeds a rounding point is written with explicit
+the same order (the item rules and arithmetic of :mod:`kda.backends.cutedsl.item`, warp-then-
+quarter norm sums, the gate of :mod:`kda.backends.cutedsl.gate`), so the family is
+bit-identical. All arithmetic that feeds a rounding point is written with explicit
 ``mul.rn`` / ``add.rn`` / ``fma.rn`` so no compiler-chosen contraction can make them differ.
 
 Numerics (contract section 3): FP32 everywhere, bf16 rounding of y (conv output), rg (gate
@@ -48,14 +52,105 @@ from types import SimpleNamespace
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int16, Int32
+from cutlass.cute.nvgpu import cpasync
 
 from kda.backends.cutedsl import item, ptx as P
+from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile
+from kda.backends.cutedsl.item import chunk, reg_chunk, store4
 from kda.backends.cutedsl.problem import Problem
-from kda.backends.cutedsl.static import SmemPlan
 
 D = 128
 NTHREADS = 256
+
+
+def storage_fields(T: int) -> dict:
+    """The wide kernel's shared memory for T tokens, as :func:`cute.struct` fields (every
+    region 16-byte aligned; the sizes of :class:`kda.backends.cutedsl.static.SmemPlan`).
+
+    Staging: ``page`` the state page [16 chunk][256 thread][4] fp32 (a bf16 page uses its
+    first half as [16][256][4] bf16); ``x`` the x rows [T][3 (q, k, v)][128] bf16; ``og`` the
+    output-gate rows [T][128] bf16; ``win`` the conv-window history [3 pos][3 part][128] in
+    the cache dtype (SD layout only; 4608 bytes). Per-item buffers: ``q``, ``k``, ``v``,
+    ``a`` (alpha), ``o``: [T][128] fp32; ``beta`` [8] fp32; ``slots`` the raw slot ids and
+    accepted count [32] int32; ``sq``, ``sk``, ``so``: per-warp sums of q^2, k^2, ob^2
+    [T][4] fp32 (36 words each).
+    """
+    A, M = cute.struct.Align, cute.struct.MemRange
+    return {
+        "page": A[M[Float32, 16 * NTHREADS * 4], 128],
+        "x": A[M[BFloat16, 3 * T * D], 16],
+        "og": A[M[BFloat16, T * D], 16],
+        "win": A[M[Float32, 9 * D], 16],
+        "q": A[M[Float32, T * D], 16],
+        "k": A[M[Float32, T * D], 16],
+        "v": A[M[Float32, T * D], 16],
+        "a": A[M[Float32, T * D], 16],
+        "o": A[M[Float32, T * D], 16],
+        "beta": A[M[Float32, 8], 16],
+        "slots": A[M[Int32, 32], 16],
+        "sq": A[M[Float32, 36], 16],
+        "sk": A[M[Float32, 36], 16],
+        "so": A[M[Float32, 36], 16],
+    }
+
+
+class Smem(SimpleNamespace):
+    """The tensors of the storage struct (:func:`storage_fields`) for one :class:`Problem`."""
+
+    def __init__(self, pb: Problem, storage):
+        T = pb.T
+        st = BFloat16 if pb.state_bf16 else Float32
+        page = cute.make_tensor(cute.recast_ptr(storage.page.data_ptr(), dtype=st),
+                                cute.make_layout((16, NTHREADS, 4), stride=(4 * NTHREADS, 4, 1)))
+        cs = BFloat16 if pb.cs_bf16 else Float32
+        win = cute.make_tensor(cute.recast_ptr(storage.win.data_ptr(), dtype=cs),
+                               cute.make_layout((3, 3, D), stride=(3 * D, D, 1)))
+        rows = cute.make_layout((T, D), stride=(D, 1))
+        sums = cute.make_layout((T, 4), stride=(4, 1))
+        super().__init__(
+            page=page, win=win,
+            x=storage.x.get_tensor(cute.make_layout((T, 3, D), stride=(3 * D, D, 1))),
+            og=storage.og.get_tensor(rows),
+            q=storage.q.get_tensor(rows), k=storage.k.get_tensor(rows),
+            v=storage.v.get_tensor(rows), a=storage.a.get_tensor(rows),
+            o=storage.o.get_tensor(rows),
+            beta=storage.beta.get_tensor(cute.make_layout((8,))),
+            slots=storage.slots.get_tensor(cute.make_layout((32,))),
+            sq=storage.sq.get_tensor(sums), sk=storage.sk.get_tensor(sums),
+            so=storage.so.get_tensor(sums))
+
+
+def pieces(t: cute.Tensor, n: int) -> cute.Tensor:
+    """A tensor whose last mode is contiguous as ``[..., size / n, n]``: its n-element pieces
+    (the units of a copy), the same memory."""
+    shape, stride = t.shape, t.stride
+    return cute.make_tensor(t.iterator, cute.make_layout(
+        (*shape[:-1], shape[-1] // n, n), stride=(*stride[:-1], n, 1)))
+
+
+@cute.jit
+def when(pred, fn: cutlass.Constexpr):
+    """``fn()`` where ``pred`` (a run-time condition)."""
+    if pred:
+        fn()
+
+
+@cute.jit
+def load_or0(pred, read: cutlass.Constexpr, dtype: cutlass.Constexpr):
+    """``dtype(read())`` where ``pred``, else 0."""
+    v = dtype(0)
+    if pred:
+        v = dtype(read())
+    return v
+
+
+def g2s_atom(dtype, nbytes: int):
+    """The cp.async atom of ``nbytes`` per copy: 16 bytes through L2 only (``.cg``), else
+    ``.ca`` (``.cg`` takes 16 bytes only)."""
+    mode = cpasync.LoadCacheMode.GLOBAL if nbytes == 16 else cpasync.LoadCacheMode.ALWAYS
+    return cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=mode), dtype,
+                               num_bits_per_copy=nbytes * 8)
 
 
 class ItemMath:
@@ -63,10 +158,10 @@ class ItemMath:
     ``page_last`` (:class:`kda.backends.cutedsl.schedule.Schedule`).
 
     The methods are called while a kernel is traced. ``p`` is the kernel's
-    ``SimpleNamespace`` of runtime values (pointers, strides, thread coordinates, the shared
-    buffer's address); ``desc`` is an Int32 register tensor holding the item descriptor
-    ``[r, h, src, conv_slot, off, live]``; ``wreg`` an Int32 register tensor with the raw
-    window history (q or v channel: 0..2, k channel: 3..5) and the raw beta logit (6).
+    ``SimpleNamespace`` of runtime values (:func:`make_params`: the global views ``g``, the
+    shared tensors ``s``, scalars and thread coordinates); ``desc`` is an Int32 register
+    tensor holding the item descriptor ``[r, h, src, conv_slot, off, live]``; ``ops`` the
+    item's operand registers (:meth:`op_regs`).
     """
 
     def __init__(self, pb: Problem, page_last: bool):
@@ -75,90 +170,80 @@ class ItemMath:
         self.T = pb.T
         self.H = pb.H
         self.dim = pb.H * D
-        self.plan = SmemPlan(pb.T)
+        self._raw_cs = Int16 if pb.cs_bf16 else Int32     # the cache's values as raw bits
+
+    def op_regs(self, p):
+        """Registers for the raw operands loaded before phase A: the DS window history (q or
+        v channel: 0..2, k channel: 3..5) as the cache's raw bits, and beta (its dtype)."""
+        return SimpleNamespace(
+            hist=cute.make_rmem_tensor(cute.make_layout((6,)), self._raw_cs),
+            beta=cute.make_rmem_tensor(cute.make_layout((1,)), p.g.beta.element_type))
 
     # ------------------------------------------------------------------ item descriptors
-    # The slot ids of a request are T+1 raw values: state_indices[r, 0..T-1] and (T > 1) the
-    # accepted count. Phase B reads the per-token write slots from the shared array
-    # SL[0].
-    def slot_values(self, p, item, valid):
-        """All raw slot values of ``item``'s request, loaded by every thread (uniform loads).
-
-        Returns (slots, accepted): T Int32 values and the raw accepted count (0 for T = 1).
-        """
+    def slot_values(self, p, r):
+        """The raw slot values of request ``r`` (uniform loads by every thread): T slot ids and
+        the accepted count (0 for T = 1)."""
         T = self.T
-        r, _ = self.item_rh(p, item)
-        vals = [P.gld_nc_b32_or0(p.state_indices + (r * T + t), valid) for t in range(T)]
-        na = P.gld_nc_b32_or0(p.num_accepted_tokens + r, valid) if T > 1 else Int32(0)
+        vals = [p.g.state_indices[r, t] for t in range(T)]
+        na = p.g.num_accepted_tokens[r] if T > 1 else Int32(0)
         return vals, na
 
-    def stage_slot_values(self, p, vals, na, q):
-        """Thread 0 writes the raw slot values to SL[q] (read after the next barrier)."""
-        base = p.sb + self.plan.SL + q * 64
-        first = Int32(p.tid == 0)
-        for t in range(self.T):
-            P.sst_b32(base + 4 * t, vals[t], first)
-        P.sst_b32(base + 4 * self.T, na, first)
+    def stage_slot_values(self, p, vals, na):
+        """Thread 0 writes the raw slot values to ``slots`` (read after the next barrier)."""
+        def write():
+            for t in range(self.T):
+                p.s.slots[t] = vals[t]
+            p.s.slots[self.T] = na
+        when(p.tid == 0, write)
 
-    def item_rh(self, p, item):
+    def item_rh(self, item_):
         """(request r, head h) of ``item``: item = r*H + h."""
-        r = item // self.H
-        return r, item - r * self.H
+        r = item_ // self.H
+        return r, item_ - r * self.H
 
-    def make_desc(self, p, item, valid, vals, na, desc):
-        """Item descriptor from the raw slot values (contract section 2, liveness).
-
-        T = 1: src = conv_slot = state_indices[r], off = 0. T > 1: a = clamp(accepted, 1, T),
-        src = state_indices[r, a-1], conv_slot = state_indices[r, 0], off = a-1. The item is
-        live iff ``valid`` and 0 < src < slots and 0 < conv_slot < slots.
-        """
-        T = self.T
-        r, h = self.item_rh(p, item)
+    def make_desc(self, p, item_, vals, na, desc):
+        """Item descriptor from the raw slot values (contract section 2, liveness:
+        :func:`kda.backends.cutedsl.item.source_slot`, :func:`~kda.backends.cutedsl.item.is_live`;
+        the conv slot is ``state_indices[r, 0]``)."""
+        r, h = self.item_rh(item_)
         cslot = vals[0]
-        if T == 1:
-            src = cslot
-            off = Int32(0)
-        else:
-            a = P.clamp_i32(na, 1, T)
-            off = a - 1
-            src = cslot
-            for t in range(1, T):
-                src = P.sel_i32(Int32(off == t), vals[t], src)
-        live = P.live_flag(src, cslot, p.slots, valid)
+        src, off = item.source_slot(vals, na, self.T)
         desc[0] = r
         desc[1] = h
         desc[2] = src
         desc[3] = cslot
         desc[4] = off
-        desc[5] = live
+        desc[5] = Int32(item.is_live(src, cslot, p.slots))
 
     # ------------------------------------------------------------------------- staging
-    def issue_first(self, p, desc, wreg):
-        """A kernel's first item: the window history, the x / output-gate rows and beta as one
-        cp.async group, then, with ``page_last``, the state page as a group of
-        its own (phase A may then run while it lands); without it the page is issued first, in
-        that one group."""
+    def issue_first(self, p, desc, ops):
+        """The window history, the x / output-gate rows and beta as one cp.async group, then,
+        with ``page_last``, the state page as a group of its own (phase A may then run while it
+        lands); without it the page is issued first, in that one group."""
         if not self.page_last:
             self.issue_state(p, desc)
-        self.load_window(p, desc, wreg)
+        self.load_window(p, desc, ops)
         self.issue_operands(p, desc)
-        self.load_beta(p, desc, wreg)
-        P.cp_async_commit()
+        self.load_beta(p, desc, ops)
+        cute.arch.cp_async_commit_group()
         if self.page_last:
             self.issue_state(p, desc)
-            P.cp_async_commit()
+            cute.arch.cp_async_commit_group()
 
     def issue_state(self, p, desc):
-        """cp.async this thread's 16 chunks of the state page ``state[src, h]`` (if live):
-        16 bytes each (fp32), or 8 (bf16, into [16 chunk][256 thread][8 bytes])."""
+        """cp.async this thread's 16 chunks of the state page ``state[src, h]`` (if live) into
+        ``page[j, tid]``: 16 bytes each (fp32), or 8 (bf16)."""
         h, src, live = desc[1], desc[2], desc[5]
-        base = p.state + (Int64(src) * p.state_ss + Int64(h * (D * D) + p.row0 * D + 4 * p.l8))
-        if self.pb.state_bf16:
-            offs = [(j * 2048, _chunk_offset(j) // 2) for j in range(16)]
-            P.cp_async8_multi(p.sb + self.plan.ST + p.tid * 8, base, offs, live)
-        else:
-            offs = [(j * 4096, _chunk_offset(j)) for j in range(16)]
-            P.cp_async16_multi(p.sb + self.plan.ST + p.tid * 16, base, offs, live)
+        g, s = p.g, p.s
+        atom = g2s_atom(g.state.element_type, 8 if self.pb.state_bf16 else 16)
+
+        def copy():
+            page = g.state[src, h, None, None]
+            for j in range(16):
+                m, c = j // 4, j % 4
+                cute.copy(atom, chunk(page[p.row0 + 32 * m, None], p.l8, c),
+                          s.page[j, p.tid, None])
+        when(live != 0, copy)
 
     def issue_operands(self, p, desc):
         """cp.async the token rows of x (q|k|v of head h) and output gate (if live): 16-byte
@@ -166,9 +251,12 @@ class ItemMath:
         if self.pb.row_bytes != 16:
             self._issue_rows_narrow(p, desc)
             return
-        T, dim, pl = self.T, self.dim, self.plan
+        T, dim, g, s = self.T, self.dim, p.g, p.s
         r, h, live = desc[0], desc[1], desc[5]
         tid = p.tid
+        atom = g2s_atom(BFloat16, 16)
+        gx = pieces(g.x, 8)                          # [N, 3*dim/8, 8]
+        sx = pieces(cute.make_tensor(s.x.iterator, cute.make_layout((3 * T * D,))), 8)
         nx = 48 * T
         for i in range((nx + NTHREADS - 1) // NTHREADS):
             ch = tid + NTHREADS * i
@@ -176,345 +264,308 @@ class ItemMath:
             m = ch - t * 48
             part = m >> 4
             piece = m & 15
-            gp = p.x + (Int64(r * T + t) * p.x_rs + (part * dim + h * D + piece * 8))
-            if (NTHREADS * (i + 1) <= nx):
-                ok = live
-            else:
-                ok = live & Int32(ch < nx)
-            P.cp_async16(p.sb + pl.SX + ch * 16, gp, ok)
+            ok = live != 0 if NTHREADS * (i + 1) <= nx else (live != 0) & (ch < nx)
+            when(ok, lambda ch=ch, t=t, part=part, piece=piece: cute.copy(
+                atom, gx[r * T + t, part * (dim // 8) + h * (D // 8) + piece, None],
+                sx[ch, None]))
         # output gate rows: threads 0 .. 16T-1
         t = tid >> 4
         piece = tid & 15
-        gp = p.output_gate + (Int64(r * T + t) * p.og_rs + (h * D + piece * 8))
-        P.cp_async16(p.sb + pl.SOG + tid * 16, gp, live & Int32(tid < 16 * T))
+        gog = pieces(g.output_gate, 8)
+        sog = pieces(cute.make_tensor(s.og.iterator, cute.make_layout((T * D,))), 8)
+        when((live != 0) & (tid < 16 * T), lambda: cute.copy(
+            atom, gog[r * T + t, h * (D // 8) + piece, None], sog[tid, None]))
 
     def _issue_rows_narrow(self, p, desc):
         """The rows of :meth:`issue_operands` when they are not 16-byte aligned (an engine's
         packed projection with H % 8 != 0 heads), into the same staging layout: 8- or 4-byte
-        ``cp.async`` (row_bytes 8 / 4, in the same group), or for 2-byte aligned rows two
-        pairs of 16-bit loads per 8-byte piece and one shared store (complete at once; the
+        ``cp.async`` (row_bytes 8 / 4, in the same group), or for 2-byte aligned rows four
+        16-bit loads per 8-byte piece and one 8-byte shared store (complete at once; the
         barrier after the wait publishes them with the copies)."""
-        T, dim, pl = self.T, self.dim, self.plan
+        T, dim, g, s = self.T, self.dim, p.g, p.s
         rb = self.pb.row_bytes
         ew = 2 if rb == 4 else 4                # elements per piece
         per = D // ew                           # pieces per 128-element row
         r, h, live = desc[0], desc[1], desc[5]
         tid = p.tid
+        atom = g2s_atom(BFloat16, rb) if rb != 2 else None
 
-        def copy_rows(nrows, row_ptr, row_smem):
-            """``nrows`` rows of 128 elements: row i from ``row_ptr(i)`` to ``row_smem(i)``."""
+        def copy_rows(nrows, src_piece, dst):
+            """``nrows`` rows of 128 elements: piece ``e`` of row ``i`` from ``src_piece(i,
+            e)`` to ``dst[i * per + e]`` (``dst``: the staged rows as pieces)."""
             n = nrows * per
             for i in range((n + NTHREADS - 1) // NTHREADS):
                 ci = tid + NTHREADS * i
                 row = ci // per
-                e = (ci - row * per) * ew
-                gp = row_ptr(row) + e
-                sa = p.sb + row_smem(row) + e * 2
-                ok = live if NTHREADS * (i + 1) <= n else live & Int32(ci < n)
+                e = ci - row * per
+                ok = live != 0 if NTHREADS * (i + 1) <= n else (live != 0) & (ci < n)
                 if rb == 2:
-                    P.sst_v2_b32(sa, P.gld_nc_u16x2_or0(gp, ok), P.gld_nc_u16x2_or0(gp + 2, ok),
-                                 ok)
+                    def copy(row=row, e=e, ci=ci):
+                        w = cute.make_rmem_tensor(cute.make_layout((ew,)), BFloat16)
+                        src = src_piece(row, e)
+                        for k in range(ew):
+                            w[k] = src[k]
+                        cute.autovec_copy(w, dst[ci, None])
                 else:
-                    P.cp_async_ca(sa, gp, rb, ok)
+                    def copy(row=row, e=e, ci=ci):
+                        cute.copy(atom, src_piece(row, e), dst[ci, None])
+                when(ok, copy)
 
         # x: row 3t + part is token t's q, k or v slice of head h; then the output gate rows
-        copy_rows(3 * T, lambda row: p.x + (Int64(r * T + row // 3) * p.x_rs
-                                            + ((row - (row // 3) * 3) * dim + h * D)),
-                  lambda row: pl.SX + row * (2 * D))
-        copy_rows(T, lambda row: p.output_gate + (Int64(r * T + row) * p.og_rs + h * D),
-                  lambda row: pl.SOG + row * (2 * D))
+        gx = pieces(g.x, ew)
+        gog = pieces(g.output_gate, ew)
+        copy_rows(3 * T, lambda row, e: gx[r * T + row // 3,
+                                            (row - (row // 3) * 3) * (dim // ew) + h * per + e,
+                                            None],
+                  pieces(cute.make_tensor(s.x.iterator, cute.make_layout((3 * T * D,))), ew))
+        copy_rows(T, lambda row, e: gog[r * T + row, h * per + e, None],
+                  pieces(cute.make_tensor(s.og.iterator, cute.make_layout((T * D,))), ew))
 
-    def _window_ptr(self, p, cslot, ch, pos):
-        """Address of conv_state[cslot, ch, pos] in either layout (64-bit slot offset)."""
-        if (self.pb.layout == "SD"):
-            return p.conv_state + (Int64(cslot) * p.cs_ss + Int64(pos * (3 * self.dim) + ch))
-        return p.conv_state + (Int64(cslot) * p.cs_ss + Int64(ch * self.pb.L + pos))
-
-    def _load_raw(self, gp, pred):
-        if (self.pb.cs_bf16):
-            return P.gld_cg_u16_or0(gp, pred)
-        return P.gld_cg_b32_or0(gp, pred)
-
-    def load_window(self, p, desc, wreg):
+    def load_window(self, p, desc, ops):
         """Stage the history conv_state[conv_slot, c, off..off+2] of the item's 384 channels.
 
         SD (window-first) layout: each history position holds the head's q, k and v channels
         contiguously, so the 3 x 3 x 256 B (bf16; 512 B fp32) are copied with 16-byte
-        ``cp.async`` into the SW buffer [3 pos][3 part][128] (cache dtype). DS (dim-first):
-        the three values of a channel are contiguous but not aligned, so each thread loads
-        its own channels' values into ``wreg`` (q or v channel: 0..2, k channel: 3..5).
-        Both paths read through L2 (the previous step, possibly a PDL predecessor, wrote them).
+        ``cp.async`` into ``win`` [3 pos][3 part][128] (cache dtype). DS (dim-first): the three
+        values of a channel are contiguous but not aligned, so each thread loads its own
+        channels' values (raw bits) into ``ops.hist`` (q or v channel: 0..2, k channel: 3..5). Both paths
+        read through L2 (the previous step, possibly a PDL predecessor, wrote them).
         """
         h, cslot, off, live = desc[1], desc[3], desc[4], desc[5]
-        tid = p.tid
+        g, s, tid = p.g, p.s, p.tid
+        cs = g.conv_state
         if self.pb.layout == "SD":
-            esz = 2 if self.pb.cs_bf16 else 4
-            pieces = 256 // 16 * esz // 2          # 16-byte pieces per 128-channel part
-            n = 9 * pieces
+            epc = 8 if self.pb.cs_bf16 else 4      # elements per 16-byte piece
+            per = D // epc                          # pieces per 128-channel part
+            n = 9 * per
+            atom = g2s_atom(cs.element_type, 16)
+            # [slot, channel piece, position, element] (the slot stride: 16-byte multiples)
+            gw = cute.make_tensor(cs.iterator, cute.make_layout(
+                (cs.shape[0], 3 * self.dim // epc, cs.shape[2], epc),
+                stride=(cute.assume(cs.stride[0], divby=epc), epc, 3 * self.dim, 1)))
+            sw = pieces(cute.make_tensor(s.win.iterator, cute.make_layout((9 * D,))), epc)
             for i in range((n + NTHREADS - 1) // NTHREADS):
                 ci = tid + NTHREADS * i
-                pos = ci // (3 * pieces)
-                rem = ci - pos * (3 * pieces)
-                part = rem // pieces
-                piece = rem - part * pieces
-                gp = self._window_ptr(p, cslot, part * self.dim + h * D + piece * (16 // esz),
-                                      off + pos)
-                ok = live if NTHREADS * (i + 1) <= n else live & Int32(ci < n)
-                P.cp_async16(p.sb + self.plan.SW + ci * 16, gp, ok)
+                pos = ci // (3 * per)
+                rem = ci - pos * (3 * per)
+                part = rem // per
+                piece = rem - part * per
+                ok = live != 0 if NTHREADS * (i + 1) <= n else (live != 0) & (ci < n)
+                when(ok, lambda ci=ci, pos=pos, part=part, piece=piece: cute.copy(
+                    atom, gw[cslot, part * (self.dim // epc) + h * per + piece, off + pos, None],
+                    sw[ci, None]))
         else:
             d = tid & 127
             ch_a = (tid >> 7) * (2 * self.dim) + h * D + d      # q (tid < 128) or v channel
             ch_b = self.dim + h * D + d                          # k channel (tid < 128 only)
-            ok_b = live & Int32(tid < 128)
+            ok_b = (live != 0) & (tid < 128)
             for j in range(3):
-                wreg[j] = self._load_raw(self._window_ptr(p, cslot, ch_a, off + j), live)
-                wreg[3 + j] = self._load_raw(self._window_ptr(p, cslot, ch_b, off + j), ok_b)
+                ops.hist[j] = load_or0(
+                    live != 0, lambda j=j: _load_cg(cs, (cslot, ch_a, off + j), self._raw_cs),
+                    self._raw_cs)
+                ops.hist[3 + j] = load_or0(
+                    ok_b, lambda j=j: _load_cg(cs, (cslot, ch_b, off + j), self._raw_cs),
+                    self._raw_cs)
 
-    def _history(self, p, part, d, wreg, base):
-        """Raw history values (3) of channel (part, d): from SW (SD) or ``wreg[base..]`` (DS)."""
+    def _history(self, p, part, d, ops, base):
+        """The 3 history values of channel (part, d), widened to fp32: from ``win`` (SD) or
+        ``ops.hist[base..]`` (DS)."""
         if self.pb.layout == "SD":
-            esz = 2 if self.pb.cs_bf16 else 4
-            addr = p.sb + self.plan.SW + (part * D) * esz + d * esz
-            if self.pb.cs_bf16:
-                return [P.sld_u16(addr + pos * (3 * D * esz)) for pos in range(3)]
-            return [P.sld_b32(addr + pos * (3 * D * esz)) for pos in range(3)]
-        return [wreg[base], wreg[base + 1], wreg[base + 2]]
+            return [Float32(p.s.win[pos, part, d]) for pos in range(3)]
+        hist = cute.recast_tensor(ops.hist, p.g.conv_state.element_type)
+        return [Float32(hist[base + e]) for e in range(3)]
 
-    def load_beta(self, p, desc, wreg):
-        """Raw beta of token tid-128 (threads 128 .. 128+T-1): the bf16 logit's bits, or with
-        :attr:`Problem.beta_activated` the fp32 value's."""
+    def load_beta(self, p, desc, ops):
+        """Raw beta of token tid-128 (threads 128 .. 128+T-1): the bf16 logit, or with
+        :attr:`Problem.beta_activated` the fp32 value."""
         r, h, live = desc[0], desc[1], desc[5]
         tb = p.tid - 128
-        ok = live & Int32(tb >= 0) & Int32(tb < self.T)
-        gp = p.beta + (Int64(r * self.T + tb) * p.beta_rs + h)
-        if self.pb.beta_activated:
-            wreg[6] = P.gld_nc_b32_or0(gp, ok)
-        else:
-            wreg[6] = P.gld_nc_u16_or0(gp, ok)
+        ok = (live != 0) & (tb >= 0) & (tb < self.T)
+        ops.beta[0] = load_or0(ok, lambda: p.g.beta[r * self.T + tb, h], p.g.beta.element_type)
 
     def write_zeros(self, p, desc):
         """A dead item: its T output rows are exact zeros; nothing else is written (16-byte
         stores, or element stores on rows that are not 16-byte aligned)."""
         r, h = desc[0], desc[1]
-        tid = p.tid
+        tid, out = p.tid, p.g.out
         if self.pb.row_bytes != 16:
             for i in range((self.T * D + NTHREADS - 1) // NTHREADS):
                 idx = tid + NTHREADS * i
                 t = idx >> 7
-                gp = p.out + (Int64(r * self.T + t) * p.out_rs + (h * D + (idx & 127)))
-                P.gst_b16(gp, Int32(0), Int32(t < self.T))
+
+                def zero(t=t, idx=idx):
+                    out[r * self.T + t, h * D + (idx & 127)] = BFloat16(0.0)
+                when(t < self.T, zero)
             return
         t = tid >> 4
         piece = tid & 15
-        gp = p.out + (Int64(r * self.T + t) * p.out_rs + (h * D + piece * 8))
-        P.gst_v4_zero(gp, Int32(tid < 16 * self.T))
+
+        def zero16():
+            z = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
+            z.fill(0.0)
+            cute.autovec_copy(z, pieces(out, 8)[r * self.T + t, h * (D // 8) + piece, None])
+        when(tid < 16 * self.T, zero16)
 
     # --------------------------------------------------------------------------- phase A
-    def _conv(self, p, h, cslot, part, d, hist_raw, w, acc0):
-        """Conv + SiLU of channel ``part*dim + h*128 + d`` for the T tokens; rewrites the window.
-
-        acc = bias (or 0); acc = fma(s[t+e], w[e], acc) for e = 0..3 over
-        s = [w0, w1, w2, x_0 .. x_{T-1}]; y_t = bf16(silu(acc)). The window becomes
-        [w1, w2, x_0 .. x_{T-1}] (positions 0..T+1), raw values in the cache dtype.
-        ``w`` (4 taps) and ``acc0`` (bias or 0) come from :meth:`head_loads`.
+    def _conv(self, p, h, cslot, part, d, hist, w, acc0):
+        """Conv + SiLU of channel ``part*dim + h*128 + d`` for the T tokens
+        (:func:`kda.backends.cutedsl.item.conv_silu`); rewrites the window to [w1, w2, x_0 ..
+        x_{T-1}] (positions 0..T+1, in the cache dtype: a bf16 cache gets the bits it held
+        back, the values went through fp32 exactly). ``hist`` the 3 history values (fp32),
+        ``w`` (4 taps) and ``acc0`` (bias or 0) from :meth:`head_loads`.
         """
-        pb, T, dim = self.pb, self.T, self.dim
+        pb, T, dim, g = self.pb, self.T, self.dim, p.g
         ch = part * dim + h * D + d
-        store_ok = Int32(1)
-        if (pb.cs_bf16):
-            hist = [P.bf16_bits_to_f32(hr) for hr in hist_raw]
-        else:
-            hist = [P.f32_from_bits(hr) for hr in hist_raw]
-        xraw = [P.sld_u16(p.sb + (self.plan.SX + ((t * 3 + part) * D) * 2) + d * 2)
-                for t in range(T)]
-        xs = [P.bf16_bits_to_f32(xr) for xr in xraw]
+        xs = [Float32(p.s.x[t, part, d]) for t in range(T)]
         ys = item.conv_silu(hist + xs, w, acc0, T)
         # window rewrite: all history was read (registers) before this point
-        if (pb.cs_bf16):
-            new = [hist_raw[1], hist_raw[2]] + xraw
+        new = [hist[1], hist[2]] + xs
+        if pb.cs_bf16:
+            cs16 = cute.recast_tensor(g.conv_state, Int16)
             for pos in range(T + 2):
-                P.gst_b16(self._window_ptr(p, cslot, ch, pos), new[pos], store_ok)
+                cs16[cslot, ch, pos] = Int16(P.f32_bits(new[pos]) >> 16)
         else:
-            new = [hist_raw[1], hist_raw[2]] + [P.f32_bits(xv) for xv in xs]
             for pos in range(T + 2):
-                P.gst_b32(self._window_ptr(p, cslot, ch, pos), new[pos], store_ok)
+                g.conv_state[cslot, ch, pos] = new[pos]
         return ys
 
     def head_loads(self, p, h):
         """Issue every per-head global load of phase A at once (they stay in L2).
 
         Conv taps and bias of this thread's channels (q or v: ``wa``/``ba``; k: ``wb``/``bb``,
-        threads 0-127 only), the f_b A fragments of the gate MMA (``fb``), the two dt_bias
-        values of this thread's MMA rows and A_log[h].
+        threads 0-127 only), the warp's f_b A fragment of the gate MMA (``rA``: 16 rows, all
+        k), the dt_bias values of this thread's accumulators and A_log[h].
         """
-        pb, dim = self.pb, self.dim
+        pb, dim, g = self.pb, self.dim, p.g
         tid = p.tid
         d = tid & 127
         part_a = (tid >> 7) * 2
-        is_qk = Int32(tid < 128)
+        is_qk = tid < 128
         hp = SimpleNamespace()
-        hp.wa, hp.wb = [], []
-        for e in range(4):
-            pa = p.conv_weight + (part_a * (4 * dim) + e * dim + h * D + d)
-            pk = p.conv_weight + (4 * dim + e * dim + h * D + d)
-            if pb.cw_bf16:
-                hp.wa.append(P.bf16_bits_to_f32(P.gld_nc_u16(pa)))
-                hp.wb.append(P.bf16_bits_to_f32(P.gld_nc_u16_or0(pk, is_qk)))
-            else:
-                hp.wa.append(P.gld_nc_f32(pa))
-                hp.wb.append(P.gld_nc_f32_or0(pk, is_qk))
+        hp.wa = [Float32(g.conv_weight[part_a, e, h * D + d]) for e in range(4)]
+        hp.wb = [load_or0(is_qk, lambda e=e: g.conv_weight[1, e, h * D + d], Float32)
+                 for e in range(4)]
         if pb.has_bias:
-            hp.ba = P.gld_nc_f32(p.conv_bias + (part_a * dim + h * D + d))
-            hp.bb = P.gld_nc_f32_or0(p.conv_bias + (dim + h * D + d), is_qk)
+            hp.ba = Float32(g.conv_bias[part_a * dim + h * D + d])
+            hp.bb = load_or0(is_qk, lambda: g.conv_bias[dim + h * D + d], Float32)
         else:
             hp.ba = Float32(0.0)
             hp.bb = Float32(0.0)
-        krow = p.warp * 16 + p.g
-        fb0 = p.f_b + ((h * D + krow) * D + 2 * p.tig)
-        fb8 = fb0 + 8 * D
-        hp.fb = [(P.gld_nc_b32(fb0 + 16 * s), P.gld_nc_b32(fb8 + 16 * s),
-                  P.gld_nc_b32(fb0 + (16 * s + 8)), P.gld_nc_b32(fb8 + (16 * s + 8)))
-                 for s in range(8)]
-        hp.dtb = [P.gld_nc_f32(p.dt_bias + (h * D + krow)),
-                  P.gld_nc_f32(p.dt_bias + (h * D + krow + 8))]
-        hp.alog = P.gld_nc_f32(p.A_log + h)
+        hp.mma, hp.thr = gate_mma(p.lane)
+        tA = hp.thr.partition_A(cute.local_tile(g.f_b, (16, D), (h * (D // 16) + p.warp, 0)))
+        hp.rA = hp.mma.make_fragment_A(tA)
+        cute.autovec_copy(tA, hp.rA)
+        cC = hp.thr.partition_C(cute.make_identity_tensor((16, 8)))
+        hp.dtb = [Float32(g.dt_bias[h * D + p.warp * 16 + cC[i][0]]) for i in range(4)]
+        hp.alog = Float32(g.A_log[h])
         return hp
 
-    def gate_b(self, p, desc):
-        """The gate MMA's B fragments: this thread's words of the f_a rows (global; rows only
-        2-byte aligned: each word from two 16-bit loads)."""
-        T, r = self.T, desc[0]
-        gvalid = Int32(p.g < T)
-        fa_row = p.f_a + (Int64(r * T + p.g) * p.fa_rs + 2 * p.tig)
-        load = P.gld_nc_u16x2_or0 if self.pb.row_bytes == 2 else P.gld_nc_b32_or0
-        return [(load(fa_row + 16 * s, gvalid), load(fa_row + (16 * s + 8), gvalid))
-                for s in range(8)]
+    def gate_b(self, p, desc, hp):
+        """The gate MMA's B fragment: this lane's values of the f_a rows of the item's tokens
+        (global; its token column ``g`` is zero from T on)."""
+        T, g = self.T, p.g
+        r = desc[0]
+        rows = cute.make_tensor(cute.domain_offset((r * T, 0), g.f_a).iterator,
+                                cute.make_layout((8, D), stride=(g.f_a.stride[0], 1)))
+        tB = hp.thr.partition_B(rows)
+        rB = hp.mma.make_fragment_B(tB)
+        rB.fill(0.0)
+        when(p.g8 < T, lambda: cute.autovec_copy(tB, rB))
+        return rB
 
     def gate(self, p, desc, hp):
-        """Gate projection on the tensor cores, decay alpha into shared memory, rg record.
+        """Gate projection on the tensor cores (:func:`kda.backends.cutedsl.gate.gate_tile`),
+        decay alpha into ``a``, rg record.
 
         rg[k, t] = bf16(sum_j f_b[h*128+k, j] * f_a[n_t, j]); x = rg + dt_bias;
-        gk = -exp(A_log) * softplus(x) (or lower_bound * sigmoid(exp(A_log) * x));
-        alpha = exp(gk). A fragments from :meth:`head_loads` (global), B fragments = f_a rows
-        from global (:meth:`gate_b`): it needs no staged data, so the kernels run it before
-        waiting for the staging; it only writes CA (free once the previous item's phase B is
-        over).
+        alpha = :func:`kda.backends.cutedsl.gate.decay` (x). A fragment from :meth:`head_loads`
+        (global), B fragment = f_a rows from global (:meth:`gate_b`): it needs no staged data,
+        so the kernel runs it before waiting for the staging; it only writes ``a``.
         """
-        pb, T, pl = self.pb, self.T, self.plan
-        r, h, cslot = desc[0], desc[1], desc[3]
-        g, tig = p.g, p.tig
-        krow = p.warp * 16 + g
-        a = hp.fb
-        b = self.gate_b(p, desc)
-        zero = Float32(0.0)
-        if (pb.gate_mode == 0):
-            c = (zero, zero, zero, zero)
-            for s in range(8):
-                c = P.mma_bf16(*a[s], *b[s], *c)
-        else:
-            chains = []
-            for q in range(4):
-                c = P.mma_bf16(*a[2 * q], *b[2 * q], zero, zero, zero, zero)
-                c = P.mma_bf16(*a[2 * q + 1], *b[2 * q + 1], *c)
-                chains.append(c)
-            c = tuple(P.fadd(P.fadd(P.fadd(chains[0][i], chains[1][i]), chains[2][i]),
-                             chains[3][i]) for i in range(4))
+        pb, g, s = self.pb, p.g, p.s
+        h, cslot = desc[1], desc[3]
+        rB = self.gate_b(p, desc, hp)
         A = P.fexp(hp.alog)
-        if (pb.bounded):
-            coef = A
-        else:
-            coef = P.fsub(zero, A)
-        rec_base = (Int64(cslot) * self.H + Int64(h)) * (T * 2 * D)
-        for i in range(4):
-            kk = krow + 8 * (i // 2)
-            t = 2 * tig + (i % 2)
-            valid = Int32(t < T)
-            rg = P.bf16_round(c[i])
-            xg = P.fadd(rg, hp.dtb[i // 2])
-            if (pb.bounded):
-                gk = P.fmul(p.lb, P.sigmoid(P.fmul(coef, xg)))
-            else:
-                gk = P.fmul(coef, P.softplus(xg))
-            P.sst_f32(p.sb + pl.CA + (t * D + kk) * 4, P.fexp(gk), valid)
-            if (pb.record):
-                P.gst_b16(p.kg_record + (rec_base + Int64(t * (2 * D) + D + kk)),
-                          P.f32_bits(rg) >> 16, valid)
 
-    def phase_a(self, p, desc, hp, wreg, ogr):
+        def emit(i, f16, t, rg):
+            kk = p.warp * 16 + f16
+            s.a[t, kk] = decay(pb, A, p.lb, P.fadd(rg, hp.dtb[i]))
+            if pb.record:
+                g.kg_record[cslot, h, t, D + kk] = BFloat16(rg)
+
+        gate_tile(pb, hp.mma, hp.thr, hp.rA, rB, emit)
+
+    def phase_a(self, p, desc, hp, ops, ogr):
         """Conv, norms and output gate of a live item (after :meth:`gate`; module docstring).
 
-        Reads the staged rows, ``hp`` (:meth:`head_loads`) and ``wreg``; leaves q-hat, k-hat,
+        Reads the staged rows, ``hp`` (:meth:`head_loads`) and ``ops``; leaves q-hat, k-hat,
         v and beta in shared memory and the sigmoid of this thread's output-gate values in
         ``ogr``. Contains one block barrier. The state page is moved to registers separately
         (:meth:`load_state_regs`).
         """
-        T, pl = self.T, self.plan
-        self._phase_a_conv(p, desc, wreg, hp)
-        P.bar_sync()
+        T = self.T
+        self._phase_a_conv(p, desc, ops, hp)
+        cute.arch.barrier()
         self._phase_a_norm(p)
         # output gate of this thread's epilogue tokens t = tid//128 + 2i, channel tid%128
         half = p.tid >> 7
         v = p.tid & 127
         for i in range((T + 1) // 2):
-            t = half + 2 * i
-            raw = P.sld_u16(p.sb + pl.SOG + (t * D + v) * 2)
-            ogr[i] = P.sigmoid(P.bf16_bits_to_f32(raw))
+            ogr[i] = P.sigmoid(Float32(p.s.og[half + 2 * i, v]))
 
     def load_state_regs(self, p, S):
         """The staged state page: shared -> registers (own chunks only: no barrier needed; bf16
         widened to fp32)."""
         for j in range(16):
-            if self.pb.state_bf16:
-                s0, s1, s2, s3 = P.sld_bf16x4(p.sb + (self.plan.ST + j * 2048) + p.tid * 8)
-            else:
-                s0, s1, s2, s3 = P.sld_v4(p.sb + (self.plan.ST + j * 4096) + p.tid * 16)
+            raw = cute.make_rmem_tensor(cute.make_layout((4,)), p.s.page.element_type)
+            cute.autovec_copy(p.s.page[j, p.tid, None], raw)
             m, c = j // 4, j % 4
-            S[m, 4 * c + 0] = s0
-            S[m, 4 * c + 1] = s1
-            S[m, 4 * c + 2] = s2
-            S[m, 4 * c + 3] = s3
+            for e in range(4):
+                S[m, 4 * c + e] = Float32(raw[e])
 
     @cute.jit
-    def _phase_a_conv(self, p, desc, wreg, hp):
+    def _phase_a_conv(self, p, desc, ops, hp):
         if p.tid < 128:
-            self._conv_qk(p, desc, wreg, hp)
+            self._conv_qk(p, desc, ops, hp)
         else:
-            self._conv_v(p, desc, wreg, hp)
+            self._conv_v(p, desc, ops, hp)
 
-    def _conv_qk(self, p, desc, wreg, hp):
+    def _conv_qk(self, p, desc, ops, hp):
         """Threads 0-127: q and k channel ``tid``; per-warp sums of squares; k record."""
-        pb, T, pl = self.pb, self.T, self.plan
-        r, h, cslot = desc[0], desc[1], desc[3]
+        pb, T, g, s = self.pb, self.T, p.g, p.s
+        h, cslot = desc[1], desc[3]
         d = p.tid
-        yq = self._conv(p, h, cslot, 0, d, self._history(p, 0, d, wreg, 0), hp.wa, hp.ba)
-        yk = self._conv(p, h, cslot, 1, d, self._history(p, 1, d, wreg, 3), hp.wb, hp.bb)
-        lane0 = Int32(p.lane == 0)
-        rec_base = (Int64(cslot) * self.H + Int64(h)) * (T * 2 * D)
+        yq = self._conv(p, h, cslot, 0, d, self._history(p, 0, d, ops, 0), hp.wa, hp.ba)
+        yk = self._conv(p, h, cslot, 1, d, self._history(p, 1, d, ops, 3), hp.wb, hp.bb)
         for t in range(T):
-            P.sst_f32(p.sb + pl.CQ + (t * D + d) * 4, yq[t])
-            P.sst_f32(p.sb + pl.CK + (t * D + d) * 4, yk[t])
+            s.q[t, d] = yq[t]
+            s.k[t, d] = yk[t]
             sq = P.warp_sum(P.fmul(yq[t], yq[t]))
             sk = P.warp_sum(P.fmul(yk[t], yk[t]))
-            P.sst_f32(p.sb + pl.CRQ + (t * 4 + p.warp) * 4, sq, lane0)
-            P.sst_f32(p.sb + pl.CRK + (t * 4 + p.warp) * 4, sk, lane0)
-            if pb.record:
-                P.gst_b16(p.kg_record + (rec_base + Int64(t * (2 * D) + d)),
-                          P.f32_bits(yk[t]) >> 16, Int32(1))
 
-    def _conv_v(self, p, desc, wreg, hp):
+            def sums(t=t, sq=sq, sk=sk):
+                s.sq[t, p.warp] = sq
+                s.sk[t, p.warp] = sk
+            when(p.lane == 0, sums)
+            if pb.record:
+                g.kg_record[cslot, h, t, d] = BFloat16(yk[t])
+
+    def _conv_v(self, p, desc, ops, hp):
         """Threads 128-255: v channel ``tid-128``; beta of token ``tid-128``."""
-        T, pl = self.T, self.plan
+        T, s = self.T, p.s
         h, cslot = desc[1], desc[3]
         d = p.tid - 128
-        yv = self._conv(p, h, cslot, 2, d, self._history(p, 2, d, wreg, 0), hp.wa, hp.ba)
+        yv = self._conv(p, h, cslot, 2, d, self._history(p, 2, d, ops, 0), hp.wa, hp.ba)
         for t in range(T):
-            P.sst_f32(p.sb + pl.CV + (t * D + d) * 4, yv[t])
-        addr = p.sb + pl.CB + d * 4
+            s.v[t, d] = yv[t]
         if self.pb.beta_activated:      # the engine's sigmoid(beta), used as it is
-            beta = P.f32_from_bits(wreg[6])
+            beta = Float32(ops.beta[0])
         else:
-            beta = P.sigmoid(P.bf16_bits_to_f32(wreg[6]))
-        P.sst_f32(addr, beta, Int32(d < T))
+            beta = P.sigmoid(Float32(ops.beta[0]))
+
+        def put():
+            s.beta[d] = beta
+        when(d < T, put)
 
     @cute.jit
     def _phase_a_norm(self, p):
@@ -523,33 +574,26 @@ class ItemMath:
 
     def _norm(self, p):
         """q-hat = q * rsqrt(sum q^2 + 1e-6) * scale, k-hat = k * rsqrt(sum k^2 + 1e-6)."""
-        pl = self.plan
-        tid = p.tid
+        s, tid = p.s, p.tid
         for t in range(self.T):
-            rq = p.sb + pl.CRQ + t * 16
-            rk = p.sb + pl.CRK + t * 16
-            sq = item.quarter_sum(lambda i, rq=rq: P.sld_f32(rq + 4 * i))
-            sk = item.quarter_sum(lambda i, rk=rk: P.sld_f32(rk + 4 * i))
+            sq = item.quarter_sum(lambda i, t=t: s.sq[t, i])
+            sk = item.quarter_sum(lambda i, t=t: s.sk[t, i])
             iq = item.inv_norm(sq)
             ik = item.inv_norm(sk)
-            aq = p.sb + pl.CQ + (t * D + tid) * 4
-            ak = p.sb + pl.CK + (t * D + tid) * 4
-            P.sst_f32(aq, item.q_hat(P.sld_f32(aq), iq, p.scale))
-            P.sst_f32(ak, P.fmul(P.sld_f32(ak), ik))
+            s.q[t, tid] = item.q_hat(s.q[t, tid], iq, p.scale)
+            s.k[t, tid] = P.fmul(s.k[t, tid], ik)
 
     # --------------------------------------------------------------------------- phase B
-    def _store_state(self, p, slot, h, S, ok):
-        """Stores of this thread's 64 state values to state[slot, h] where ``ok``: 16 bytes per
-        chunk (fp32), or 8 rounded to bf16 once (nearest even)."""
-        base = p.state + (Int64(slot) * p.state_ss + Int64(h * (D * D) + p.row0 * D + 4 * p.l8))
-        for j in range(16):
-            x = [S[j // 4, 4 * (j % 4) + e] for e in range(4)]
-            if self.pb.state_bf16:
-                P.gst_bf16x4_off(base, _chunk_offset(j) // 2, *x, ok)
-            else:
-                P.gst_v4_f32_off(base, _chunk_offset(j), *x, ok)
+    def _store_state(self, p, slot, h, S):
+        """This thread's 64 state values to state[slot, h]: 16 bytes per chunk (fp32), or 8
+        rounded to bf16 once (nearest even)."""
+        page = p.g.state[slot, h, None, None]
+        for m in range(4):
+            for c in range(4):
+                store4(reg_chunk(S, m, c), chunk(page[p.row0 + 32 * m, None], p.l8, c),
+                       self.pb.state_bf16)
 
-    def phase_b(self, p, desc, q, S, ogr):
+    def phase_b(self, p, desc, S, ogr):
         """The recurrence over the T tokens, state stores / records, and the epilogue.
 
         Per token :func:`kda.backends.cutedsl.item.token` on the thread's rows ``row0 + 32m``
@@ -557,102 +601,80 @@ class ItemMath:
         out = bf16(ob * rsqrt(mean(ob^2) + eps) * norm_weight * sigmoid(gate)). Contains two
         block barriers.
         """
-        pb, T, pl = self.pb, self.T, self.plan
+        pb, T, g, s = self.pb, self.T, p.g, p.s
         r, h, src, cslot = desc[0], desc[1], desc[2], desc[3]
-        sb = p.sb
-        lane_l0 = Int32(p.l8 == 0)
-        rec_base = (Int64(cslot) * self.H + Int64(h)) * (T * D)
         for t in range(T):
-            tb = t * D * 4
-
-            def emit(m, u, ob, tb=tb, t=t):     # on every lane: stores predicated on lane 0
-                P.sst_f32(sb + pl.CO + tb + (p.row0 + 32 * m) * 4, ob, lane_l0)
+            def emit(m, u, ob, t=t):        # lane 0 of each row (item.token)
+                s.o[t, p.row0 + 32 * m] = ob
                 if pb.record:
-                    P.gst_f32(p.v_record + (rec_base + Int64(t * D) + Int64(p.row0 + 32 * m)), u,
-                              lane_l0)
+                    g.v_record[cslot, h, t, p.row0 + 32 * m] = u
 
-            beta = P.sld_f32(sb + pl.CB + 4 * t)
-            item.token(S, _smem_row(sb + pl.CA + tb), _smem_row(sb + pl.CK + tb),
-                        _smem_row(sb + pl.CQ + tb), beta,
-                        lambda m, tb=tb: P.sld_f32(sb + pl.CV + tb + (p.row0 + 32 * m) * 4),
-                        p.l8, emit, lane0_only=False)
+            item.token(S, s.a[t, None], s.k[t, None], s.q[t, None], s.beta[t],
+                       lambda m, t=t: s.v[t, p.row0 + 32 * m], p.l8, emit)
             if T > 1 and not pb.record:
-                dst = P.sld_b32(sb + pl.SL + q * 64 + 4 * t)
-                ok = Int32(dst > 0) & Int32(dst < p.slots)
-                self._store_state(p, dst, h, S, ok)
-        if (T == 1 and not pb.record):
-            self._store_state(p, src, h, S, Int32(1))
-        P.bar_sync()
+                dst = s.slots[t]
+                when((dst > 0) & (dst < p.slots), lambda dst=dst: self._store_state(p, dst, h, S))
+        if T == 1 and not pb.record:
+            self._store_state(p, src, h, S)
+        cute.arch.barrier()
         self._epilogue(p, r, h, ogr)
 
     def _epilogue(self, p, r, h, ogr):
         """Gated RMSNorm: warp sums of ob^2, then the 4 warps of a token half, fixed order."""
-        T, pl = self.T, self.plan
-        sb = p.sb
+        T, s = self.T, p.s
         half = p.tid >> 7
         v = p.tid & 127
         wq = (p.tid >> 5) & 3
-        lane0 = Int32(p.lane == 0)
         obs = []
         for i in range((T + 1) // 2):
             t = half + 2 * i
             # odd T: the last pass of the upper half has no token (t == T; its results are
             # not stored), so it reads row T-1 rather than past the o buffer
             row = t if 2 * i + 1 < T else Int32(T - 1)
-            ob = P.sld_f32(sb + pl.CO + (row * D + v) * 4)
+            ob = s.o[row, v]
             sq = P.warp_sum(P.fmul(ob, ob))
-            if (2 * i + 1 < T):
-                P.sst_f32(sb + pl.CRO + (t * 4 + wq) * 4, sq, lane0)
-            else:
-                P.sst_f32(sb + pl.CRO + (t * 4 + wq) * 4, sq, lane0 & Int32(t < T))
+            ok = p.lane == 0 if 2 * i + 1 < T else (p.lane == 0) & (t < T)
+
+            def put(t=t, sq=sq):
+                s.so[t, wq] = sq
+            when(ok, put)
             obs.append(ob)
-        P.bar_sync()
+        cute.arch.barrier()
         for i in range((T + 1) // 2):
             t = half + 2 * i
-            rr = sb + pl.CRO + t * 16
-            ssum = item.quarter_sum(lambda j, rr=rr: P.sld_f32(rr + 4 * j))
+            ssum = item.quarter_sum(lambda j, t=t: s.so[t, j])
             y = item.gated_rmsnorm(obs[i], ssum, p.eps, p.nwv, ogr[i])
-            gp = p.out + (Int64(r * T + t) * p.out_rs + (h * D + v))
-            if (2 * i + 1 < T):
-                ok = Int32(1)
+
+            def put_out(t=t, y=y):
+                p.g.out[r * T + t, h * D + v] = BFloat16(y)
+            if 2 * i + 1 < T:
+                put_out()
             else:
-                ok = Int32(t < T)
-            P.gst_b16(gp, P.bf16_bits(y), ok)
+                when(t < T, put_out)
 
 
-def _smem_row(addr):
-    """The 128 fp32 at shared-memory byte address ``addr`` as a tensor."""
-    return cute.make_tensor(cute.make_ptr(Float32, addr, cute.AddressSpace.smem, assumed_align=16),
-                            cute.make_layout((D,)))
+def _load_cg(t: cute.Tensor, coord, raw):
+    """The bits of ``t[coord]`` as ``raw`` (an integer type of its width), read through L2 only
+    (``ld.global.cg``: data this or another grid wrote)."""
+    ptr = cute.recast_ptr(cute.domain_offset(coord, t).iterator, dtype=raw)
+    return cute.arch.load(ptr, raw, cop="cg")
 
 
 def thread_coords(tid):
-    """Per-thread constants: lane, warp, MMA group/thread-in-group, state row and column lane."""
-    return dict(tid=tid, lane=tid & 31, warp=tid >> 5, g=(tid & 31) >> 2, tig=tid & 3,
-                row0=tid >> 3, l8=tid & 7)
+    """Per-thread constants: lane, warp, MMA group (``g8``), state row and column lane."""
+    return dict(tid=tid, lane=tid & 31, warp=tid >> 5, g8=(tid & 31) >> 2, row0=tid >> 3,
+                l8=tid & 7)
 
 
-def _chunk_offset(j):
-    """Byte offset, from the thread's first element, of its state chunk j = 4m + c (16 bytes:
-    row row0 + 32m, key columns 4*(l8 + 8c) .. +3)."""
-    return ((j // 4) * 32 * D + 32 * (j % 4)) * 4
-
-
-def load_norm_weight(pb: Problem, nw_ptr, tid):
-    """norm_weight[tid % 128] as fp32 (shared by all heads: loaded once per CTA)."""
-    v = tid & 127
-    if pb.nw_bf16:
-        return P.bf16_bits_to_f32(P.gld_nc_u16(nw_ptr + v))
-    return P.gld_nc_f32(nw_ptr + v)
-
-
-def make_params(pb: Problem, sb, tid, a) -> SimpleNamespace:
-    """The SimpleNamespace of runtime values the ItemMath methods read: the kernel's arguments
-    ``a`` (:class:`kda.backends.cutedsl.args.KernelArgs`), the shared-memory base ``sb`` and
-    the thread's coordinates."""
-    p = SimpleNamespace(sb=sb, **thread_coords(tid), **a._asdict())
-    p.nwv = load_norm_weight(pb, p.norm_weight, tid)
+def make_params(pb: Problem, g, s, tid, a) -> SimpleNamespace:
+    """The SimpleNamespace of runtime values the ItemMath methods read: the global views ``g``
+    (:func:`kda.backends.cutedsl.args.make_views`), the shared tensors ``s`` (:class:`Smem`),
+    the scalars of the kernel's arguments ``a`` and the thread's coordinates; ``nwv`` =
+    norm_weight[tid % 128] as fp32 (shared by all heads)."""
+    p = SimpleNamespace(g=g, s=s, slots=a.slots, scale=a.scale, eps=a.eps, lb=a.lb,
+                        **thread_coords(tid))
+    p.nwv = Float32(g.norm_weight[tid & 127])
     return p
 
 
-__all__ = ["ItemMath", "make_params", "Problem", "SmemPlan", "D", "NTHREADS"]
+__all__ = ["ItemMath", "Smem", "make_params", "storage_fields", "Problem", "D", "NTHREADS"]

@@ -47,11 +47,13 @@ def smem_fragment(mma, lane, rows: cute.Tensor, operand: str):
 
 @cute.jit
 def gate_tile(pb: cutlass.Constexpr, mma, thr, rA: cute.Tensor, rB: cute.Tensor,
-              emit: cutlass.Constexpr):
+              emit: cutlass.Constexpr, columns: cutlass.Constexpr = 0):
     """One 16-feature tile: A = ``rA`` (the fragment of 16 f_b rows), B = ``rB`` (the f_a
-    fragment of up to 8 tokens); for each of this lane's accumulator values ``i`` whose token
-    ``t`` is below T, ``emit(i, f16, t, rg)`` with ``f16`` the feature within the tile and
-    ``rg`` the bf16-rounded projection (as fp32)."""
+    fragment of up to 8 rows: an item's tokens, or at T = 1 up to 8 items of one head, one
+    per column); for each of this lane's accumulator values ``i`` whose column ``t`` is below
+    ``columns`` (0: T), ``emit(i, f16, t, rg)`` with ``f16`` the feature within the tile and
+    ``rg`` the bf16-rounded projection (as fp32). Each column's result is its own dot
+    products: the other columns' rows do not enter it."""
     chains = 1 if pb.gate_mode == 0 else 4
     acc = [mma.make_fragment_C(mma.partition_shape_C((16, 8))) for _ in range(chains)]
     for q in cutlass.range_constexpr(chains):
@@ -62,7 +64,7 @@ def gate_tile(pb: cutlass.Constexpr, mma, thr, rA: cute.Tensor, rB: cute.Tensor,
     cC = thr.partition_C(cute.make_identity_tensor((16, 8)))
     for i in cutlass.range_constexpr(cute.size(acc[0])):
         f16, t = cC[i]
-        if t < pb.T:
+        if t < (columns if columns else pb.T):
             cval = acc[0][i]
             if cutlass.const_expr(pb.gate_mode == 1):
                 cval = N.fadd(N.fadd(N.fadd(acc[0][i], acc[1][i]), acc[2][i]), acc[3][i])

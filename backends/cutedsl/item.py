@@ -12,20 +12,44 @@ section 2, "Recurrence"):
     S *= alpha (per key column);  u = beta * (v - S.k-hat);  S += u k-hat;  o = S.q-hat
 
 with each row sum as two partials per lane (even / odd components, chunks in order), then the
-row's 8 lanes (:func:`kda.backends.cutedsl.ptx.row_sum8`), and ``o`` rounded to bf16. The tests'
-CPU emulator of the wide kernel runs this module too (its CuTe stand-ins cover the register
-tensors, fp32 shared-memory rows, ``local_tile`` and ``autovec_copy`` used here).
+row's 8 lanes (:func:`kda.backends.cutedsl.ptx.row_sum8`), and ``o`` rounded to bf16.
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32
+from cutlass import BFloat16, Float32, Int32
 
 from kda.backends.cutedsl import ptx as N
 
 D = 128
+
+
+@cute.jit
+def source_slot(ids, accepted, T: cutlass.Constexpr):
+    """The item's source slot and window offset from its request's T slot ids ``ids`` (Int32
+    values) and accepted count ``accepted`` (read at T > 1 only): ``off = clamp(accepted, 1,
+    T) - 1``, ``src = ids[off]``; at T = 1 ``src = ids[0]``, ``off = 0``
+    (``docs/contract.md`` section 2, "Liveness"). Returns (src, off)."""
+    src = ids[0]
+    off = Int32(0)
+    if cutlass.const_expr(T > 1):
+        a = cutlass.max(cutlass.min(accepted, Int32(T)), Int32(1))
+        off = a - 1
+        for t in cutlass.range_constexpr(1, T):
+            # (on the clamped count itself: the compiler then compares the raw count, and
+            # drops the clamp where the offset is not used)
+            if a == t + 1:
+                src = ids[t]
+    return src, off
+
+
+def is_live(src, cslot, slots, valid=None):
+    """Whether an item is live: ``0 < src < slots`` and ``0 < conv slot < slots`` (and
+    ``valid``, where given; ``docs/contract.md`` section 2, "Liveness")."""
+    live = src > 0 if valid is None else valid & (src > 0)
+    return live & (src < slots) & (cslot > 0) & (cslot < slots)
 
 
 def conv_silu(seq, w, bias, T: int):

@@ -30,7 +30,9 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
+from kda.backends.cutedsl import item
 from kda.backends.cutedsl.schedule import Schedule
+from kda.backends.cutedsl.pipeline import StageRing, init_fence, release_reads
 from kda.backends.cutedsl.scheduler import ItemWalk
 
 D = 128
@@ -50,7 +52,7 @@ class WarpRing:
         self.early_reads = sched.early_reads
         #: the item order (:class:`kda.backends.cutedsl.scheduler.ItemWalk`): 0 head-major,
         #: C in blocks of C requests, head-major inside (H heads)
-        self.items = ItemWalk(H, sched.block)
+        self.items = ItemWalk(H, sched.block, sched.tail)
         self.T = T
         self.st_dtype = st_dtype
         self.rows = sched.unit_rows
@@ -77,12 +79,15 @@ class WarpRing:
 
     @cute.jit
     def init(self, storage, tid):
-        """Thread 0 initializes every stage's mbarrier (one arrival: the copy's issuer, with
-        its bytes); the caller syncs the CTA before the stages are used."""
+        """Thread 0 initializes every stage's mbarrier (:class:`pipeline.StageRing`); the
+        caller syncs the CTA before the stages are used."""
         if tid == 0:
-            for s in cutlass.range_constexpr(self.sched.stages):
-                cute.arch.mbarrier_init(storage.full.data_ptr() + s, 1)
-            cute.arch.mbarrier_init_fence()
+            StageRing.init(storage.full.data_ptr(), self.sched.stages)
+            init_fence()
+
+    def stages(self, storage, w) -> StageRing:
+        """Warp ``w``'s stages."""
+        return StageRing(storage.full.data_ptr(), self.depth, w * self.depth)
 
     # ------------------------------------------------------------------------ walk
     @cute.jit
@@ -96,13 +101,11 @@ class WarpRing:
         r, h = self.items.split_item(i, R)   # r in [0, R) for every lane: loads in bounds
         ids = [si[r, t] for t in range(T)]
         cslot = ids[0]
-        src = cslot
+        accepted = Int32(0)
         if cutlass.const_expr(T > 1):
-            a = cutlass.max(cutlass.min(na[r], Int32(T)), Int32(1))
-            for t in cutlass.range_constexpr(1, T):
-                if a == t + 1:
-                    src = ids[t]
-        live = ok & (src > 0) & (src < slots) & (cslot > 0) & (cslot < slots)
+            accepted = na[r]
+        src, _ = item.source_slot(ids, accepted, T)
+        live = item.is_live(src, cslot, slots, ok)
         bat[row, 0] = Int32(live)
         bat[row, 1] = src
         bat[row, 2] = h
@@ -116,11 +119,10 @@ class WarpRing:
             u = w % self.units
             n = ctr[0]
             s = w * self.depth + n % self.depth
-            cute.arch.fence_proxy("async.shared", space="cta")   # our reads of the stage
+            release_reads()          # our reads of the stage, before the copy refills it
             cute.arch.sync_warp()
             if lane == 0:
-                full = storage.full.data_ptr() + s
-                cute.arch.mbarrier_arrive_and_expect_tx(full, self.unit_bytes)
+                full = self.stages(storage, w).announce(n, self.unit_bytes)
                 blk = cute.local_tile(state[pend[1], pend[2], None, None], (self.rows, D), (u, 0))
                 atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), self.st_dtype,
                                            num_bits_per_copy=self.unit_bytes * 8)
@@ -188,7 +190,7 @@ class WarpRing:
                 fq = [cute.arch.shuffle_sync(bat[0, f], lq) for f in range(1, F)]
                 n = ctr[1]
                 s = w * dep + n % dep
-                cute.arch.mbarrier_wait(storage.full.data_ptr() + s, (n // dep) & 1)
+                self.stages(storage, w).wait(n)
                 dst = [fq[2 + t] for t in range(T)] if T > 1 else [fq[0]]
 
                 def refill():

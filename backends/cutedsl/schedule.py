@@ -13,10 +13,15 @@ the compile key. A schedule is a value along a few axes, not a named kernel:
   prep warpgroup (``GROUP``), or on every CTA of the item's cluster (``CLUSTER``);
 * :class:`Items`, which items a CTA takes: one (``ONE``; a cluster per item with ``CLUSTER``
   rows), a contiguous head-major range on a persistent grid (``RANGE``), or ``block`` items of
-  one head and ``block`` consecutive requests at a time (``BLOCKS``);
+  one head and ``block`` consecutive requests at a time (``BLOCKS``), with ``tail`` the last
+  wave's CTAs at ``block / 2`` items (:mod:`kda.backends.cutedsl.scheduler`);
 * the ring: ``unit_rows``, ``consumers`` warps, ``depth`` stages per warp;
-* flags: ``early_reads`` (the first items' slot ids, windows and pages read before the PDL
-  wait, :attr:`kda.config.KdaConfig.early_reads`), ``stage_fb`` (a head's f_b rows staged in
+* flags: ``gate_batch`` (at T = 1 the prep computes the gate projections of up to 8
+  consecutive items of one head in one MMA pass, one item per column), ``state_direct`` (the
+  cluster kernel loads its CTA's state rows from global memory straight into registers,
+  right after the slot ids, instead of one bulk copy through shared memory),
+  ``early_reads`` (the first items' slot ids, windows and pages read before the PDL wait,
+  :attr:`kda.config.KdaConfig.early_reads`), ``stage_fb`` (a head's f_b rows staged in
   shared memory), ``prefetch`` (the item after next brought to L2), ``x_ahead`` (x of the next
   item read ahead into registers), ``walk`` (the prep steps (request, head) from item to
   item), ``token_loop`` (the consumers' passes and tokens as loops), ``page_last`` (the
@@ -89,6 +94,11 @@ MAX_THREADS = 1024
 #: of ``tests/backends/cutedsl/test_stream_protocol.py`` races with 6).
 GROUP_LAG = 4
 GROUP_SLOTS = GROUP_LAG + 1
+#: The schedule's yes / no fields.
+FLAGS = ("tail", "gate_batch", "state_direct", "early_reads", "stage_fb", "prefetch",
+         "x_ahead", "walk", "token_loop", "page_last")
+#: Items whose gate projections one ``gate_batch`` MMA pass computes (the MMA's 8 columns).
+GATE_BATCH = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +111,9 @@ class Schedule:
     items: Items
     cluster: int = 1
     block: int = 0
+    tail: bool = False
+    gate_batch: bool = False
+    state_direct: bool = False
     unit_rows: int = 32
     consumers: int = 8
     depth: int = 1
@@ -137,6 +150,9 @@ class Schedule:
         for f in ("cluster", "block", "unit_rows", "consumers", "depth"):
             if type(getattr(self, f)) is not int:
                 why.append(f"{f}: expected an int, got {getattr(self, f)!r}")
+        for f in FLAGS:
+            if type(getattr(self, f)) is not bool:
+                why.append(f"{f}: expected a bool, got {getattr(self, f)!r}")
         if why:
             return why
         if not streamed and (self.unit_rows, self.consumers, self.depth) != (32, 8, 1):
@@ -166,8 +182,8 @@ class Schedule:
                 why.append("prep=GROUP runs with items=RANGE, 32-row units (a group's thread "
                            "per channel) and without early_reads")
         else:
-            flags = [f for f in ("early_reads", "stage_fb", "prefetch", "x_ahead", "walk",
-                                 "token_loop") if getattr(self, f)]
+            flags = [f for f in ("gate_batch", "early_reads", "stage_fb", "prefetch", "x_ahead",
+                                 "walk", "token_loop") if getattr(self, f)]
             if flags:
                 why.append(f"{', '.join(flags)}: flags of rows=WARP only")
         if (self.items == Items.BLOCKS) != (self.block != 0):
@@ -175,8 +191,14 @@ class Schedule:
                        f"{self.block}")
         elif self.block and self.block not in BLOCKS:
             why.append(f"block: expected one of {BLOCKS}, got {self.block}")
+        if self.tail and self.items != Items.BLOCKS:
+            why.append("tail: a field of items=BLOCKS only")
         if self.page_last and self.rows != Rows.CTA:
             why.append("page_last: a flag of rows=CTA only")
+        if self.state_direct and (self.rows != Rows.CLUSTER or self.cluster < 4):
+            why.append(f"state_direct: a flag of rows=CLUSTER with cluster >= 4 (the CTA's rows "
+                       f"in one wave of registers), got rows={self.rows.value} cluster="
+                       f"{self.cluster}")
         return why
 
     def reasons(self, problem: Problem) -> List[str]:
@@ -185,6 +207,9 @@ class Schedule:
         if self.rows == Rows.WARP:
             if self.prep == Prep.GROUP and problem.T != 1:
                 why.append(f"prep=GROUP serves T = 1, got T={problem.T}")
+            if self.gate_batch and (problem.T != 1 or problem.record):
+                why.append(f"gate_batch serves T = 1 without record mode, got T={problem.T}"
+                           f"{', record' if problem.record else ''}")
             if self.stage_fb and stream_smem_bytes(problem, self, True) > STREAM_SMEM_MAX:
                 why.append(f"stage_fb: the f_b rows do not fit beside the ring and item slots "
                            f"({stream_smem_bytes(problem, self, True)} bytes > "
@@ -226,7 +251,8 @@ class Schedule:
     @property
     def name(self) -> str:
         """A short name for logs and tools (``wide``, ``split4``, ``stream``, ``streamg``,
-        ``stream4``; ``+early`` where it reads early). Never parsed by the backend."""
+        ``stream4``, ``stream4t`` with the tail; ``+gb`` with ``gate_batch``, ``+direct`` with
+        ``state_direct``, ``+early`` where it reads early). Never parsed by the backend."""
         if self.rows == Rows.CTA:
             base = "wide"
         elif self.rows == Rows.CLUSTER:
@@ -234,7 +260,9 @@ class Schedule:
         else:
             base = "stream" + ("g" if self.prep == Prep.GROUP else "") + (
                 str(self.block) if self.block else "")
-        return base + ("+early" if self.early_reads else "")
+        return (base + ("t" if self.tail else "") + ("+gb" if self.gate_batch else "")
+                + ("+direct" if self.state_direct else "")
+                + ("+early" if self.early_reads else ""))
 
     def tag(self) -> str:
         """A file-name friendly identifier of every field (part of the compile key)."""
@@ -243,9 +271,13 @@ class Schedule:
             parts.append(f"c{self.cluster}")
         if self.block:
             parts.append(f"b{self.block}")
+        if self.tail:
+            parts.append("tail")
         if self.rows == Rows.WARP:
             parts += [f"u{self.unit_rows}", f"w{self.consumers}", f"d{self.depth}"]
-        for f, short in (("early_reads", "er"), ("stage_fb", "fb"), ("prefetch", "pf"),
+        for f, short in (("gate_batch", "gb"), ("state_direct", "sd"), ("early_reads", "er"),
+                         ("stage_fb", "fb"),
+                         ("prefetch", "pf"),
                          ("x_ahead", "xa"), ("walk", "wk"), ("token_loop", "tl"),
                          ("page_last", "pl")):
             if getattr(self, f):
@@ -253,11 +285,13 @@ class Schedule:
         return "-".join(parts)
 
     def axes(self) -> dict:
-        """The fields a policy table names: the axes and the ring's shape but its depth. The
-        depth and the flags come from :func:`make`'s rules (:func:`default_flags`; the
-        tuner's candidates keep them), so a table row builds the schedule the tuner timed."""
+        """The fields a policy table names: the axes, the ring's shape but its depth, and the
+        flags the tuner chooses (``tail``, ``gate_batch``, ``state_direct``). The depth and the
+        other flags come from :func:`make`'s rules (:func:`default_flags`; the tuner's
+        candidates keep them), so a table row builds the schedule the tuner timed."""
         out = {"rows": self.rows.value, "prep": self.prep.value, "items": self.items.value}
-        for f, default in (("cluster", 1), ("block", 0), ("unit_rows", 32), ("consumers", 8)):
+        for f, default in (("cluster", 1), ("block", 0), ("tail", False), ("gate_batch", False),
+                           ("state_direct", False), ("unit_rows", 32), ("consumers", 8)):
             if getattr(self, f) != default:
                 out[f] = getattr(self, f)
         return out
@@ -265,7 +299,7 @@ class Schedule:
 
 def default_flags(problem: Problem, rows: Rows, prep: Prep, items: Items, cluster: int = 1,
                   block: int = 0, unit_rows: int = 32, consumers: int = 8,
-                  depth: Optional[int] = None) -> dict:
+                  depth: Optional[int] = None, gate_batch: bool = False) -> dict:
     """The measured defaults of the fields :func:`make` fills in, for ``problem`` and the
     given axes (``docs/design.md`` has the measurements):
 
@@ -277,8 +311,8 @@ def default_flags(problem: Problem, rows: Rows, prep: Prep, items: Items, cluste
       measures faster than carrying (request, head) with the slot ids);
     * ``token_loop``: bf16 pages at T > 1 (the unrolled body misses the instruction cache;
       on fp32 pages and at T = 1 it measures faster);
-    * ``stage_fb``: where the f_b rows fit beside the ring (of ``depth`` if given) and the
-      item slots;
+    * ``stage_fb``: where the f_b rows fit beside the ring (of ``depth`` if given), the
+      item slots (and with ``gate_batch`` its decays);
     * ``page_last``: the one-CTA kernel always (faster at T = 1-3, equal at T = 5).
     """
     rows, prep = Rows(rows), Prep(prep)
@@ -290,8 +324,10 @@ def default_flags(problem: Problem, rows: Rows, prep: Prep, items: Items, cluste
                    prefetch=T < PREFETCH_BELOW_T,
                    x_ahead=T <= X_AHEAD_UP_TO_T, walk=T == 1,
                    token_loop=problem.state_bf16 and T > 1)
+        # (a gate_batch that is no bool is refused with the caller's schedule, not this one)
         probe = Schedule(rows=rows, prep=prep, items=items, cluster=cluster, block=block,
-                         unit_rows=unit_rows, consumers=consumers, depth=out["depth"])
+                         unit_rows=unit_rows, consumers=consumers, depth=out["depth"],
+                         gate_batch=gate_batch is True)
         out["stage_fb"] = stream_smem_bytes(problem, probe, True) <= STREAM_SMEM_MAX
     return out
 
@@ -299,8 +335,8 @@ def default_flags(problem: Problem, rows: Rows, prep: Prep, items: Items, cluste
 def make(problem: Problem, rows, prep, items, **fields) -> Schedule:
     """The schedule with the given axes and fields, every other field from
     :func:`default_flags` for ``problem``. Raises ValueError if it cannot serve it."""
-    axes = {k: fields[k] for k in ("cluster", "block", "unit_rows", "consumers", "depth")
-            if k in fields}
+    axes = {k: fields[k] for k in ("cluster", "block", "unit_rows", "consumers", "depth",
+                                   "gate_batch") if k in fields}
     merged = default_flags(problem, rows, prep, items, **axes)
     merged.update(fields)
     s = Schedule(rows=rows, prep=prep, items=items, **merged)
@@ -347,14 +383,16 @@ def stream_smem_bytes(problem: Problem, s: Schedule, with_fb: bool) -> int:
     :class:`kda.backends.cutedsl.stream.KdaStream`), with or without the staged f_b rows."""
     T, ni = problem.T, s.lag + 1
     st = 2 if problem.state_bf16 else 4
-    stages = s.consumers * s.depth
+    stages = s.stages
     fields = [(8 * stages, 8), (stages * s.unit_rows * D * st, 128)]       # ring
-    fields += [(8 * ni, 8)] * 3                                            # ready, done, free
+    fields += [(3 * 8 * ni, 8)]                                            # ready, done, free
     fields += [(4 * ni * T * D, 16)] * 6                                   # q k a v o og
     fields += [(4 * ni * 8, 16), (4 * ni * 4, 16), (4 * ni * T * 12, 16)]  # beta desc red
     fields += [(16, 8), (2 * 2 * 8 * FB_ROW, 16)]                          # fabar, fa
     if s.prep == Prep.GROUP:
         fields.append((4 * s.groups * 12, 16))                             # gred
+    if s.gate_batch:
+        fields.append((4 * GATE_BATCH * D, 16))                            # gb
     if with_fb:
         fields += [(8, 8), (2 * D * FB_ROW, 16)]                           # fbbar, fb
     return _struct_bytes(fields)

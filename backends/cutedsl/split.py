@@ -15,7 +15,9 @@ Per CTA:
    their own wait) and the activations (x, output gate, beta, the gate warp's f_a
    fragments), which do not depend on the slot ids, are requested first.
 2. slot ids -> liveness; the CTA's state rows, one contiguous block, are requested with one
-   bulk copy (``cp.async.bulk``, completion on an mbarrier).
+   bulk copy (``cp.async.bulk``, completion on an mbarrier), or with ``Schedule.state_direct``
+   loaded by the main threads straight into the registers the recurrence uses (one load of
+   each 4-column chunk: 16 bytes fp32, 8 bytes bf16; in flight while step 3 runs).
 3. main warps: conv + SiLU of all 256 q / k channels (every CTA: they are the key vector)
    and of the CTA's v channels; the window of the CTA's v channels is rewritten; q / k L2
    norms. The gate warp meanwhile: MMA, rounding, decay, ``st.async`` of the decays into every
@@ -46,6 +48,7 @@ from kda.backends.cutedsl import item, ptx as N
 from kda.backends.cutedsl.args import KernelArgs, Launch, make_views
 from kda.backends.cutedsl.item import chunk, reg_chunk, state_regs, store4
 from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile, smem_fragment
+from kda.backends.cutedsl.pipeline import ClusterExchange, Sync, sync
 from kda.backends.cutedsl.problem import Problem
 from kda.backends.cutedsl.schedule import FB_ROW, Rows, Schedule
 from kda.backends.cutedsl.scheduler import grid
@@ -71,6 +74,8 @@ class KdaSplit(Launch):
         self.F = D // self.C               # gate features of one CTA
         self.passes = self.rows // GROUPS
         self.wave = min(2, self.passes)
+        # state_direct: the CTA's rows (one wave) loaded into registers after the slot ids
+        self.direct = sched.state_direct
         self.T = pb.T
         self.H = pb.H
         self.dim = pb.H * D
@@ -87,8 +92,10 @@ class KdaSplit(Launch):
         smem = cutlass.memory.SmemAllocator()
         st_t = g.state.element_type           # fp32, or bf16 (widened on load)
         st_bytes = st_t.width // 8
-        s_state = smem.allocate_tensor(st_t, cute.make_layout((self.rows, D), stride=(D, 1)),
-                                       byte_alignment=128)
+        s_state = None
+        if cutlass.const_expr(not self.direct):
+            s_state = smem.allocate_tensor(st_t, cute.make_layout((self.rows, D), stride=(D, 1)),
+                                           byte_alignment=128)
         s_q = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)), byte_alignment=16)
         s_k = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)), byte_alignment=16)
         s_a = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)), byte_alignment=16)
@@ -108,25 +115,16 @@ class KdaSplit(Launch):
                                     byte_alignment=16)
         # the gate warp's dt_bias of the CTA's F features (copied with s_fb)
         s_dtb = smem.allocate_tensor(Float32, cute.make_layout((self.F,)), byte_alignment=16)
-        bars = smem.allocate_array(Int64, 3 + T)
-        bar_state = bars
-        bar_alpha = bars + 1
-        bar_fb = bars + 2 + T
+        bars = ClusterExchange(smem.allocate_array(Int64, 3 + T), T)
+        bar_state = bars.state
+        bar_alpha = bars.alpha
+        bar_fb = bars.fb
 
         # mbarriers: one arrival each (with the bytes they expect), completed by the copies
         if tid == 0:
-            cute.arch.mbarrier_init(bar_state, 1)
-            cute.arch.mbarrier_init(bar_alpha, 1)
-            cute.arch.mbarrier_init(bar_fb, 1)
-            for t in cutlass.range_constexpr(T):
-                cute.arch.mbarrier_init(bars + 2 + t, 1)
-            cute.arch.mbarrier_init_fence()
-            cute.arch.mbarrier_arrive_and_expect_tx(bar_state, self.rows * D * st_bytes)
-            cute.arch.mbarrier_arrive_and_expect_tx(bar_alpha, T * D * 4)
-            cute.arch.mbarrier_arrive_and_expect_tx(bar_fb, self.F * (D * 2 + 4))
-            for t in cutlass.range_constexpr(T):
-                if rank == t % C:
-                    cute.arch.mbarrier_arrive_and_expect_tx(bars + 2 + t, D * 4)
+            # (state_direct: no copy counts on the state's barrier; it completes at once)
+            bars.init(rank, C, 0 if self.direct else self.rows * D * st_bytes, T * D * 4,
+                      self.F * (D * 2 + 4), D * 4)
         cute.arch.sync_threads()
         cute.arch.cluster_arrive_relaxed()
 
@@ -189,21 +187,20 @@ class KdaSplit(Launch):
         # ---- 3. slots and liveness (every thread, uniform loads)
         # (the T slot ids and num_accepted_tokens are loaded together: selecting the source
         # slot costs no second round trip)
-        cslot = g.state_indices[r, 0]
-        src = cslot
-        off = Int32(0)
+        ids = [g.state_indices[r, t] for t in range(T)]
+        cslot = ids[0]
+        accepted = Int32(0)
         if cutlass.const_expr(T > 1):
-            ids = [g.state_indices[r, t] for t in range(1, T)]
-            a = g.num_accepted_tokens[r]
-            a = cutlass.max(cutlass.min(a, Int32(T)), Int32(1))
-            off = a - 1
-            for t in cutlass.range_constexpr(1, T):
-                if off == t:
-                    src = ids[t - 1]
-        live = (src > 0) & (src < slots) & (cslot > 0) & (cslot < slots)
+            accepted = g.num_accepted_tokens[r]
+        src, off = item.source_slot(ids, accepted, T)
+        live = item.is_live(src, cslot, slots)
 
+        S = state_regs(self.wave) if self.direct else None
         if live:
-            if tid == 0:
+            if cutlass.const_expr(self.direct):
+                if is_main:      # the CTA's rows, in flight while the conv and norms run
+                    self._load_rows(g, src, h, rank, tid // LANES, tid % LANES, S)
+            elif tid == 0:
                 rows_g = cute.local_tile(g.state[src, h, None, None], (self.rows, D), (rank, 0))
                 atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), st_t,
                                            num_bits_per_copy=self.rows * D * st_t.width)
@@ -212,7 +209,7 @@ class KdaSplit(Launch):
             if is_main:
                 self._main(g, tid, rank, h, r, cslot, src, off, slots, wq, wk, wv, bq, bk, bv,
                            nwv, xq, xk, xv, ogr, braw, scale, eps, s_state, s_q, s_k, s_a, s_o,
-                           s_v, s_b, s_red, s_win, bars)
+                           s_v, s_b, s_red, s_win, bars, S)
             else:
                 self._gate(g, mma, thr, rB, s_fb, bar_fb, lane, rank, h, r, cslot, lb, s_a,
                            bar_alpha, alog, s_dtb)
@@ -222,13 +219,13 @@ class KdaSplit(Launch):
                     for t in cutlass.range_constexpr(T):
                         g.out[r * T + t, h * D + tid] = BFloat16(0.0)
             if tid >= MAIN:
-                cute.arch.mbarrier_wait(bar_fb, 0)     # no copy into this CTA is left in flight
+                bars.wait(bar_fb)     # no copy into this CTA is left in flight
 
     # ------------------------------------------------------------------------- main warps
     @cute.jit
     def _main(self, g, tid, rank, h, r, cslot, src, off, slots, wq, wk, wv, bq, bk, bv, nwv,
               xq, xk, xv, ogr, braw, scale, eps, s_state, s_q, s_k, s_a, s_o, s_v, s_b, s_red,
-              s_win, bars):
+              s_win, bars, S_direct):
         pb, T, C, dim = self.pb, self.T, self.C, self.dim
         warp_i = tid // 32
         lane = tid % 32
@@ -263,7 +260,7 @@ class KdaSplit(Launch):
             if cutlass.const_expr(pb.record):
                 if rank == 0:
                     g.kg_record[cslot, h, t, tid] = BFloat16(yk[t])
-        cute.arch.barrier(barrier_id=1, number_of_threads=MAIN)
+        sync(Sync.MAIN, MAIN)
         for t in cutlass.range_constexpr(T):
             sq = item.quarter_sum(lambda i, t=t: s_red[t, 0, i])
             sk = item.quarter_sum(lambda i, t=t: s_red[t, 1, i])
@@ -273,21 +270,22 @@ class KdaSplit(Launch):
             s_k[t, tid] = N.fmul(yk[t], ik)
         # output gate (used by the owner of each token)
         ogs = [N.sigmoid(Float32(v)) for v in ogr]
-        cute.arch.barrier(barrier_id=1, number_of_threads=MAIN)
+        sync(Sync.MAIN, MAIN)
         cute.arch.cluster_wait()
-        cute.arch.mbarrier_wait(bars + 1, 0)       # the decays of every feature
-        cute.arch.mbarrier_wait(bars, 0)           # the CTA's state rows
+        bars.wait(bars.alpha)       # the decays of every feature
+        if cutlass.const_expr(not self.direct):
+            bars.wait(bars.state)   # the CTA's state rows
         self._recurrence(g, tid, rank, h, r, cslot, src, slots, s_state, s_q, s_k, s_a, s_o,
-                         s_v, s_b, bars)
+                         s_v, s_b, bars, S_direct)
         # epilogue of the owned tokens
         for t in cutlass.range_constexpr(T):
             if rank == t % C:
-                cute.arch.mbarrier_wait(bars + 2 + t, 0)
+                bars.wait(bars.o(t))
                 ob = s_o[t, tid]
                 so = N.warp_sum(N.fmul(ob, ob))
                 if lane == 0:
                     s_red[t, 2, warp_i] = so
-                cute.arch.barrier(barrier_id=1, number_of_threads=MAIN)
+                sync(Sync.MAIN, MAIN)
                 ss = item.quarter_sum(lambda i, t=t: s_red[t, 2, i])
                 y = item.gated_rmsnorm(ob, ss, eps, nwv, ogs[t])
                 g.out[n0 + t, h * D + tid] = BFloat16(y)
@@ -316,8 +314,9 @@ class KdaSplit(Launch):
 
     @cute.jit
     def _recurrence(self, g, tid, rank, h, r, cslot, src, slots, s_state, s_q, s_k, s_a, s_o,
-                    s_v, s_b, bars):
-        """The recurrence of the CTA's rows, in waves of ``wave`` passes of 16 rows.
+                    s_v, s_b, bars, S_direct):
+        """The recurrence of the CTA's rows, in waves of ``wave`` passes of 16 rows (from the
+        staged rows, or with ``state_direct`` the one wave already in ``S_direct``).
 
         Thread (group, l8) holds, of each row ``pass*16 + group`` of a wave, the key columns
         4*(l8 + 8c) .. +3 (c = 0..3); per token :func:`kda.backends.cutedsl.item.token`,
@@ -328,8 +327,8 @@ class KdaSplit(Launch):
         l8 = tid % LANES
         W = self.wave
         for w0 in cutlass.range_constexpr(0, self.passes, W):
-            S = state_regs(W)
-            for w in cutlass.range_constexpr(W):
+            S = S_direct if self.direct else state_regs(W)
+            for w in cutlass.range_constexpr(0 if self.direct else W):
                 row = (w0 + w) * GROUPS + grp
                 for c in cutlass.range_constexpr(4):
                     if cutlass.const_expr(pb.state_bf16):   # widened to fp32 (exactly)
@@ -343,7 +342,7 @@ class KdaSplit(Launch):
                 def emit(w, u, ob, t=t, w0=w0):
                     grow = rank * self.rows + (w0 + w) * GROUPS + grp
                     cute.arch.store_async_dsmem(s_o.iterator + (t * D + grow), N.f32_bits(ob),
-                                                bars + 2 + t, Int32(t % C))
+                                                bars.o(t), Int32(t % C))
                     if cutlass.const_expr(pb.record):
                         g.v_record[cslot, h, t, grow] = u
 
@@ -356,6 +355,22 @@ class KdaSplit(Launch):
                         self._store_rows(g, dst, h, rank, w0, grp, l8, S)
             if cutlass.const_expr(not pb.record and T == 1):
                 self._store_rows(g, src, h, rank, w0, grp, l8, S)
+
+    def _load_rows(self, g, slot, h, rank, grp, l8, S):
+        """The CTA's rows of state[slot, h] (one wave: :attr:`state_direct`) into ``S``, as
+        :meth:`_recurrence` holds them: a 16-byte load per 4-column chunk (fp32), or an
+        8-byte one whose four bf16 values are widened exactly."""
+        for w in range(self.wave):
+            row = rank * self.rows + w * GROUPS + grp
+            for c in range(4):
+                src = chunk(g.state[slot, h, row, None], l8, c)
+                if cutlass.const_expr(self.pb.state_bf16):
+                    raw = cute.make_rmem_tensor(cute.make_layout((4,)), BFloat16)
+                    cute.autovec_copy(src, raw)
+                    for e in range(4):
+                        S[w, 4 * c + e] = Float32(raw[e])
+                else:
+                    cute.autovec_copy(src, reg_chunk(S, w, c))
 
     def _store_rows(self, g, slot, h, rank, w0, grp, l8, S):
         """Stores of the wave's rows to state[slot, h]: 16 bytes per chunk (fp32), or 8 rounded
@@ -376,7 +391,7 @@ class KdaSplit(Launch):
         A_log[h]; ``s_dtb``: dt_bias of the F features)."""
         pb, C, F = self.pb, self.C, self.F
         A = N.fexp(alog)
-        cute.arch.mbarrier_wait(bar_fb, 0)
+        ClusterExchange.wait(bar_fb)
         # dt_bias of the lane's accumulator values [tile][value], read before the MMA
         cC = thr.partition_C(cute.make_identity_tensor((16, 8)))
         dtb = [[s_dtb[16 * mt + cC[i][0]] for i in range(cute.size(cC))] for mt in range(F // 16)]

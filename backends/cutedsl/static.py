@@ -1,4 +1,4 @@
-"""The one-CTA-per-item kernel's shared-memory plan and occupancy hint, and the compile
+"""The one-CTA-per-item kernel's shared-memory size and occupancy hint, and the compile
 cache's directory. Pure Python (no CuTe DSL import).
 """
 
@@ -10,7 +10,11 @@ D = 128
 
 
 class SmemPlan:
-    """Byte offsets of the shared-memory regions of one CTA for T tokens (all 16-B aligned).
+    """The shared-memory regions of one wide CTA for T tokens, in bytes (all 16-B aligned):
+    what the host needs without CuTe DSL (the carveout hint, the occupancy check). The kernel's
+    storage struct (:func:`kda.backends.cutedsl.common.storage_fields`) has these regions in
+    this order, as tensors; :class:`kda.backends.cutedsl.wide.KdaWide` checks that it fits
+    :attr:`total`.
 
     Staging:
       ST  state page [16 chunk][256 thread][4] fp32 (64 KiB; a bf16 page uses its first half as

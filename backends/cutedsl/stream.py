@@ -57,13 +57,14 @@ from kda.backends.cutedsl.args import KernelArgs, Launch, make_views
 from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile, smem_fragment
 from kda.backends.cutedsl.ring import WarpRing
 from kda.backends.cutedsl.item import chunk, reg_chunk, state_regs, store4
+from kda.backends.cutedsl.pipeline import (FA_STAGES, ItemSlots, Mbarriers, Sync, init_fence,
+                                            release_reads, sync)
 from kda.backends.cutedsl.problem import Problem
-from kda.backends.cutedsl.schedule import FB_ROW, PREP_THREADS, Prep, Rows, Schedule
+from kda.backends.cutedsl.schedule import FB_ROW, GATE_BATCH, PREP_THREADS, Prep, Rows, Schedule
 from kda.backends.cutedsl.scheduler import grid
 
 D = 128
 PREP = PREP_THREADS   # prep threads (one warpgroup)
-PREP_BAR = 1       # named barrier of the prep warps
 OPS_WINDOW = 1        # _load_ops: an item's conv-window history
 OPS_ACTIVATIONS = 2   # _load_ops: its x, output-gate logits and beta
 
@@ -92,6 +93,7 @@ class KdaStream(Launch):
         self.prefetch = sched.prefetch
         self.x_ahead = sched.x_ahead
         self.walk = sched.walk
+        self.gate_batch = sched.gate_batch
         self.T = pb.T
         self.H = pb.H
         self.token_loop = sched.token_loop
@@ -113,9 +115,8 @@ class KdaStream(Launch):
         T, NI = pb.T, self.NI
         fields = dict(self.ring.fields())
         fields.update({
-            "ready": cute.struct.MemRange[Int64, NI],
-            "done": cute.struct.MemRange[Int64, NI],
-            "free": cute.struct.MemRange[Int64, NI],
+            # the item slots' ready / done / free mbarriers (pipeline.ItemSlots)
+            "slotbars": cute.struct.MemRange[Int64, ItemSlots.PER_SLOT * NI],
             "q": cute.struct.Align[cute.struct.MemRange[Float32, NI * T * D], 16],
             "k": cute.struct.Align[cute.struct.MemRange[Float32, NI * T * D], 16],
             "a": cute.struct.Align[cute.struct.MemRange[Float32, NI * T * D], 16],
@@ -135,6 +136,9 @@ class KdaStream(Launch):
             # warp may still read an item's while the group's next conv writes the q / k sums)
             fields["gred"] = cute.struct.Align[
                 cute.struct.MemRange[Float32, sched.groups * 3 * 4], 16]
+        if self.gate_batch:
+            # the decays of a gate batch: [item of the batch][feature]
+            fields["gb"] = cute.struct.Align[cute.struct.MemRange[Float32, GATE_BATCH * D], 16]
         # stage_fb: the head's f_b rows (the gate's A operand) staged in shared memory when
         # the head changes; else read from L2
         self.fb_smem = sched.stage_fb
@@ -165,6 +169,18 @@ class KdaStream(Launch):
     def _betas(self, storage):
         return storage.beta.get_tensor(cute.make_layout((self.NI, 8), stride=(8, 1)))
 
+    def _item_slots(self, storage) -> ItemSlots:
+        """The item slots' barriers (:class:`kda.backends.cutedsl.pipeline.ItemSlots`)."""
+        return ItemSlots(storage.slotbars.data_ptr(), self.NI)
+
+    def _fa_bars(self, storage) -> Mbarriers:
+        """The f_a stages' barriers: item j's rows in stage ``j % 2``."""
+        return Mbarriers(storage.fabar.data_ptr(), FA_STAGES)
+
+    def _fb_bar(self, storage) -> Mbarriers:
+        """The staged f_b rows' barrier (one bulk copy of a head's rows at a time)."""
+        return Mbarriers(storage.fbbar.data_ptr(), 1)
+
     # ------------------------------------------------------------------------------ kernel
     @cute.kernel
     def kernel(self, a: KernelArgs):
@@ -177,20 +193,16 @@ class KdaStream(Launch):
         storage = cutlass.memory.SmemAllocator().allocate(self.Storage)
         self.ring.init(storage, tid)
         if tid == 0:
-            for i in cutlass.range_constexpr(self.NI):
-                # every writer of an item's slot arrives (its own writes are released to the
-                # waiters): the 128 prep threads on *ready*, each unit's 32 lanes on *done*;
-                # every reader on *free* (the prep threads after the epilogue; group_prep:
-                # each unit's 32 lanes)
-                cute.arch.mbarrier_init(storage.ready.data_ptr() + i, PREP)
-                cute.arch.mbarrier_init(storage.done.data_ptr() + i, self.units * 32)
-                cute.arch.mbarrier_init(storage.free.data_ptr() + i,
-                                        self.units * 32 if self.group_prep else PREP)
-            for i in cutlass.range_constexpr(2):
-                cute.arch.mbarrier_init(storage.fabar.data_ptr() + i, PREP)
+            # every writer of an item's slot arrives (its own writes are released to the
+            # waiters): the 128 prep threads on *ready*, each unit's 32 lanes on *done*;
+            # every reader on *free* (the prep threads after the epilogue; group_prep: each
+            # unit's 32 lanes)
+            self._item_slots(storage).init(PREP, self.units * 32,
+                                           self.units * 32 if self.group_prep else PREP)
+            Mbarriers.init(storage.fabar.data_ptr(), FA_STAGES, PREP)
             if cutlass.const_expr(self.fb_smem):
-                cute.arch.mbarrier_init(storage.fbbar.data_ptr(), 1)
-            cute.arch.mbarrier_init_fence()
+                Mbarriers.init(storage.fbbar.data_ptr(), 1, 1)
+            init_fence()
         cute.arch.sync_threads()
         i0, i1 = self.items.item_range(R * self.H, block, ctas)
         if tid < self.prep0:
@@ -239,11 +251,12 @@ class KdaStream(Launch):
         sync, then the copies go. In blocks the rows are marked L2 evict-last: the next CTA of
         the head comes H * C items later, and the pages streamed meanwhile evict rows of normal
         priority from 96 heads on (:meth:`_release_head_lines` returns them)."""
-        bar = storage.fbbar.data_ptr()
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=PREP)
+        fb = self._fb_bar(storage)
+        bar = fb.at(0)
+        release_reads()
+        sync(Sync.PREP, PREP)
         if pt == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, D * D * 2)
+            fb.arrive_with_bytes(0, D * D * 2)
         if cutlass.const_expr(self.block):
             N.bulk_g2s_evict_last(self._fb(storage)[pt, None].iterator,
                                   g.f_b[h * D + pt, None].iterator, D * 2, bar)
@@ -269,29 +282,27 @@ class KdaStream(Launch):
         """The item slots' tensors the consumers use, with the slots' barriers."""
         return (self._slots(storage, "q"), self._slots(storage, "k"), self._slots(storage, "a"),
                 self._slots(storage, "v"), self._slots(storage, "o"), self._betas(storage),
-                storage.ready.data_ptr(), storage.done.data_ptr())
+                self._item_slots(storage))
 
     @cute.jit
     def _skip(self, stores, j):
         """A dead item of the warp's group: it passes the item's *ready* and arrives *done*
         (the slot's phases then count every item, so the parity of each later wait holds;
         with ``group_prep`` the group's epilogue follows instead of *done*)."""
-        ready, done = stores[6], stores[7]
-        slot = j % self.NI
-        cute.arch.mbarrier_wait(ready + slot, (j // self.NI) & 1)
+        slots = stores[6]
+        slots.consumer_wait(j)
         if cutlass.const_expr(not self.group_prep):
-            cute.arch.mbarrier_arrive(done + slot)
+            slots.consumer_release(j)
 
     @cute.jit
     def _unit(self, g, stores, stage, j, h, dst, refill, u, lane, slots):
         """One unit of item ``j`` (the CTA's ``j``-th; its ``stage`` holds rows ``u*rows ..``):
         its passes of 16 rows (:meth:`_pass`), then *done* (with ``group_prep`` the group's
         epilogue follows instead)."""
-        ready, done = stores[6], stores[7]
         grp = lane // 8
         l8 = lane % 8
         slot = j % self.NI
-        cute.arch.mbarrier_wait(ready + slot, (j // self.NI) & 1)
+        stores[6].consumer_wait(j)
         if cutlass.const_expr(self.token_loop):
             for p in cutlass.range(self.rows // 16, unroll=1):
                 self._pass(g, stores, stage, p, slot, h, dst, refill, u, grp, l8, slots)
@@ -299,7 +310,7 @@ class KdaStream(Launch):
             for p in cutlass.range_constexpr(self.rows // 16):
                 self._pass(g, stores, stage, p, slot, h, dst, refill, u, grp, l8, slots)
         if cutlass.const_expr(not self.group_prep):
-            cute.arch.mbarrier_arrive(done + slot)
+            stores[6].consumer_release(j)
 
     @cute.jit
     def _pass(self, g, stores, stage, p, slot, h, dst, refill, u, grp, l8, slots):
@@ -391,7 +402,7 @@ class KdaStream(Launch):
         it is live (at T = 1: ``0 < cslot < slots``)."""
         r, h = self.items.split_item(i, R)
         hist, xs = ops
-        if (i < i1) & (cslot > 0) & (cslot < slots):
+        if item.is_live(cslot, cslot, slots, i < i1):      # (at T = 1 the source is the conv slot)
             c_hist, c_x, _ = self._op_coords((r, h, cslot, cslot, Int32(0)), c)
             for part in cutlass.range_constexpr(3):
                 for e in cutlass.range_constexpr(3):
@@ -425,7 +436,7 @@ class KdaStream(Launch):
         u = w % self.units
         c = u * 32 + lane
         slot = j % self.NI
-        cute.arch.mbarrier_wait(storage.free.data_ptr() + slot, ((j // self.NI) & 1) ^ 1)
+        self._item_slots(storage).prep_acquire(j)
         if h != cst[2]:
             self._load_head_conv(g, hc, h, c)
             cst[2] = h
@@ -440,14 +451,14 @@ class KdaStream(Launch):
             red[grp, 1, u] = sk
         if cutlass.const_expr(self.pb.record):
             g.kg_record[cslot, h, 0, c] = BFloat16(yk[0])
-        cute.arch.barrier(barrier_id=2 + grp, number_of_threads=self.units * 32)
+        sync(Sync.GROUP + grp, self.units * 32)
         iq = item.inv_norm(item.quarter_sum(lambda i: red[grp, 0, i]))
         ik = item.inv_norm(item.quarter_sum(lambda i: red[grp, 1, i]))
         self._slots(storage, "q")[slot, 0, c] = item.q_hat(yq[0], iq, scale)
         self._slots(storage, "k")[slot, 0, c] = N.fmul(yk[0], ik)
         self._slots(storage, "v")[slot, 0, c] = yv[0]
         # every warp of the group sees the item's vectors
-        cute.arch.barrier(barrier_id=2 + grp, number_of_threads=self.units * 32)
+        sync(Sync.GROUP + grp, self.units * 32)
 
     @cute.jit
     def _group_epilogue(self, storage, g, gp, j, i0, R, w, lane, eps, live: cutlass.Constexpr):
@@ -466,13 +477,13 @@ class KdaStream(Launch):
             so = N.warp_sum(N.fmul(ob, ob))
             if lane == 0:
                 red[grp, 2, u] = so
-            cute.arch.barrier(barrier_id=2 + grp, number_of_threads=self.units * 32)
+            sync(Sync.GROUP + grp, self.units * 32)
             ss = item.quarter_sum(lambda i: red[grp, 2, i])
             y = item.gated_rmsnorm(ob, ss, eps, gp[3], self._slots(storage, "og")[slot, 0, c])
             g.out[r, h * D + c] = BFloat16(y)
         else:
             g.out[r, h * D + c] = BFloat16(0.0)
-        cute.arch.mbarrier_arrive(storage.free.data_ptr() + slot)
+        self._item_slots(storage).epilogue_release(j)
 
     # ----------------------------------------------------------------------------- prep
     @cute.jit
@@ -537,8 +548,20 @@ class KdaStream(Launch):
         for st in cutlass.range_constexpr(2):
             for t in cutlass.range_constexpr(self.T, 8):
                 s_fa[st, t, pt] = BFloat16(0.0)
-        cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=PREP)
-        self._copy_fa(storage, g, dsc, 0, pt)
+        sync(Sync.PREP, PREP)
+        bat = None
+        if cutlass.const_expr(self.gate_batch):
+            # the gate's batches (:meth:`_gate_of_batch`): the current batch's first item and
+            # end, the f_a stages' use and the end of the batch after it; its rows now
+            gb = cute.make_rmem_tensor(cute.make_layout((4,)), Int32)
+            gb[0] = Int32(0)
+            gb[1] = Int32(0)
+            gb[2] = Int32(0)
+            gb[3] = self._batch_end(Int32(0), i0, i1, R)
+            self._copy_fa_batch(storage, g, gb[0], gb[3], gb[2], i0, R, pt)
+            bat = (gb, i0, i1, R)
+        else:
+            self._copy_fa(storage, g, dsc, 0, pt)
         self._prefetch(g, dsc2, pt)
         for j in cutlass.range(i1 - i0, unroll=1):
             cur = [dsc[f] for f in range(6)]
@@ -551,7 +574,7 @@ class KdaStream(Launch):
             self._step(rh, i0 + j + ahead, R)
             self._load_si(g, raw, i0 + j + ahead, rh, R)
             self._prefetch(g, dsc2, pt)
-            self._prep(storage, g, mma, thr, pt, j, cur, dsc, ops, hc, hg, scale, lb, fbs)
+            self._prep(storage, g, mma, thr, pt, j, cur, dsc, ops, hc, hg, scale, lb, fbs, bat)
             if cutlass.const_expr(not self.group_prep):
                 if j >= self.LAG:
                     self._epilogue(storage, g, pt, j - self.LAG, eps, nwv)
@@ -559,13 +582,15 @@ class KdaStream(Launch):
             first = cutlass.max(i1 - i0 - self.LAG, Int32(0))
             for j in cutlass.range(first, i1 - i0, unroll=1):
                 self._epilogue(storage, g, pt, j, eps, nwv)
-        # the f_a phase of the item past the range (its arrivals came with the last item)
-        n = i1 - i0
-        cute.arch.mbarrier_wait(storage.fabar.data_ptr() + n % 2, (n // 2) & 1)
+        # the f_a phase of the item (batch) past the range (its arrivals came with the last)
+        if cutlass.const_expr(self.gate_batch):
+            self._fa_bars(storage).wait(bat[0][2])
+        else:
+            self._fa_bars(storage).wait(i1 - i0)
         if cutlass.const_expr(self.fb_smem):
             if i0 < i1:
                 # no copy into this CTA's shared memory outlives it
-                cute.arch.mbarrier_wait(storage.fbbar.data_ptr(), fbs[1])
+                self._fb_bar(storage).wait_parity(0, fbs[1])
 
     @cute.jit
     def _step(self, rh, i, R):
@@ -602,15 +627,9 @@ class KdaStream(Launch):
         else:
             r, h = self.items.split_item(i, R)
         cslot = raw[0]
-        src = cslot
-        off = Int32(0)
-        if cutlass.const_expr(T > 1):
-            a = cutlass.max(cutlass.min(raw[T], Int32(T)), Int32(1))
-            off = a - 1
-            for t in cutlass.range_constexpr(1, T):
-                if off == t:
-                    src = raw[t]
-        live = (i < i1) & (src > 0) & (src < slots) & (cslot > 0) & (cslot < slots)
+        src, off = item.source_slot([raw[t] for t in range(T)], raw[T] if T > 1 else Int32(0),
+                                    T)
+        live = item.is_live(src, cslot, slots, i < i1)
         dsc[0] = r
         dsc[1] = h
         dsc[2] = cslot
@@ -729,17 +748,25 @@ class KdaStream(Launch):
         hg[8] = g.A_log[h]
 
     @cute.jit
-    def _prep(self, storage, g, mma, thr, pt, j, desc, dn, ops, hc, hg, scale, lb, fbs):
+    def _prep(self, storage, g, mma, thr, pt, j, desc, dn, ops, hc, hg, scale, lb, fbs, bat):
         """The CTA's ``j``-th item (``desc``: :meth:`_derive`'s fields; ``ops``, ``hc``, ``hg``:
         its operands and head parameters; its f_a rows in stage ``j % 2``) into slot ``j % NI``: conv,
         window, norms, beta, output gate, gate and decay; then *ready* (a dead item: *ready*
-        only). Each register set is refilled for the next item (``dn``) once it is used."""
+        only). Each register set is refilled for the next item (``dn``) once it is used. With
+        ``gate_batch`` (``bat``: :meth:`_prep_loop`'s batch state) the decays come from the
+        item's batch (:meth:`_gate_of_batch`)."""
         pb, T, dim = self.pb, self.T, self.dim
         slot = j % self.NI
         r, h, cslot, live = desc[0], desc[1], desc[2], desc[5]
-        # the next live item starts a new head
-        new_head = (dn[5] != 0) & (dn[1] != fbs[0])
-        cute.arch.mbarrier_wait(storage.free.data_ptr() + slot, ((j // self.NI) & 1) ^ 1)
+        if cutlass.const_expr(self.gate_batch):
+            # the next item starts a new head (a batch's gate needs its head's rows whether
+            # or not its first item is live)
+            new_head = (j + 1 < bat[2] - bat[1]) & (dn[1] != fbs[0])
+        else:
+            # the next live item starts a new head
+            new_head = (dn[5] != 0) & (dn[1] != fbs[0])
+        slots = self._item_slots(storage)
+        slots.prep_acquire(j)
         s_desc = self._descs(storage)
         if cutlass.const_expr(not self.group_prep):
             if pt == 0:    # what the item's epilogue needs
@@ -786,22 +813,30 @@ class KdaStream(Launch):
         if cutlass.const_expr(not self.group_prep):
             if new_head:
                 self._load_head_conv(g, hc, dn[1], pt)
-        # every thread passes every phase of the f_a stages (a dead item's too), so that no
-        # thread's arrival for item j + 2 can land in item j's phase
-        cute.arch.mbarrier_wait(storage.fabar.data_ptr() + j % 2, (j // 2) & 1)
-        if live != 0:
-            if cutlass.const_expr(self.fb_smem):
-                cute.arch.mbarrier_wait(storage.fbbar.data_ptr(), fbs[1])
-            rB = smem_fragment(mma, pt % 32, self._fa_rows(storage)[j % 2, None, None], "B")
-            self._gate(storage, g, mma, thr, pt, slot, h, cslot, lb, rB, hg)
-        # (every prep thread read stage (j + 1) % 2 for item j - 1 before its arrival on stage
-        # j % 2's barrier, waited for above)
-        self._copy_fa(storage, g, dn, (j + 1) % 2, pt)
+        if cutlass.const_expr(self.gate_batch):
+            self._gate_of_batch(storage, g, mma, thr, pt, j, h, lb, hg, fbs, bat)
+            s_a = self._slots(storage, "a")
+            s_gb = self._batch_decays(storage)
+            col = j - bat[0][0]
+            if live != 0:
+                s_a[slot, 0, pt] = s_gb[col, pt]
+        else:
+            # every thread passes every phase of the f_a stages (a dead item's too), so that
+            # no thread's arrival for item j + 2 can land in item j's phase
+            self._fa_bars(storage).wait(j)
+            if live != 0:
+                if cutlass.const_expr(self.fb_smem):
+                    self._fb_bar(storage).wait_parity(0, fbs[1])
+                rB = smem_fragment(mma, pt % 32, self._fa_rows(storage)[j % 2, None, None], "B")
+                self._gate(storage, g, mma, thr, pt, slot, h, cslot, lb, rB, hg)
+            # (every prep thread read stage (j + 1) % 2 for item j - 1 before its arrival on
+            # stage j % 2's barrier, waited for above)
+            self._copy_fa(storage, g, dn, (j + 1) % 2, pt)
         if new_head:
             self._load_head_gate(g, thr, hg, dn[1], pt)
         if cutlass.const_expr(not self.group_prep):
             if live != 0:
-                cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=PREP)
+                sync(Sync.PREP, PREP)
                 for t in cutlass.range_constexpr(T):
                     sq = item.quarter_sum(lambda i, t=t: s_red[slot, t, 0, i])
                     sk = item.quarter_sum(lambda i, t=t: s_red[slot, t, 1, i])
@@ -811,12 +846,12 @@ class KdaStream(Launch):
                     s_k[slot, t, pt] = N.fmul(s_k[slot, t, pt], ik)
         # (the slot's sums are written again only by its next item, after *free*, which every
         # prep thread arrives on after this item's epilogue)
-        cute.arch.mbarrier_arrive(storage.ready.data_ptr() + slot)
+        slots.prep_commit(j)
         if new_head:
             if cutlass.const_expr(self.fb_smem):
                 # the rows staged last have landed (the first staging may not have been
                 # waited for yet) before they are replaced
-                cute.arch.mbarrier_wait(storage.fbbar.data_ptr(), fbs[1])
+                self._fb_bar(storage).wait_parity(0, fbs[1])
                 self._stage_fb(storage, g, pt, dn[1])
                 fbs[1] = fbs[1] ^ 1
             fbs[0] = dn[1]
@@ -866,6 +901,20 @@ class KdaStream(Launch):
         """The f_a rows of two items, ``[2, 8, 128]`` bf16 in padded rows."""
         return storage.fa.get_tensor(cute.make_layout((2, 8, D), stride=(8 * FB_ROW, FB_ROW, 1)))
 
+    @staticmethod
+    def _fa_chunks(g, s_fa, rb: int):
+        """The f_a rows as chunks of ``rb`` bytes (4, 8 or 16): the cp.async atom, the rows in
+        global ``(row, chunk, element)`` and the stages in shared memory ``(stage, row, chunk,
+        element)``, and the chunks per row."""
+        e = rb // 2                          # elements per chunk
+        per_row = D // e
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=rb * 8)
+        g_c = cute.make_tensor(g.f_a.iterator, cute.make_layout(
+            (g.f_a.shape[0], per_row, e), stride=(g.f_a.stride[0], e, 1)))
+        s_c = cute.make_tensor(s_fa.iterator, cute.make_layout(
+            (2, 8, per_row, e), stride=(8 * FB_ROW, FB_ROW, e, 1)))
+        return atom, g_c, s_c, per_row
+
     @cute.jit
     def _copy_fa(self, storage, g, dsc, st, pt):
         """The f_a rows of the item in ``dsc`` (if live) into stage ``st`` with cp.async (no
@@ -873,42 +922,39 @@ class KdaStream(Launch):
         stores for 2-byte aligned rows); every prep thread then arrives on the stage's
         barrier once its copies have landed."""
         T, rb = self.T, min(self.pb.row_bytes, 16)
-        bar = storage.fabar.data_ptr() + st
+        fa = self._fa_bars(storage)
         s_fa = self._fa_rows(storage)
         if cutlass.const_expr(rb >= 4):
             if dsc[5] != 0:
                 n0 = dsc[0] * T
-                e = rb // 2                      # elements per chunk
-                per_row = D // e
-                atom = cute.make_copy_atom(cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=rb * 8)
-                # the rows as chunks: (row, chunk, element) in global and shared memory
-                g_c = cute.make_tensor(g.f_a.iterator, cute.make_layout(
-                    (g.f_a.shape[0], per_row, e), stride=(g.f_a.stride[0], e, 1)))
-                s_c = cute.make_tensor(s_fa.iterator, cute.make_layout(
-                    (2, 8, per_row, e), stride=(8 * FB_ROW, FB_ROW, e, 1)))
+                atom, g_c, s_c, per_row = self._fa_chunks(g, s_fa, rb)
                 for k in cutlass.range_constexpr((T * per_row + PREP - 1) // PREP):
                     c = pt + PREP * k
                     if c < T * per_row:
                         t = c // per_row
                         ck = c - t * per_row
                         cute.copy(atom, g_c[n0 + t, ck, None], s_c[st, t, ck, None])
-            cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+            fa.arrive_on_copies(st)
         else:
             if dsc[5] != 0:
                 n0 = dsc[0] * T
                 for t in cutlass.range_constexpr(T):
                     s_fa[st, t, pt] = g.f_a[n0 + t, pt]
-            cute.arch.mbarrier_arrive(bar)
+            fa.arrive(st)
 
     @cute.jit
-    def _gate(self, storage, g, mma, thr, pt, slot, h, cslot, lb, rB, hg):
+    def _gate(self, storage, g, mma, thr, pt, slot, h, cslot, lb, rB, hg,
+              batch: cutlass.Constexpr = False):
         """Features ``32w .. 32w+31`` of prep warp w (two 16-row MMA tiles, A from the staged
         f_b rows, B the item's f_a rows ``rB``): rg = bf16(f_b rows . f_a) on the tensor cores
         (gate_mode 0: one chain over the 8 k-steps; 1: four chains of two, summed
         ((c0+c1)+c2)+c3), x = rg + dt_bias, the decay into the slot (``hg``: the head's
-        dt_bias values of the thread's accumulators and A_log)."""
+        dt_bias values of the thread's accumulators and A_log). With ``batch`` the B rows are
+        up to 8 items of a gate batch, and column t's decays go to the batch's row t
+        (:meth:`_batch_decays`; ``slot`` and ``cslot`` unused)."""
         pb = self.pb
         s_a = self._slots(storage, "a")
+        s_gb = self._batch_decays(storage) if batch else None
         pw = pt // 32
         A = N.fexp(hg[8])
         for mi in cutlass.range_constexpr(2):
@@ -923,11 +969,82 @@ class KdaStream(Launch):
 
             def emit(i, f16, t, rg, mt=mt, mi=mi):
                 feat = 16 * mt + f16
-                s_a[slot, t, feat] = decay(pb, A, lb, N.fadd(rg, hg[4 * mi + i]))
-                if cutlass.const_expr(pb.record):
-                    g.kg_record[cslot, h, t, D + feat] = BFloat16(rg)
+                if cutlass.const_expr(batch):
+                    s_gb[t, feat] = decay(pb, A, lb, N.fadd(rg, hg[4 * mi + i]))
+                else:
+                    s_a[slot, t, feat] = decay(pb, A, lb, N.fadd(rg, hg[4 * mi + i]))
+                    if cutlass.const_expr(pb.record):
+                        g.kg_record[cslot, h, t, D + feat] = BFloat16(rg)
 
-            gate_tile(pb, mma, thr, rA, rB, emit)
+            gate_tile(pb, mma, thr, rA, rB, emit, GATE_BATCH if batch else 0)
+
+    # ----------------------------------------------------------------------- gate batches
+    def _batch_decays(self, storage):
+        """The decays of a gate batch, ``[8 items, 128 features]`` fp32."""
+        return storage.gb.get_tensor(cute.make_layout((GATE_BATCH, D), stride=(D, 1)))
+
+    def _batch_end(self, s, i0, i1, R):
+        """The end of the gate batch that starts at walk position ``s`` of the range
+        ``[i0, i1)``: at most 8 items, the range's end, or where the head changes (``s`` past
+        the range: an empty batch)."""
+        n = i1 - i0
+        e = cutlass.min(cutlass.min(s + GATE_BATCH, n), self.items.head_run_end(i0 + s, R) - i0)
+        return cutlass.max(e, s)
+
+    @cute.jit
+    def _gate_of_batch(self, storage, g, mma, thr, pt, j, h, lb, hg, fbs, bat):
+        """With ``gate_batch`` (T = 1): at the first item ``j`` of a batch (up to 8 consecutive
+        items of the range with one head, :meth:`_batch_end`), the gate projection of all of
+        them in one pass, item c of the batch in column c (its f_a row in row c of the stage
+        :meth:`_copy_fa_batch` filled), the decays into :meth:`_batch_decays`; then the next
+        batch's rows into the other stage. Every prep thread passes every batch (the stages'
+        phases count batches); the PREP barriers keep a batch's decays until every thread has
+        copied its column (:meth:`_prep`) and show the new ones to all."""
+        gb, i0, i1, R = bat
+        if j == gb[1]:
+            k = gb[2]
+            self._fa_bars(storage).wait(k)
+            if cutlass.const_expr(self.fb_smem):
+                self._fb_bar(storage).wait_parity(0, fbs[1])
+            sync(Sync.PREP, PREP)
+            rB = smem_fragment(mma, pt % 32, self._fa_rows(storage)[k % 2, None, None], "B")
+            self._gate(storage, g, mma, thr, pt, Int32(0), h, Int32(0), lb, rB, hg, True)
+            nxt = self._batch_end(gb[3], i0, i1, R)
+            # (every prep thread read stage (k + 1) % 2 for batch k - 1 before the barrier
+            # above)
+            self._copy_fa_batch(storage, g, gb[3], nxt, k + 1, i0, R, pt)
+            gb[0] = j
+            gb[1] = gb[3]
+            gb[2] = k + 1
+            gb[3] = nxt
+            sync(Sync.PREP, PREP)
+
+    @cute.jit
+    def _copy_fa_batch(self, storage, g, s, e, use, i0, R, pt):
+        """The f_a rows of the gate batch of walk positions ``[s, e)`` (T = 1: item ``i0 + s +
+        c``'s request row into row c) into stage ``use % 2`` with cp.async, chunks of the rows'
+        alignment (as :meth:`_copy_fa`); every prep thread then arrives on the stage's use
+        ``use``. Rows past the batch are left as they are: their columns are not read."""
+        rb = min(self.pb.row_bytes, 16)
+        fa = self._fa_bars(storage)
+        s_fa = self._fa_rows(storage)
+        st = use % 2
+        if cutlass.const_expr(rb >= 4):
+            atom, g_c, s_c, per_row = self._fa_chunks(g, s_fa, rb)
+            for k in cutlass.range_constexpr(GATE_BATCH * per_row // PREP):
+                idx = pt + PREP * k
+                c = idx // per_row
+                if c < e - s:
+                    r = self.items.split_item(i0 + s + c, R)[0]
+                    cute.copy(atom, g_c[r, idx - c * per_row, None], s_c[st, c, idx - c * per_row,
+                                                                         None])
+            fa.arrive_on_copies(use)
+        else:
+            for c in cutlass.range_constexpr(GATE_BATCH):
+                if c < e - s:
+                    r = self.items.split_item(i0 + s + c, R)[0]
+                    s_fa[st, c, pt] = g.f_a[r, pt]
+            fa.arrive(use)
 
     @cute.jit
     def _epilogue(self, storage, g, pt, j, eps, nwv):
@@ -936,7 +1053,7 @@ class KdaStream(Launch):
         ob^2, then the 4 warps in order); a dead item's rows are zeros. Then *free*."""
         T = self.T
         slot = j % self.NI
-        cute.arch.mbarrier_wait(storage.done.data_ptr() + slot, (j // self.NI) & 1)
+        self._item_slots(storage).epilogue_wait(j)
         s_desc = self._descs(storage)
         r, h, live = s_desc[slot, 0], s_desc[slot, 1], s_desc[slot, 2]
         n0 = r * T
@@ -951,7 +1068,7 @@ class KdaStream(Launch):
                 so = N.warp_sum(N.fmul(obs[t], obs[t]))
                 if lane == 0:
                     s_red[slot, t, 2, pw] = so
-            cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=PREP)
+            sync(Sync.PREP, PREP)
             for t in cutlass.range_constexpr(T):
                 ss = item.quarter_sum(lambda i, t=t: s_red[slot, t, 2, i])
                 y = item.gated_rmsnorm(obs[t], ss, eps, nwv, s_og[slot, t, pt])
@@ -960,7 +1077,7 @@ class KdaStream(Launch):
             for t in cutlass.range_constexpr(T):
                 g.out[n0 + t, h * D + pt] = BFloat16(0.0)
         # every prep thread hands the slot (and its sums) back once its reads are done
-        cute.arch.mbarrier_arrive(storage.free.data_ptr() + slot)
+        self._item_slots(storage).epilogue_release(j)
 
     # -------------------------------------------------------------------------------- host
     def _launch(self, a: KernelArgs, stream):

@@ -2,9 +2,9 @@
 
 Grid = R*H CTAs, CTA ``b`` processes item ``b`` (request ``b // H``, head ``b % H``):
 
-  1. read the slots (contract section 2 liveness);
-  2. (after ``griddepcontrol.wait``, for programmatic dependent launch: everything below
-     may read the predecessor's output) load the window history, stage x / output-gate rows
+  1. ``griddepcontrol.wait`` (programmatic dependent launch: everything below may read the
+     predecessor's output), then the slots (contract section 2 liveness);
+  2. load the window history, stage x / output-gate rows
      and load beta (cp.async group 1), then stage the state page (group 2; with
      ``Schedule.page_last`` off, the page first and everything one group);
   3. the gate projection (:meth:`ItemMath.gate`, no staged data needed) while the staging
@@ -26,9 +26,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from kda.backends.cutedsl import ptx as P
-from kda.backends.cutedsl.args import KernelArgs, Launch
-from kda.backends.cutedsl.common import NTHREADS, ItemMath, make_params
+from kda.backends.cutedsl.args import KernelArgs, Launch, make_views
+from kda.backends.cutedsl.common import NTHREADS, ItemMath, Smem, make_params, storage_fields
 from kda.backends.cutedsl.item import state_regs
 from kda.backends.cutedsl.problem import Problem
 from kda.backends.cutedsl.schedule import Rows, Schedule
@@ -46,57 +45,61 @@ class KdaWide(Launch):
         self.pb = pb
         self.sched = sched
         self.math = ItemMath(pb, sched.page_last)
-        self.plan = SmemPlan(pb.T)
+        self.Storage = cute.struct(type("KdaWideStorage", (), {
+            "__annotations__": storage_fields(pb.T)}))
+        # the host's carveout hint and the occupancy check count SmemPlan's bytes
+        self.smem_bytes = SmemPlan(pb.T).total
+        assert self.Storage.size_in_bytes() <= self.smem_bytes, "storage_fields follows SmemPlan"
 
     @cute.kernel
     def kernel(self, a: KernelArgs):
         """Device code: CTA ``blockIdx.x`` processes item ``blockIdx.x`` (see the module docstring)."""
         tid, _, _ = cute.arch.thread_idx()
         item, _, _ = cute.arch.block_idx()
-        smem = SmemAllocator()
-        buf = smem.allocate(self.plan.total, byte_alignment=128)
-        p = make_params(self.pb, Int32(buf.toint()), Int32(tid), a)
+        storage = SmemAllocator().allocate(self.Storage)
+        p = make_params(self.pb, make_views(self.pb, a), Smem(self.pb, storage), Int32(tid), a)
         desc = cute.make_rmem_tensor(cute.make_layout((8,)), Int32)
-        wreg = cute.make_rmem_tensor(cute.make_layout((8,)), Int32)
+        ops = self.math.op_regs(p)
         S = state_regs(4)                    # the thread's 4 rows of the page
         ogr = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
 
         # Wait for the predecessor (programmatic dependent launch) before reading anything:
         # slot ids, windows, pages and operands may all be its output (launch_dependents
         # alone does not make its writes visible here).
-        P.griddep_wait()
-        vals, nacc = self.math.slot_values(p, Int32(item), Int32(1))
-        self.math.make_desc(p, Int32(item), Int32(1), vals, nacc, desc)
-        self.math.stage_slot_values(p, vals, nacc, Int32(0))
-        self.math.issue_first(p, desc, wreg)  # page_last: operands, then the page
+        cute.arch.griddepcontrol_wait()
+        r, _ = self.math.item_rh(Int32(item))
+        vals, nacc = self.math.slot_values(p, r)
+        self.math.make_desc(p, Int32(item), vals, nacc, desc)
+        self.math.stage_slot_values(p, vals, nacc)
+        self.math.issue_first(p, desc, ops)  # page_last: operands, then the page
         hp = self.math.head_loads(p, desc[1])
         live = desc[5]
         if live != 0:
             self.math.gate(p, desc, hp)      # needs no staged data: overlaps the staging
         if cutlass.const_expr(self.sched.page_last):
-            P.cp_async_wait_group(1)          # the operands (the page may still be landing)
+            cute.arch.cp_async_wait_group(1)  # the operands (the page may still be landing)
         else:
-            P.cp_async_wait_all()
-        P.bar_sync()
+            cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
         if live != 0:
-            self.math.phase_a(p, desc, hp, wreg, ogr)
+            self.math.phase_a(p, desc, hp, ops, ogr)
         if cutlass.const_expr(self.sched.page_last):
             # the page: each thread reads back only the chunks it copied itself, so its own
             # wait suffices (the barrier below is phase A's)
-            P.cp_async_wait_group(0)
-        P.bar_sync()
+            cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
         if live != 0:
             self.math.load_state_regs(p, S)
-            self.math.phase_b(p, desc, Int32(0), S, ogr)
+            self.math.phase_b(p, desc, S, ogr)
         else:
             self.math.write_zeros(p, desc)
-        P.fence_gpu()
-        P.bar_sync()
-        P.griddep_launch()
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier()
+        cute.arch.griddepcontrol_launch_dependents()
 
     def _launch(self, a: KernelArgs, stream):
         """R*H CTAs of 256 threads on ``stream`` (:func:`scheduler.grid`)."""
         self.kernel(a).launch(
             grid=grid(self.sched, self.pb.H, a), block=[NTHREADS, 1, 1], stream=stream,
             use_pdl=True, min_blocks_per_mp=2,
-            preferred_smem_carveout=carveout_percent(self.plan.total))
+            preferred_smem_carveout=carveout_percent(self.smem_bytes))

@@ -5,8 +5,8 @@ files.
 
 Replaces the text between ``<!-- perf-table:begin -->`` and ``<!-- perf-table:end -->`` in
 README.md with one table per JSON (time in us and fraction of the copy-bandwidth floor per
-backend and peer), headed by the run's device, date, commit and command, and the text between
-``<!-- tiers:begin -->`` and ``<!-- tiers:end -->`` in each run folder's README.md (where it
+backend and peer), headed by the run's device, date and command (its commit is in the JSON),
+and the text between ``<!-- tiers:begin -->`` and ``<!-- tiers:end -->`` in each run folder's README.md (where it
 has them) with ``cutedsl`` against ``touch`` per tier of items (:data:`TIERS`) from that
 folder's JSONs, so neither shows a number by hand. ``--check`` exits non-zero when any is not
 up to date.
@@ -49,7 +49,9 @@ def table(path: str, root: str) -> str:
     keys = list(dict.fromkeys((c["H"], c["T"], c["R"], sd(c)) for c in cells))
     dtypes = any(k[3] != "fp32" for k in keys)      # a "state" column only when it varies
     rel = os.path.relpath(path, root)
-    lines = [f"From [`{rel}`]({rel}): {meta['device']}, {meta['date']}, commit `{meta['commit']}`, "
+    # (the run's commit stays in its JSON and its folder's README: the project's README says
+    # what is, and links the run)
+    lines = [f"From [`{rel}`]({rel}): {meta['device']}, {meta['date']}, "
              f"copy bandwidth {meta['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, {meta['timing']}, "
              f"{meta['gate']} gate, {meta['layout']} conv layout. Command: `{meta['command']}`.",
              "",

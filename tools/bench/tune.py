@@ -70,10 +70,13 @@ def define_flags() -> None:
                          "before the sweep (0: one per CPU)")
 
 
-#: The candidates by default: every schedule name but the early-reading builds (those need
-#: ``KdaConfig.early_reads``; the policy applies its measured rule for them).
-DEFAULT_CANDIDATES = ("split2", "split4", "split8", "stream", "streamg", "stream2", "stream4",
-                      "stream8", "wide")
+#: The candidates by default: every schedule name (:data:`tools.schedules.BUILD`) but the
+#: early-reading builds (those need ``KdaConfig.early_reads``; the policy applies its measured
+#: rule for them) and the blocks of 16 requests (``--candidates`` names them).
+DEFAULT_CANDIDATES = ("split2", "split4", "split8", "split4+direct", "split8+direct", "stream",
+                      "streamg", "stream2", "stream4", "stream8", "stream2t", "stream4t",
+                      "stream8t", "stream+gb", "streamg+gb", "stream2+gb", "stream4+gb",
+                      "stream8+gb", "wide")
 
 
 def plan(heads, tokens, batches, state_dtypes, candidates) -> List[dict]:
@@ -207,12 +210,14 @@ def main(argv):
     batches = [int(b) for b in FLAGS.batches]
     state_dtypes = (["fp32", "bf16"] if FLAGS["state_dtype"].using_default_value
                     else FLAGS.state_dtype)
+    from tools.schedules import BUILD
+    known = [n for n in BUILD if "+early" not in n]
     candidates = FLAGS.candidates or list(DEFAULT_CANDIDATES)
-    unknown = [n for n in candidates if n not in DEFAULT_CANDIDATES]
+    unknown = [n for n in candidates if n not in known]
     if unknown:
-        console.print(f"--candidates: expected names from {', '.join(DEFAULT_CANDIDATES)} "
-                      f"(a table row holds a schedule's axes, which its flags follow), got "
-                      f"{', '.join(unknown)}")
+        console.print(f"--candidates: expected names from {', '.join(known)} (early-reading "
+                      f"builds are not candidates: a table row holds a schedule's axes, which "
+                      f"its flags follow), got {', '.join(unknown)}")
         return 2
     bad = [f"--{n}={v}" for n, vs in (("heads", heads), ("tokens", tokens), ("batches", batches))
            for v in vs if v < 1 or (n == "tokens" and v > MAX_T)]
@@ -225,9 +230,19 @@ def main(argv):
         console.print("no cell has a candidate that serves it (--candidates, --tokens)")
         return 2
     if FLAGS.dry_run:
+        from tools.schedules import parse
+        shown = set()
         for c in cells:
             console.print(f"{c['state']} T={c['T']} H={c['H']} R={c['R']} ({c['items']} items): "
                           + ", ".join(c["candidates"]))
+            key = (c["state"], c["T"], c["H"])
+            for name in [n for n in candidates if n not in c["candidates"]]:
+                if (key, name) not in shown:     # once per configuration: why it is left out
+                    shown.add((key, name))
+                    try:
+                        parse(name, c["cfg"])
+                    except ValueError as e:
+                        console.print(f"  left out {name}: {e}")
         console.print(f"{len(cells)} cells, {sum(len(c['candidates']) for c in cells)} "
                       "candidate timings")
         return 0

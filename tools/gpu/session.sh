@@ -27,8 +27,9 @@
 #   bigmem   the GPU-scale cases (2**31 offsets, >65,535 items)
 #   sanitize compute-sanitizer memcheck, racecheck and synccheck on one checked step of the
 #            CuTe DSL kernels (tools/gpu/step_check.py; cutedsl at a split-kernel and at a
-#            streamed-kernel batch, streamg at T=1, cutedsl_wide at T=1) and of cuda's bf16-state builds,
-#            each kernel with fp32 and bf16 state pools
+#            streamed-kernel batch, streamg at T=1, the gate in batches, blocks with the tail,
+#            the cluster kernel's direct rows, cutedsl_wide at T=1) and of cuda's bf16-state
+#            builds, each kernel with fp32 and bf16 state pools
 #   full     the full conformance matrix, per backend in $KDA_FULL_SHARDS shards (default 2),
 #            or the jobs listed in $KDA_FULL_JOBS ("backend:i/n ...", e.g. "cuda:2/3")
 #
@@ -174,6 +175,17 @@ if want sanitize; then
       bg "sanitize-$tool-streamg-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
          --error-exitcode 9 --report-api-errors no \
          python3 -m tools.gpu.step_check cutedsl:streamg 8 100 1 $sd record
+      # the gate in batches of items (T=1), blocks with the half-length tail (T=2), the
+      # cluster kernel with its rows loaded into registers
+      bg "sanitize-$tool-gb-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
+         --error-exitcode 9 --report-api-errors no \
+         python3 -m tools.gpu.step_check cutedsl:stream4+gb 8 100 1 $sd
+      bg "sanitize-$tool-tail-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
+         --error-exitcode 9 --report-api-errors no \
+         python3 -m tools.gpu.step_check cutedsl:stream4t 8 100 2 $sd
+      bg "sanitize-$tool-direct-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
+         --error-exitcode 9 --report-api-errors no \
+         python3 -m tools.gpu.step_check cutedsl:split4+direct 4 3 2 $sd
       # the one-CTA-per-item kernel at an odd T (its epilogue's upper half has no last token)
       bg "sanitize-$tool-wide-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
          --error-exitcode 9 --report-api-errors no \

@@ -24,6 +24,10 @@ from kda.testing import CaseSpec, call_public, compare_step, expected_after, mak
 
 
 def main(argv) -> int:
+    if len(argv) < 4 or not all(a.isdigit() for a in argv[1:4]):
+        print(f"step_check: expected BACKEND HEADS REQUESTS TOKENS [fp32|bf16] [record] [early] "
+              f"(see the module docstring), got {' '.join(argv) or 'nothing'}", file=sys.stderr)
+        return 2
     backend, H, R, T = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
     words = argv[5:]
     bad_words = any(w not in ("record", "early") for w in words) or len(set(words)) != len(words)
@@ -34,16 +38,26 @@ def main(argv) -> int:
     bf16_state = argv[4:5] == ["bf16"]
     record = T > 1 or "record" in words
     early = "early" in words
+    cfgs = [dataclasses.replace(cfg, early_reads=early) for cfg in (
+        make_config(H, T, "SD", lb=-5.0, bias=True, bf16_state=bf16_state),
+        make_config(H, T, "DS", gm=1, record=record, bf16_state=bf16_state))]
+    scheds = [None, None]
+    if ":" in backend:      # cutedsl:NAME, the schedule NAME of the CuTe DSL family: both
+        from tools.schedules import parse   # steps' schedules exist before anything runs
+        try:
+            scheds = [parse(backend.split(":", 1)[1], cfg)[1] for cfg in cfgs]
+        except ValueError as e:
+            print(f"step_check: {backend}: {e}", file=sys.stderr)
+            return 2
+    if not torch.cuda.is_available():
+        print("step_check: runs a step on a CUDA GPU: none here", file=sys.stderr)
+        return 2
     failures = 0
-    for cfg in (make_config(H, T, "SD", lb=-5.0, bias=True, bf16_state=bf16_state),
-                make_config(H, T, "DS", gm=1, record=record, bf16_state=bf16_state)):
-        cfg = dataclasses.replace(cfg, early_reads=early)
+    for cfg, sched in zip(cfgs, scheds):
         args = make_case(CaseSpec(cfg, R=R, seed=H * 100 + R), "cuda")
         before, expected = expected_after(cfg, args)
-        if ":" in backend:      # cutedsl:NAME, the schedule NAME of the CuTe DSL family
+        if sched is not None:
             from kda.backends.cutedsl.backend import KdaBackend
-            from tools.schedules import parse
-            sched = parse(backend.split(":", 1)[1], cfg)[1]
             KdaBackend.launcher(sched, cfg, torch.device("cuda"))(args)
         else:
             call_public(args, cfg, backend)

@@ -81,20 +81,24 @@ SPLIT_CASES = [
     ("split2", 0), ("split2", 5), ("split2", 7),
 ]
 #: The streamed kernel's cases: T = 1, 2, 5, 8, both layouts, both gates, gate_mode 0/1,
-#: bias, record mode, fp32 conv state, bf16 weights; in blocks of 4 requests at T = 1-3; with
-#: the groups preparing their items (streamg) at T = 1 in both layouts, record mode.
+#: bias, record mode, fp32 conv state, bf16 weights; in blocks of 4 requests at T = 1-3 (and
+#: with the tail of half blocks: 4 at T = 1, 2 at T > 1); with the groups preparing their items
+#: (streamg) at T = 1 in both layouts, record mode; with the gate in batches of 8 items
+#: (``+gb``, T = 1).
 STREAM_CASES = [("stream", 0), ("stream", 1), ("stream", 2), ("stream", 4), ("stream", 7),
                 ("stream4", 0), ("stream4", 6), ("stream4", 7), ("stream4", 8),
-                ("streamg", 0), ("streamg", 6)]
+                ("streamg", 0), ("streamg", 6), ("stream4t", 0), ("stream2t", 7),
+                ("stream+gb", 0), ("streamg+gb", 0), ("stream4+gb", 0), ("stream8+gb", 0)]
 CASES = [("wide", i) for i in range(len(CONFIGS))] + SPLIT_CASES + STREAM_CASES
 D = 128
 
 
 #: Streamed builds allowed a stack (bytes), ptxas at the 168-register cap: ``streamg`` on fp32
 #: pages (SD, no record) keeps the group's next operands, conv weights and norm weight across
-#: the passes beside the 64 state values (bf16 pages: 153 registers, no stack). Its step
-#: times were measured with it. Strict: a case that stops spilling must leave this table.
-STREAM_STACK = {("streamg", 0): 40}
+#: the passes beside the 64 state values (bf16 pages: 153 registers, no stack), with the gate
+#: in batches (``+gb``) or not. Its step times were measured with it. Strict: a case that stops
+#: spilling must leave this table.
+STREAM_STACK = {("streamg", 0): 40, ("streamg+gb", 0): 40}
 
 
 def _case_params():
@@ -229,24 +233,26 @@ def _bulk_copies(ptx):
     return out
 
 
-def _check_wide_ptx(ptx, cfg):
+def _check_wide_ptx(ptx, cfg, rows=16):
     # gate projection on the tensor cores: 8 k-steps of m16n8k16 (one or four chains)
     assert len(re.findall(MMA, ptx)) == 8
     # 16-byte staging copies through L2 for the state page and the token rows
     assert "cp.async.cg.shared.global" in ptx and ", 16;" in ptx
+    # a dead item's output rows: one 16-byte store of zeros per thread on 16-byte rows
+    zeros = 1 if rows == 16 else 0
+    pages = 0 if cfg.record else cfg.T
     if cfg.state_dtype == bf16:
         # (aligned rows) the bf16 page: 16 copies of 8 bytes; each state written: 16 stores
         # of 8 bytes, four values rounded to nearest even by two cvt.rn.bf16x2
-        ca8 = r"cp\.async\.ca\.shared\.global \[[^\]]*\], \[[^\]]*\], 8;"
+        # (CuTe's cp.async atom names the source size too: ", 8, 8;")
+        ca8 = r"cp\.async\.ca\.shared\.global \[[^\]]*\], \[[^\]]*\], 8(?:, 8)?;"
         assert len(re.findall(ca8, ptx)) == 16
-        pages = 0 if cfg.record else cfg.T
         assert ptx.count("st.global.v2.b32") == 16 * pages
         assert ptx.count("cvt.rn.bf16x2.f32") == 32 * pages
-        assert "st.global.v4.f32" not in ptx, "no fp32 state stores into a bf16 pool"
-    elif cfg.record:
-        assert "st.global.v4.f32" not in ptx, "record mode must not write the state"
+        assert ptx.count("st.global.v4") == zeros, "no fp32 state stores into a bf16 pool"
     else:
-        assert "st.global.v4.f32" in ptx, "state stores must be 16-byte vectors"
+        # each state written (none in record mode): 16 stores of 16 bytes
+        assert ptx.count("st.global.v4") == 16 * pages + zeros, "state stores: 16-byte vectors"
     # programmatic dependent launch: the wait first, the trigger after a GPU-scope fence at the end
     assert ptx.count("griddepcontrol.wait") == 1
     assert ptx.count("griddepcontrol.launch_dependents") == 1
@@ -372,19 +378,19 @@ def test_engine_forms_compile(kind, cfg, rows):
     compiled, ptx = _compile_build(*build(kind, cfg, rows))
     usage = _resource_usage(compiled.__cubin__)
     if kind == "wide":
-        _check_wide_ptx(ptx, cfg)
+        _check_wide_ptx(ptx, cfg, rows)
         per = 128 // (2 if rows == 4 else 4)       # pieces per 128-element row
         pieces = -(-3 * cfg.T * per // 256) + -(-cfg.T * per // 256)   # x, output-gate copies
-        ca = r"cp\.async\.ca\.shared\.global \[[^\]]*\], \[[^\]]*\], %d;"
+        ca = r"cp\.async\.ca\.shared\.global \[[^\]]*\], \[[^\]]*\], %d(?:, \d+)?;"
         assert _ldst(ptx, ca % 8) == (pieces if rows == 8 else 0)
         assert _ldst(ptx, ca % 4) == (pieces if rows == 4 else 0)
         # 16-byte copies: the page (one asm of 16 copies) and, SD, the window
         cg = _ldst(ptx, r"cp\.async\.cg\.shared\.global")
         assert cg == (16 if cfg.conv_layout == "DS" else 17) + (2 if rows == 16 else 0), cg
-        zeros = _ldst(ptx, r"st\.global\.v4\.b32 \[[^\]]*\], \{0, 0, 0, 0\}")
+        zeros = _ldst(ptx, r"st\.global\.v4\.b32\s+\[[^\]]*\], \{0, 0, 0, 0\}")
         assert zeros == (1 if rows == 16 else 0)
         if rows == 2:       # f_a: 8 k-steps x 2 words x 2 halves; each x / og piece: 2 x 2
-            assert _ldst(ptx, r"ld\.global\.nc\.b16") == 32 + 4 * pieces
+            assert _ldst(ptx, r"ld\.global(?:\.nc)?\.b16") == 32 + 4 * pieces
         if usage is not None:
             assert usage["REG"] <= 128 and usage["STACK"] <= 512, usage
     else:
@@ -417,6 +423,9 @@ BF16_STATE_CASES = [
     ("stream", KdaConfig(num_heads=32, T=1, window=3, state_dtype=bf16)),
     ("stream4", KdaConfig(num_heads=32, T=1, window=3, state_dtype=bf16)),
     ("streamg", KdaConfig(num_heads=12, T=1, window=4, has_conv_bias=True, state_dtype=bf16)),
+    ("streamg+gb", KdaConfig(num_heads=12, T=1, window=4, has_conv_bias=True,
+                             state_dtype=bf16)),
+    ("stream8+gb", KdaConfig(num_heads=32, T=1, window=3, state_dtype=bf16)),
     ("stream", KdaConfig(num_heads=12, T=4, window=6, gate_mode=1, state_dtype=bf16)),
     ("stream", KdaConfig(num_heads=8, T=3, window=5, record=True, state_dtype=bf16)),
     ("stream", KdaConfig(num_heads=32, T=2, window=4, state_dtype=bf16)),
@@ -446,6 +455,71 @@ def test_bf16_state_builds_compile(kind, cfg):
             assert usage["REG"] <= 168 and usage["STACK"] == 0, usage
         elif sched.cluster in POLICY_CLUSTERS:
             assert usage["STACK"] == 0 and usage["LOCAL"] == 0, usage
+
+
+#: The gate in batches on f_a rows of every alignment (8 and 4 bytes: 16 and 32 chunks a row by
+#: cp.async; 2: element copies) and with the tail of half blocks: (label, config, rows, fields).
+GATE_BATCH_FORMS = [
+    ("stream4", KdaConfig(num_heads=12, T=1, window=3, lower_bound=-5.0), 8, {}),
+    ("stream", KdaConfig(num_heads=5, T=1, window=3, beta_activated=True), 4, {}),
+    ("streamg", KdaConfig(num_heads=4, T=1, window=3, conv_layout="DS"), 2, {}),
+    ("stream8t", KdaConfig(num_heads=32, T=1, window=3, state_dtype=bf16), 16, {}),
+]
+
+
+@pytest.mark.parametrize("kind,cfg,rows,fields", GATE_BATCH_FORMS,
+                         ids=[f"{k}+gb-{c.short()}-rows{r}" for k, c, r, _ in GATE_BATCH_FORMS])
+def test_gate_batch_forms_compile(kind, cfg, rows, fields):
+    """``gate_batch`` builds on unaligned f_a rows and in blocks with the tail compile
+    without local arrays and with no more stack than the same build without it, their batch's
+    rows copied with the alignment's widest cp.async (none on 2-byte rows), one MMA pass of
+    2 tiles x 8 k-steps per prep warp."""
+    pb, sched = build(kind, cfg, rows, gate_batch=True, **fields)
+    assert sched.gate_batch
+    compiled, ptx = _compile_build(pb, sched)
+    assert len(re.findall(MMA, ptx)) == 2 * 8
+    fa = r"cp\.async\.c[ag]\.shared\.global \[[^\]]*\], \[[^\]]*\], %d[,;]"
+    if rows > 2:
+        assert _ldst(ptx, fa % rows) >= 1
+    else:
+        assert _ldst(ptx, fa % 16) + _ldst(ptx, fa % 8) + _ldst(ptx, fa % 4) == 0
+    usage = _resource_usage(compiled.__cubin__)
+    if usage is not None:
+        plain = _resource_usage(_compile_build(*build(kind, cfg, rows, **fields))[0].__cubin__)
+        assert usage["REG"] <= 168 and usage["LOCAL"] == 0, usage
+        assert usage["STACK"] <= plain["STACK"], (usage, plain)
+
+
+#: The cluster kernel with its rows loaded straight into registers (``state_direct``): C = 4 and
+#: 8, T = 1 and 4, both state dtypes, record mode.
+DIRECT_CASES = [
+    ("split4+direct", KdaConfig(num_heads=12, T=1, window=3, lower_bound=-5.0)),
+    ("split4+direct", KdaConfig(num_heads=12, T=4, window=6, state_dtype=bf16)),
+    ("split8+direct", KdaConfig(num_heads=32, T=1, window=3, state_dtype=bf16, record=True)),
+    ("split8+direct", KdaConfig(num_heads=96, T=4, window=6, has_conv_bias=True)),
+]
+
+
+@pytest.mark.parametrize("kind,cfg", DIRECT_CASES,
+                         ids=[f"{k}-{c.short()}" for k, c in DIRECT_CASES])
+def test_state_direct_builds_compile(kind, cfg):
+    """``state_direct``: no bulk copy of the state rows (the f_b rows' and dt_bias' copies
+    stay), one 16-byte (fp32) or 8-byte (bf16) global load per chunk of the CTA's rows, the
+    same state stores and exchange as the staged build; no local arrays, a stack of at most 16
+    bytes (ptxas, with the rows live across the conv and norms)."""
+    pb, sched = build(kind, cfg)
+    assert sched.state_direct
+    compiled, ptx = _compile_build(pb, sched)
+    rows = D // sched.cluster
+    copies = _bulk_copies(ptx)
+    assert all(n != rows * D * (2 if cfg.state_dtype == bf16 else 4) for _, n in copies), copies
+    loads = _ldst(ptx, r"ld\.global[.a-z:0-9]*\.v4\.(b32|f32|u32) ") if cfg.state_dtype != bf16 \
+        else _ldst(ptx, r"ld\.global[.a-z:0-9]*\.(v2\.b32|v4\.b16|v4\.u16|b64|u64) ")
+    assert loads >= 4 * (rows // 16), loads
+    assert "st.async.shared::cluster.mbarrier::complete_tx::bytes" in ptx
+    usage = _resource_usage(compiled.__cubin__)
+    if usage is not None:
+        assert usage["REG"] <= 128 and usage["LOCAL"] == 0 and usage["STACK"] <= 16, usage
 
 
 #: Builds with ``early_reads`` (the persistent walk on fp32 pages): T = 1, 2, 4, 8, record

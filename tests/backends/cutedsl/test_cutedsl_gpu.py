@@ -113,14 +113,19 @@ def _check_beside_wide(name, run, cfg, args, device, require_backend, check_wide
     return wide
 
 
-@pytest.mark.parametrize("C", CLUSTERS, ids=[f"split{c}" for c in CLUSTERS])
+#: The cluster kernels by label: every cluster size, and with the rows loaded straight into
+#: registers (``state_direct``, C = 4 and 8)
+SPLITS = [f"split{c}" for c in CLUSTERS] + [f"split{c}+direct" for c in CLUSTERS if c >= 4]
+
+
+@pytest.mark.parametrize("kind", SPLITS)
 @pytest.mark.parametrize("spec", SPECS, ids=[s.id for s in SPECS])
-def test_split_bit_identical_to_wide(spec, C, device, require_backend):
-    """splitC == wide bit for bit, and both within the reference's tolerance."""
+def test_split_bit_identical_to_wide(spec, kind, device, require_backend):
+    """Every cluster kernel == wide bit for bit, and both within the reference's tolerance."""
     cfg = spec.cfg
-    split = _launcher(f"split{C}", cfg, device, require_backend)
+    split = _launcher(kind, cfg, device, require_backend)
     a_split = make_case(spec, device)
-    wide = _check_beside_wide(f"split{C}", split, cfg, a_split, device, require_backend,
+    wide = _check_beside_wide(kind, split, cfg, a_split, device, require_backend,
                               check_wide=True)
     rows = row_bytes(a_split)
     assert rows in split.by_rows and rows in wide.by_rows      # the build for the rows ran
@@ -182,6 +187,8 @@ FEW_CTAS_SPECS = [
 
 
 FEW_CTAS_CASES = [("stream", s) for s in FEW_CTAS_SPECS] + [
+    ("stream4t", FEW_CTAS_SPECS[0]), ("stream2t", FEW_CTAS_SPECS[2]),
+    ("stream+gb", FEW_CTAS_SPECS[0]), ("streamg+gb", FEW_CTAS_SPECS[0]),
     ("streamg", FEW_CTAS_SPECS[0]),
     ("streamg", CaseSpec(make_config(12, 1, "DS", record=True, bias=True, bf16_state=True),
                          R=60, null_frac=0.3, seed=45)),
@@ -191,7 +198,8 @@ FEW_CTAS_CASES = [("stream", s) for s in FEW_CTAS_SPECS] + [
 @pytest.mark.parametrize("kind,spec", FEW_CTAS_CASES,
                          ids=[f"{k}-{s.id}" for k, s in FEW_CTAS_CASES])
 def test_stream_few_ctas(kind, spec, device, require_backend, monkeypatch):
-    """The persistent kernels on 3 CTAs == wide bit for bit, and the reference."""
+    """The persistent kernels on 3 CTAs (in blocks with the tail: 3 SMs, one CTA of half a
+    block) == wide bit for bit, and the reference."""
     stream = _launcher(kind, spec.cfg, device, require_backend)
     monkeypatch.setattr(stream, "sms", 3)       # the grid: min(sms, items)
     _check_beside_wide(kind, stream, spec.cfg, make_case(spec, device), device,
@@ -234,16 +242,29 @@ GROUP_SPECS = [s for s in STREAM_SPECS + BLOCK_SPECS[:5] if s.cfg.T == 1] + [
              packed=True, offset_rows=True, seed=84),
 ]
 
+#: The gate batches' f_a rows at odd element offsets (2-byte aligned: element copies)
+GB_ODD_ROWS = CaseSpec(make_config(3, 1, "DS", beta_act=True), R=40, packed=True,
+                       offset_rows=True, null_frac=0.2, seed=85)
+
 #: (kernel, case) of :func:`test_stream_bit_identical_to_wide`
 STREAM_CASES = ([("stream", s) for s in STREAM_SPECS] + [("stream4", s) for s in BLOCK_SPECS]
-                + [("streamg", s) for s in GROUP_SPECS])
+                + [("stream4t", s) for s in BLOCK_SPECS[:4] + BLOCK_SPECS[6:9]]
+                + [("stream2t", BLOCK_SPECS[9]), ("stream8t", BLOCK_SPECS[0])]
+                + [("streamg", s) for s in GROUP_SPECS]
+                + [(k + "+gb", s) for k, specs in (("stream", STREAM_SPECS),
+                                                    ("stream4", BLOCK_SPECS),
+                                                    ("stream8", BLOCK_SPECS[:4]),
+                                                    ("streamg", GROUP_SPECS))
+                   for s in specs if s.cfg.T == 1 and not s.cfg.record]
+                + [(k, GB_ODD_ROWS) for k in ("stream+gb", "stream4+gb", "streamg+gb")])
 
 
 @pytest.mark.parametrize("kind,spec", STREAM_CASES, ids=[f"{k}-{s.id}" for k, s in STREAM_CASES])
 def test_stream_bit_identical_to_wide(kind, spec, device, require_backend):
     """The streamed kernel, persistent (``stream``; ``streamg``: the groups preparing their
-    items) or on one CTA per 4 items in blocks of 4 requests (``stream4``), == wide bit for
-    bit, and both within the reference's tolerance."""
+    items) or on one CTA per 4 items in blocks of 4 requests (``stream4``; ``stream4t``: the
+    last 66 CTAs at 2 items, on 132 SMs), with the gate in batches of items (``+gb``, T = 1),
+    == wide bit for bit, and both within the reference's tolerance."""
     run = _launcher(kind, spec.cfg, device, require_backend)
     _check_beside_wide(kind, run, spec.cfg, make_case(spec, device), device, require_backend,
                        check_wide=True)

@@ -49,6 +49,15 @@ def test_problem_is_validated():
     (dict(rows="warp", prep="warpgroup", items="blocks"), "block: expected one of"),
     (dict(rows="warp", prep="warpgroup", items="range", block=4), "block: expected one of"),
     (dict(rows="warp", prep="warpgroup", items="blocks", block=3), "block: expected one of"),
+    (dict(rows="warp", prep="warpgroup", items="range", tail=True), "tail: a field of"),
+    (dict(rows="cta", prep="inline", items="one", tail=True), "tail: a field of"),
+    (dict(rows="warp", prep="warpgroup", items="blocks", block=4, tail=1), "tail: expected a bool"),
+    (dict(rows="cluster", prep="cluster", items="one", cluster=4, gate_batch=True),
+     "flags of rows=WARP only"),
+    (dict(rows="cluster", prep="cluster", items="one", cluster=2, state_direct=True),
+     "state_direct: a flag of rows=CLUSTER with cluster >= 4"),
+    (dict(rows="warp", prep="warpgroup", items="range", state_direct=True),
+     "state_direct: a flag of rows=CLUSTER"),
     (dict(rows="cta", prep="inline", items="one", prefetch=True), "flags of rows=WARP only"),
     (dict(rows="cluster", prep="cluster", items="one", cluster=4, early_reads=True),
      "flags of rows=WARP only"),
@@ -105,12 +114,34 @@ def test_names_and_tags():
                S.stream(pb, walk=False),
                S.stream(pb, unit_rows=16), S.stream(pb, consumers=4),
                S.stream(pb, stage_fb=False)] + [S.stream(pb, block=C) for C in S.BLOCKS]
-    assert len({s.tag() for s in scheds}) == len(scheds)
+    tails = [S.stream(pb, block=C, tail=True) for C in S.BLOCKS]
+    assert len({s.tag() for s in scheds + tails}) == len(scheds + tails)
+    assert [s.name for s in tails] == ["stream2t", "stream4t", "stream8t", "stream16t"]
+    assert tails[1].axes() == {"rows": "warp", "prep": "warpgroup", "items": "blocks",
+                               "block": 4, "tail": True}
+    assert S.from_axes(pb, tails[1].axes()) == tails[1]
+    batched = [S.stream(pb, gate_batch=True), S.stream(pb, block=8, gate_batch=True),
+               S.stream(pb, prep=S.Prep.GROUP, gate_batch=True)]
+    assert [s.name for s in batched] == ["stream+gb", "stream8+gb", "streamg+gb"]
+    assert len({s.tag() for s in scheds + tails + batched}) == len(scheds + tails + batched)
+    assert batched[1].axes()["gate_batch"] is True
+    assert S.from_axes(pb, batched[1].axes()) == batched[1]
     assert [s.name for s in scheds[:5]] == ["wide", "wide", "split2", "split4", "split8"]
     assert [s.name for s in scheds[5:8]] == ["stream", "stream+early", "streamg"]
     assert [s.name for s in scheds[-4:]] == ["stream2", "stream4", "stream8", "stream16"]
     assert S.stream(pb, block=4).axes() == {"rows": "warp", "prep": "warpgroup",
                                             "items": "blocks", "block": 4}
+
+
+def test_gate_batch_serves_one_token_without_record():
+    """The gate in batches of items takes one MMA column per item: T = 1, and no record rows
+    (they would need every batch item's conv slot at the gate)."""
+    assert S.stream(_pb(1), gate_batch=True).gate_batch
+    with pytest.raises(ValueError, match="gate_batch serves T = 1 without record mode, got T=2"):
+        S.stream(_pb(2), gate_batch=True)
+    rec = Problem.from_config(KdaConfig(num_heads=8, T=1, window=3, record=True))
+    with pytest.raises(ValueError, match="got T=1, record"):
+        S.stream(rec, gate_batch=True)
 
 
 STRUCT_CASES = [
@@ -131,7 +162,8 @@ def test_stream_smem_matches_the_storage_struct(kw):
     variants = [S.stream(pb), S.stream(pb, block=4), S.stream(pb, stage_fb=False),
                 S.stream(pb, unit_rows=64, consumers=4)]
     if pb.T == 1:
-        variants.append(S.stream(pb, prep=S.Prep.GROUP))
+        variants += [S.stream(pb, prep=S.Prep.GROUP), S.stream(pb, gate_batch=True),
+                     S.stream(pb, prep=S.Prep.GROUP, gate_batch=True)]
     for s in variants:
         k = KdaStream(pb, s)
         assert k.Storage.__sizeof__() == S.stream_smem_bytes(pb, s, s.stage_fb), s
