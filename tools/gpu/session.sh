@@ -10,7 +10,7 @@
 #   bench    alone: the benchmark (the backends in $KDA_BENCH_BACKENDS, default
 #            $KDA_GPU_BACKENDS = every GPU backend; the fla-core and touch peers; the default
 #            grid of tools/bench/bench.py on fp32 and bf16 state pools, or other flags in
-#            $KDA_BENCH_FLAGS) -> $OUT/bench-<gpu>.json (gpu: the device name's last word, e.g.
+#            $KDA_BENCH_FLAGS) -> $OUT/bench-<gpu>.json (gpu: the H model in the device's name, e.g.
 #            h200, h100)
 #   hot      alone: the benchmark with --hot_state (every request of a step on one slot, so the
 #            state stays in L2: the kernels' compute / latency bound) for $KDA_HOT_BACKENDS
@@ -67,7 +67,7 @@ finish() {
 }
 trap finish EXIT
 
-GPU_TAG=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())" 2>/dev/null || echo gpu)
+GPU_TAG=$(python3 -c "import re, torch; n = torch.cuda.get_device_name(); m = re.search(r'\bH[0-9]+', n); print((m.group() if m else n.split()[-1]).lower())" 2>/dev/null || echo gpu)
 python3 - > "$L/env.log" 2>&1 <<'PY'
 import sys, torch, kda
 print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())
