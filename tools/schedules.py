@@ -21,6 +21,9 @@ BUILD = {
     "streamg+gb": lambda pb, **kw: S.stream(pb, prep=S.Prep.GROUP, gate_batch=True, **kw),
     **{f"stream{C}+gb": (lambda pb, C=C, **kw: S.stream(pb, block=C, gate_batch=True, **kw))
        for C in S.BLOCKS},
+    **{f"stream{C}t+gb": (lambda pb, C=C, **kw: S.stream(pb, block=C, tail=True, gate_batch=True,
+                                                          **kw))
+       for C in S.BLOCKS},
 }
 
 

@@ -76,7 +76,7 @@ def define_flags() -> None:
 DEFAULT_CANDIDATES = ("split2", "split4", "split8", "split4+direct", "split8+direct", "stream",
                       "streamg", "stream2", "stream4", "stream8", "stream2t", "stream4t",
                       "stream8t", "stream+gb", "streamg+gb", "stream2+gb", "stream4+gb",
-                      "stream8+gb", "wide")
+                      "stream8+gb", "stream2t+gb", "stream4t+gb", "stream8t+gb", "wide")
 
 
 def plan(heads, tokens, batches, state_dtypes, candidates) -> List[dict]:

@@ -256,6 +256,7 @@ STREAM_CASES = ([("stream", s) for s in STREAM_SPECS] + [("stream4", s) for s in
                                                     ("stream8", BLOCK_SPECS[:4]),
                                                     ("streamg", GROUP_SPECS))
                    for s in specs if s.cfg.T == 1 and not s.cfg.record]
+                + [("stream4t+gb", s) for s in BLOCK_SPECS if s.cfg.T == 1 and not s.cfg.record]
                 + [(k, GB_ODD_ROWS) for k in ("stream+gb", "stream4+gb", "streamg+gb")])
 
 
@@ -263,7 +264,8 @@ STREAM_CASES = ([("stream", s) for s in STREAM_SPECS] + [("stream4", s) for s in
 def test_stream_bit_identical_to_wide(kind, spec, device, require_backend):
     """The streamed kernel, persistent (``stream``; ``streamg``: the groups preparing their
     items) or on one CTA per 4 items in blocks of 4 requests (``stream4``; ``stream4t``: the
-    last 66 CTAs at 2 items, on 132 SMs), with the gate in batches of items (``+gb``, T = 1),
+    last 66 CTAs at 2 items, on 132 SMs), with the gate in batches of items (``+gb``, T = 1;
+    ``stream4t+gb`` both),
     == wide bit for bit, and both within the reference's tolerance."""
     run = _launcher(kind, spec.cfg, device, require_backend)
     _check_beside_wide(kind, run, spec.cfg, make_case(spec, device), device, require_backend,
