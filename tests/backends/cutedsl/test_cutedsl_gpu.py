@@ -29,6 +29,7 @@ and 64-bit slot offsets are the conformance suite's (``tests/conformance``). Her
 """
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -412,6 +413,28 @@ def test_chained_steps(name, T, bf16, device, require_backend):
         batches = [MAX_R // 8]
     for R in batches:
         _check_three_steps(step, CaseSpec(cfg, R=R, seed=11 + T + R), device)
+
+
+def _labelled_builds():
+    """Every (problem, schedule) this module launches by label, and the wide kernel beside each
+    configuration: what :func:`_compiled` compiles before the tests."""
+    from kda.backends.cutedsl.problem import Problem
+
+    pairs = ([(k, s.cfg) for k in SPLITS for s in SPECS]
+             + [(k, s.cfg) for k, s in FEW_CTAS_CASES + STREAM_CASES + EARLY_CASES])
+    pairs = list(dict.fromkeys(pairs + [("wide", cfg) for _, cfg in pairs]))
+    return [(Problem.from_config(cfg), build(kind, cfg)[1]) for kind, cfg in pairs]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled():
+    """The module's builds compiled into the disk cache by one process per CPU first: one at a
+    time in the test process they take tens of minutes, and the tests then load them. (Under
+    pytest-xdist each worker compiles what it runs.)"""
+    from kda.backends.cutedsl.backend import import_cutedsl
+    if import_cutedsl() is None and "PYTEST_XDIST_WORKER" not in os.environ:
+        from kda.backends.cutedsl.cache import precompile
+        precompile(_labelled_builds())
 
 
 def test_compile_time_is_recorded(device, require_backend):
