@@ -17,8 +17,8 @@
 #            (default all), R 128 and 512, T 1 and 5 -> $OUT/bench-hot-<gpu>.json
 #   ncu      alone: one Nsight Compute profile (speed of light, memory, warp stats) per backend
 #            ($KDA_NCU_BACKENDS, default all) at H=32 R=$KDA_NCU_BATCHES (default 128)
-#            T=$KDA_NCU_TOKENS (default 1)
-#            -> logs/ncu.log
+#            T=$KDA_NCU_TOKENS (default 1), other bench flags in $KDA_NCU_FLAGS (e.g.
+#            --state_dtype=bf16) -> logs/ncu.log
 #   tests    in parallel (one CPU thread each): the conformance suite once per backend in
 #            $KDA_TEST_BACKENDS (default all; ci matrix, every backend required), the
 #            per-backend GPU tests
@@ -123,7 +123,7 @@ if want ncu; then
       python3 -m tools.bench.bench --backends="$b" --peers=none --heads=32 \
       --batches="${KDA_NCU_BATCHES:-128}" \
       --tokens="${KDA_NCU_TOKENS:-1}" --iters=8 \
-      --warmup=0 --mode=eager --noplot >> "$L/ncu.log" 2>&1
+      --warmup=0 --mode=eager --noplot ${KDA_NCU_FLAGS:-} >> "$L/ncu.log" 2>&1
   done
   echo "ncu rc=$? $((SECONDS - t0))s" >> "$L/_rc"
 fi
