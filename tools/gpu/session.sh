@@ -25,16 +25,17 @@
 #   kdatools tests/kda + tests/tools
 #   serve    serve runs checked step for step against the reference
 #   bigmem   the GPU-scale cases (2**31 offsets, >65,535 items)
+#   full     the full conformance matrix, per backend in $KDA_FULL_SHARDS shards (default 2),
+#            or the jobs listed in $KDA_FULL_JOBS ("backend:i/n ...", e.g. "cuda:2/3")
 #   sanitize compute-sanitizer memcheck, racecheck and synccheck on one checked step of the
 #            CuTe DSL kernels (tools/gpu/step_check.py; cutedsl at a split-kernel and at a
 #            streamed-kernel batch, streamg at T=1, the gate in batches, blocks with the tail,
 #            the cluster kernel's direct rows, cutedsl_wide at T=1) and of cuda's bf16-state
-#            builds, each kernel with fp32 and bf16 state pools
-#   full     the full conformance matrix, per backend in $KDA_FULL_SHARDS shards (default 2),
-#            or the jobs listed in $KDA_FULL_JOBS ("backend:i/n ...", e.g. "cuda:2/3")
+#            builds, each kernel with fp32 and bf16 state pools; after the stages above are
+#            done (beside them racecheck runs failed), at most 12 at a time
 #
 # Stages run in the order above; tests/kdatools/serve/bigmem/full run together in the
-# background.
+# background, then sanitize.
 # $KDA_STAGES picks stages (default: all of them). $OUT gets summary.txt (also printed),
 # logs.tgz (every log) and the bench JSON.
 set -uo pipefail
@@ -57,6 +58,9 @@ bg() {  # bg <name> <command...>: run in the background under the deadline, reco
   local name=$1; shift
   ( t0=$SECONDS; timeout "$(left)" "$@" > "$L/$name.log" 2>&1; rc=$?
     echo "$name rc=$rc $((SECONDS - t0))s :: $(grep -E 'passed|failed|error|PASSED|FAILED' "$L/$name.log" | tail -n 1 | cut -c1-140)" >> "$L/_rc" ) &
+}
+throttle() {  # throttle <n>: wait while n background jobs run
+  while [ "$(jobs -rp | wc -l)" -ge "$1" ]; do sleep 1; done
 }
 finish() {
   { echo "== stages"; sort "$L/_rc" 2>/dev/null; } >> "$OUT/summary.txt"
@@ -159,43 +163,6 @@ fi
 if want bigmem; then
   bg bigmem $PYT tests/conformance -m bigmem --kda-backends="${GPU// /,}" --kda-require-backends
 fi
-if want sanitize; then
-  for tool in memcheck racecheck synccheck; do
-    for sd in fp32 bf16; do
-      bg "sanitize-$tool-$sd" compute-sanitizer --tool "$tool" --print-limit 20 --error-exitcode 9 \
-         --report-api-errors no \
-         python3 -m tools.gpu.step_check cutedsl 4 3 2 $sd
-      # the streamed kernel (800 items at T=2, about 6 per CTA so that its item slots and
-      # stages are reused)
-      bg "sanitize-$tool-stream-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
-         --error-exitcode 9 --report-api-errors no \
-         python3 -m tools.gpu.step_check cutedsl:stream 8 100 2 $sd
-      # the persistent kernel with the groups preparing their items (T=1, 800 items; its
-      # second step in record mode)
-      bg "sanitize-$tool-streamg-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
-         --error-exitcode 9 --report-api-errors no \
-         python3 -m tools.gpu.step_check cutedsl:streamg 8 100 1 $sd record
-      # the gate in batches of items (T=1), blocks with the half-length tail (T=2), the
-      # cluster kernel with its rows loaded into registers
-      bg "sanitize-$tool-gb-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
-         --error-exitcode 9 --report-api-errors no \
-         python3 -m tools.gpu.step_check cutedsl:stream4+gb 8 100 1 $sd
-      bg "sanitize-$tool-tail-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
-         --error-exitcode 9 --report-api-errors no \
-         python3 -m tools.gpu.step_check cutedsl:stream4t 8 100 2 $sd
-      bg "sanitize-$tool-direct-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
-         --error-exitcode 9 --report-api-errors no \
-         python3 -m tools.gpu.step_check cutedsl:split4+direct 4 3 2 $sd
-      # the one-CTA-per-item kernel at an odd T (its epilogue's upper half has no last token)
-      bg "sanitize-$tool-wide-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
-         --error-exitcode 9 --report-api-errors no \
-         python3 -m tools.gpu.step_check cutedsl_wide 4 3 1 $sd
-    done
-    bg "sanitize-$tool-cuda-bf16" compute-sanitizer --tool "$tool" --print-limit 20 \
-       --error-exitcode 9 --report-api-errors no \
-       python3 -m tools.gpu.step_check cuda 4 3 2 bf16
-  done
-fi
 if want full; then
   jobs=${KDA_FULL_JOBS:-}
   if [ -z "$jobs" ]; then
@@ -206,6 +173,47 @@ if want full; then
     b=${job%%:*}; sh=${job#*:}
     bg "full-$b-${sh/\//of}" $PYT tests/conformance/test_decode.py --kda-backends="$b" \
        --kda-require-backends --kda-matrix=full --kda-shard="$sh"
+  done
+fi
+if want sanitize; then
+  # racecheck runs beside the test stages' large cases ended without output (the program
+  # gone, no hazard reported) where the same run alone was clean: the sanitizers start once
+  # the other stages are done, at most 12 at a time
+  wait
+  for tool in memcheck racecheck synccheck; do
+    for sd in fp32 bf16; do
+      throttle 12; bg "sanitize-$tool-$sd" compute-sanitizer --tool "$tool" --print-limit 20 --error-exitcode 9 \
+         --report-api-errors no \
+         python3 -m tools.gpu.step_check cutedsl 4 3 2 $sd
+      # the streamed kernel (800 items at T=2, about 6 per CTA so that its item slots and
+      # stages are reused)
+      throttle 12; bg "sanitize-$tool-stream-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
+         --error-exitcode 9 --report-api-errors no \
+         python3 -m tools.gpu.step_check cutedsl:stream 8 100 2 $sd
+      # the persistent kernel with the groups preparing their items (T=1, 800 items; its
+      # second step in record mode)
+      throttle 12; bg "sanitize-$tool-streamg-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
+         --error-exitcode 9 --report-api-errors no \
+         python3 -m tools.gpu.step_check cutedsl:streamg 8 100 1 $sd record
+      # the gate in batches of items (T=1), blocks with the half-length tail (T=2), the
+      # cluster kernel with its rows loaded into registers
+      throttle 12; bg "sanitize-$tool-gb-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
+         --error-exitcode 9 --report-api-errors no \
+         python3 -m tools.gpu.step_check cutedsl:stream4+gb 8 100 1 $sd
+      throttle 12; bg "sanitize-$tool-tail-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
+         --error-exitcode 9 --report-api-errors no \
+         python3 -m tools.gpu.step_check cutedsl:stream4t 8 100 2 $sd
+      throttle 12; bg "sanitize-$tool-direct-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
+         --error-exitcode 9 --report-api-errors no \
+         python3 -m tools.gpu.step_check cutedsl:split4+direct 4 3 2 $sd
+      # the one-CTA-per-item kernel at an odd T (its epilogue's upper half has no last token)
+      throttle 12; bg "sanitize-$tool-wide-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
+         --error-exitcode 9 --report-api-errors no \
+         python3 -m tools.gpu.step_check cutedsl_wide 4 3 1 $sd
+    done
+    throttle 12; bg "sanitize-$tool-cuda-bf16" compute-sanitizer --tool "$tool" --print-limit 20 \
+       --error-exitcode 9 --report-api-errors no \
+       python3 -m tools.gpu.step_check cuda 4 3 2 bf16
   done
 fi
 wait
