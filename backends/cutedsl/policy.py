@@ -11,7 +11,7 @@ items.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 from kda.backends.cutedsl import schedule as S
 from kda.backends.cutedsl.problem import Problem
@@ -150,12 +150,27 @@ def reads_early(axes: dict, state_bf16: bool) -> bool:
 
 def _axes(pb: Problem, items: int, sms: int, table) -> dict:
     """The axes for ``items`` items of ``pb``: ``table``'s row where it has one whose schedule
-    serves ``pb``, else the default's."""
+    serves ``pb`` (:func:`_serving`), else the default's."""
     if table is not None:
-        axes = table.axes_for(items, pb.T, pb.state_bf16, pb.H)
-        if axes is not None and _serves(pb, axes):
+        axes = _serving(pb, table.axes_for(items, pb.T, pb.state_bf16, pb.H))
+        if axes is not None:
             return axes
     return default_axes(items, pb.T, pb.state_bf16, pb.H, sms)
+
+
+def _serving(pb: Problem, axes: Optional[dict]) -> Optional[dict]:
+    """``axes`` where their schedule serves ``pb``; else, where only ``gate_batch`` keeps it
+    from serving (record mode at T = 1: the tuner measures without records), the same axes
+    without it, the measured walk being closer than the default's; else None."""
+    if axes is None:
+        return None
+    if _serves(pb, axes):
+        return axes
+    if axes.get("gate_batch"):
+        plain = {k: v for k, v in axes.items() if k != "gate_batch"}
+        if _serves(pb, plain):
+            return plain
+    return None
 
 
 def _schedule(pb: Problem, axes: dict, early_reads: bool) -> S.Schedule:
@@ -189,7 +204,7 @@ def schedules(pb: Problem, sms: int, early_reads: bool = False, table=None) -> T
         all_axes.append(WIDE)
     if table is not None:
         measured = table.all_axes(pb.T, pb.state_bf16, pb.H)
-        serving = [a for a in measured if _serves(pb, a)]
+        serving = [a for a in (_serving(pb, m) for m in measured) if a is not None]
         if serving:
             # the table decides every batch whose row serves pb, the default the others
             all_axes = serving + (all_axes if len(serving) < len(measured) else [])

@@ -124,6 +124,17 @@ def test_policy_reads_the_table():
     assert policy.schedule_for(pb, 12, 100, table=bad).axes() == \
         policy.default_axes(12, 2, False, 12, 100)
     assert policy.schedules(pb, 100, table=bad) == policy.schedules(pb, 100)
+    # a gate-batch row in record mode at T = 1 (the tuner measures without records): the same
+    # schedule without the gate batches
+    gb = dict(policy.STREAM, gate_batch=True)
+    t_gb = tables.Table(device="x", sms=100, source="x", rows=(
+        _row("fp32", 1, 12, 12, gb, {"stream+gb": 1.0}),))
+    rec = Problem.from_config(KdaConfig(num_heads=12, T=1, record=True))
+    assert policy.schedule_for(rec, 12, 100, table=t_gb).axes() == policy.STREAM
+    assert policy.schedules(rec, 100, table=t_gb) == \
+        (policy.schedule_for(rec, 12, 100, table=t_gb),)
+    plain = Problem.from_config(KdaConfig(num_heads=12, T=1))
+    assert policy.schedule_for(plain, 12, 100, table=t_gb).gate_batch
 
 
 def test_unknown_gpu_gets_the_default(tmp_path):
