@@ -12,7 +12,8 @@ program the GPU session runs under compute-sanitizer (memcheck, racecheck, syncc
 The second step runs the DS layout with gate_mode 1, in record mode at T > 1 (and at T=1 with
 ``record``).
 
-Exit status 0 when every buffer matches the reference (kda.testing.compare_step), else 1.
+Exit status 0 when every buffer matches the reference (kda.testing.compare_step), 1 when one
+does not, 2 when the arguments are refused (by this tool or by the backend) or no GPU is here.
 """
 
 import dataclasses
@@ -20,6 +21,7 @@ import sys
 
 import torch
 
+from kda.errors import KdaArgumentError
 from kda.testing import CaseSpec, call_public, compare_step, expected_after, make_case, make_config
 
 
@@ -29,6 +31,10 @@ def main(argv) -> int:
               f"(see the module docstring), got {' '.join(argv) or 'nothing'}", file=sys.stderr)
         return 2
     backend, H, R, T = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+    if min(H, R, T) < 1:
+        print(f"step_check: HEADS, REQUESTS and TOKENS: expected integers >= 1, got "
+              f"{' '.join(argv[1:4])}", file=sys.stderr)
+        return 2
     words = argv[5:]
     bad_words = any(w not in ("record", "early") for w in words) or len(set(words)) != len(words)
     if argv[4:5] not in ([], ["fp32"], ["bf16"]) or bad_words:
@@ -38,9 +44,13 @@ def main(argv) -> int:
     bf16_state = argv[4:5] == ["bf16"]
     record = T > 1 or "record" in words
     early = "early" in words
-    cfgs = [dataclasses.replace(cfg, early_reads=early) for cfg in (
-        make_config(H, T, "SD", lb=-5.0, bias=True, bf16_state=bf16_state),
-        make_config(H, T, "DS", gm=1, record=record, bf16_state=bf16_state))]
+    try:
+        cfgs = [dataclasses.replace(cfg, early_reads=early) for cfg in (
+            make_config(H, T, "SD", lb=-5.0, bias=True, bf16_state=bf16_state),
+            make_config(H, T, "DS", gm=1, record=record, bf16_state=bf16_state))]
+    except KdaArgumentError as e:
+        print(f"step_check: {e}", file=sys.stderr)
+        return 2
     scheds = [None, None]
     if ":" in backend:      # cutedsl:NAME, the schedule NAME of the CuTe DSL family: both
         from tools.schedules import parse   # steps' schedules exist before anything runs
@@ -56,11 +66,15 @@ def main(argv) -> int:
     for cfg, sched in zip(cfgs, scheds):
         args = make_case(CaseSpec(cfg, R=R, seed=H * 100 + R), "cuda")
         before, expected = expected_after(cfg, args)
-        if sched is not None:
-            from kda.backends.cutedsl.backend import KdaBackend
-            KdaBackend.launcher(sched, cfg, torch.device("cuda"))(args)
-        else:
-            call_public(args, cfg, backend)
+        try:
+            if sched is not None:
+                from kda.backends.cutedsl.backend import KdaBackend
+                KdaBackend.launcher(sched, cfg, torch.device("cuda"))(args)
+            else:
+                call_public(args, cfg, backend)
+        except KdaArgumentError as e:   # what the backend refuses (e.g. its most tokens)
+            print(f"step_check: {backend}: {e}", file=sys.stderr)
+            return 2
         torch.cuda.synchronize()
         errors = compare_step(args, expected, before)
         print(f"{backend} {cfg.short()} R={R}: " + ("ok" if not errors else "; ".join(errors)))

@@ -11,6 +11,9 @@ from tools.gpu import step_check
 @pytest.mark.parametrize("argv,msg", [
     ([], "expected BACKEND HEADS REQUESTS TOKENS"),
     (["cutedsl", "8", "x", "1"], "expected BACKEND HEADS REQUESTS TOKENS"),
+    (["cutedsl", "0", "3", "1"], "expected integers >= 1"),
+    (["cutedsl", "4", "0", "1"], "expected integers >= 1"),
+    (["cutedsl", "4", "3", "0"], "expected integers >= 1"),
     (["cutedsl", "8", "100", "1", "fp16"], "a state dtype (fp32 or bf16)"),
     (["cutedsl:stream4+bogus", "8", "100", "1"], "schedule name: expected one of"),
     (["cutedsl:stream4+gb", "8", "100", "1", "fp32", "record"],
