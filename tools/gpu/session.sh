@@ -34,6 +34,8 @@
 #            builds, each kernel with fp32 and bf16 state pools; after the stages above are
 #            done (beside them racecheck runs failed), at most 12 at a time
 #
+# A stage's job that would start with the budget spent is skipped and listed as skipped.
+#
 # Stages run in the order above; tests/kdatools/serve/bigmem/full run together in the
 # background, then sanitize.
 # $KDA_STAGES picks stages (default: all of them). $OUT gets summary.txt (also printed),
@@ -56,6 +58,9 @@ has() { [[ " $GPU " == *" $1 "* ]]; }
 left() { local l=$((deadline - SECONDS)); [ $l -lt 5 ] && l=5; echo $l; }
 bg() {  # bg <name> <command...>: run in the background under the deadline, record rc and tail
   local name=$1; shift
+  if [ $((deadline - SECONDS)) -lt 15 ]; then     # not started: not a failure of the stage
+    echo "$name skipped: the budget (\$KDA_BUDGET) is spent" >> "$L/_rc"; return
+  fi
   ( t0=$SECONDS; timeout "$(left)" "$@" > "$L/$name.log" 2>&1; rc=$?
     echo "$name rc=$rc $((SECONDS - t0))s :: $(grep -E 'passed|failed|error|PASSED|FAILED' "$L/$name.log" | tail -n 1 | cut -c1-140)" >> "$L/_rc" ) &
 }
