@@ -11,8 +11,8 @@ A step has ``R * H`` items (request r, head h). By :class:`kda.backends.cutedsl.
 * ``BLOCKS`` of C requests: head-major inside a block (``item = (r // C) * H * C + h * C +
   r % C`` for the whole blocks; the last block holds the ``R % C`` requests left,
   head-major), one CTA per C items, each taking the contiguous range of the same formula;
-  with ``Schedule.tail`` the last ``sms // 2`` CTAs (fewer where the items do not fill them)
-  take C/2 items each, so the last wave ends on CTAs of half the length and fewer SMs idle
+  with ``Schedule.tail`` the last ``sms // 2`` CTAs (one more where the rest ends on half a
+  block, fewer where the items do not fill them) take C/2 items each, so the last wave ends on CTAs of half the length and fewer SMs idle
   while it drains (:func:`tail_ranges`).
 
 Consecutive items of a CTA then share the head's parameters. :func:`ctas` is the host side
@@ -32,7 +32,8 @@ from kda.backends.cutedsl.schedule import Items, Rows, Schedule
 def ctas(sched: Schedule, items: int, sms: int) -> int:
     """The grid of a streamed schedule for ``items`` items on ``sms`` SMs: one CTA per
     ``block`` items with ``Items.BLOCKS`` (with ``tail``: ``sms // 2`` CTAs of ``block / 2``
-    items, or as many as the items fill, in place of half as many of ``block``,
+    items, one more where the rest ends on half a block, or as many as the items fill, in
+    place of half as many of ``block``,
     :func:`tail_ranges`), else one per SM and at most one per item (the one-item schedules
     size their grids from R and do not read it)."""
     if sched.items == Items.BLOCKS:
