@@ -30,6 +30,7 @@ and 64-bit slot offsets are the conformance suite's (``tests/conformance``). Her
 
 import dataclasses
 import os
+import warnings
 
 import pytest
 import torch
@@ -434,7 +435,10 @@ def _compiled():
     from kda.backends.cutedsl.backend import import_cutedsl
     if import_cutedsl() is None and "PYTEST_XDIST_WORKER" not in os.environ:
         from kda.backends.cutedsl.cache import precompile
-        precompile(_labelled_builds())
+        try:
+            precompile(_labelled_builds())
+        except Exception as e:  # noqa: BLE001 - the tests compile what is missing and fail there
+            warnings.warn(f"precompiling this module's builds failed ({type(e).__name__}: {e})")
 
 
 def test_compile_time_is_recorded(device, require_backend):
