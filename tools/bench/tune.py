@@ -33,6 +33,7 @@ from absl import flags, logging
 
 from tools import flags as _shared_flags  # noqa: F401  (defines --state_dtype, --gate_mode)
 from tools.flags import STATE_DTYPES, run, user_path
+from tools.schedules import BUILD
 
 FLAGS = flags.FLAGS
 
@@ -70,9 +71,12 @@ def define_flags() -> None:
                          "before the sweep (0: one per CPU)")
 
 
-#: The candidates by default: every schedule name (:data:`tools.schedules.BUILD`) but the
+#: The names the tuner can time: every schedule name (:data:`tools.schedules.BUILD`) but the
 #: early-reading builds (those need ``KdaConfig.early_reads``; the policy applies its measured
-#: rule for them) and the blocks of 16 requests (``--candidates`` names them).
+#: rule for them, and a table row holds a schedule's axes, which its flags follow).
+CANDIDATE_NAMES = tuple(n for n in BUILD if "+early" not in n)
+#: The candidates by default: all of :data:`CANDIDATE_NAMES` but the blocks of 16 requests
+#: (``--candidates`` names them), in the order that breaks ties (:func:`winner`).
 DEFAULT_CANDIDATES = ("split2", "split4", "split8", "split4+direct", "split8+direct", "stream",
                       "streamg", "stream2", "stream4", "stream8", "stream2t", "stream4t",
                       "stream8t", "stream+gb", "streamg+gb", "stream2+gb", "stream4+gb",
@@ -210,14 +214,12 @@ def main(argv):
     batches = [int(b) for b in FLAGS.batches]
     state_dtypes = (["fp32", "bf16"] if FLAGS["state_dtype"].using_default_value
                     else FLAGS.state_dtype)
-    from tools.schedules import BUILD
-    known = [n for n in BUILD if "+early" not in n]
     candidates = FLAGS.candidates or list(DEFAULT_CANDIDATES)
-    unknown = [n for n in candidates if n not in known]
+    unknown = [n for n in candidates if n not in CANDIDATE_NAMES]
     if unknown:
-        console.print(f"--candidates: expected names from {', '.join(known)} (early-reading "
-                      f"builds are not candidates: a table row holds a schedule's axes, which "
-                      f"its flags follow), got {', '.join(unknown)}")
+        console.print(f"--candidates: expected names from {', '.join(CANDIDATE_NAMES)} "
+                      f"(early-reading builds are not candidates: a table row holds a schedule's "
+                      f"axes, which its flags follow), got {', '.join(unknown)}")
         return 2
     bad = [f"--{n}={v}" for n, vs in (("heads", heads), ("tokens", tokens), ("batches", batches))
            for v in vs if v < 1 or (n == "tokens" and v > MAX_T)]

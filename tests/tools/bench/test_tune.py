@@ -17,6 +17,12 @@ def test_plan_leaves_out_what_cannot_serve_a_cell():
     assert {c["state"] for c in cells} == {"fp32", "bf16"}
 
 
+def test_default_candidates_are_every_name_but_the_blocks_of_16():
+    assert len(set(tune.DEFAULT_CANDIDATES)) == len(tune.DEFAULT_CANDIDATES)
+    assert set(tune.DEFAULT_CANDIDATES) == \
+        {n for n in tune.CANDIDATE_NAMES if not n.startswith("stream16")}
+
+
 def test_iters_for_keeps_within_the_budget():
     assert tune.iters_for(5.0, 200, 8, 0.3) == 200              # small steps: all of them
     assert tune.iters_for(9000.0, 200, 8, 0.3) == 32            # 9 ms steps: 0.3 s -> 33, in sets
