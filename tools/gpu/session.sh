@@ -185,40 +185,29 @@ if want sanitize; then
   # gone, no hazard reported) where the same run alone was clean: the sanitizers start once
   # the other stages are done, at most 12 at a time
   wait
+  san() {  # san <name> <step_check arguments...>: one sanitizer run of $tool on one step
+    local name=$1; shift
+    throttle 12; bg "sanitize-$tool-$name" compute-sanitizer --tool "$tool" --print-limit 20 \
+       --error-exitcode 9 --report-api-errors no python3 -m tools.gpu.step_check "$@"
+  }
   for tool in memcheck racecheck synccheck; do
     for sd in fp32 bf16; do
-      throttle 12; bg "sanitize-$tool-$sd" compute-sanitizer --tool "$tool" --print-limit 20 --error-exitcode 9 \
-         --report-api-errors no \
-         python3 -m tools.gpu.step_check cutedsl 4 3 2 $sd
+      san "$sd" cutedsl 4 3 2 $sd
       # the streamed kernel (800 items at T=2, about 6 per CTA so that its item slots and
       # stages are reused)
-      throttle 12; bg "sanitize-$tool-stream-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
-         --error-exitcode 9 --report-api-errors no \
-         python3 -m tools.gpu.step_check cutedsl:stream 8 100 2 $sd
+      san "stream-$sd" cutedsl:stream 8 100 2 $sd
       # the persistent kernel with the groups preparing their items (T=1, 800 items; its
       # second step in record mode)
-      throttle 12; bg "sanitize-$tool-streamg-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
-         --error-exitcode 9 --report-api-errors no \
-         python3 -m tools.gpu.step_check cutedsl:streamg 8 100 1 $sd record
+      san "streamg-$sd" cutedsl:streamg 8 100 1 $sd record
       # the gate in batches of items (T=1), blocks with the half-length tail (T=2), the
       # cluster kernel with its rows loaded into registers
-      throttle 12; bg "sanitize-$tool-gb-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
-         --error-exitcode 9 --report-api-errors no \
-         python3 -m tools.gpu.step_check cutedsl:stream4+gb 8 100 1 $sd
-      throttle 12; bg "sanitize-$tool-tail-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
-         --error-exitcode 9 --report-api-errors no \
-         python3 -m tools.gpu.step_check cutedsl:stream4t 8 100 2 $sd
-      throttle 12; bg "sanitize-$tool-direct-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
-         --error-exitcode 9 --report-api-errors no \
-         python3 -m tools.gpu.step_check cutedsl:split4+direct 4 3 2 $sd
+      san "gb-$sd" cutedsl:stream4+gb 8 100 1 $sd
+      san "tail-$sd" cutedsl:stream4t 8 100 2 $sd
+      san "direct-$sd" cutedsl:split4+direct 4 3 2 $sd
       # the one-CTA-per-item kernel at an odd T (its epilogue's upper half has no last token)
-      throttle 12; bg "sanitize-$tool-wide-$sd" compute-sanitizer --tool "$tool" --print-limit 20 \
-         --error-exitcode 9 --report-api-errors no \
-         python3 -m tools.gpu.step_check cutedsl_wide 4 3 1 $sd
+      san "wide-$sd" cutedsl_wide 4 3 1 $sd
     done
-    throttle 12; bg "sanitize-$tool-cuda-bf16" compute-sanitizer --tool "$tool" --print-limit 20 \
-       --error-exitcode 9 --report-api-errors no \
-       python3 -m tools.gpu.step_check cuda 4 3 2 bf16
+    san cuda-bf16 cuda 4 3 2 bf16
   done
 fi
 wait
