@@ -15,10 +15,13 @@
 #   hot      alone: the benchmark with --hot_state (every request of a step on one slot, so the
 #            state stays in L2: the kernels' compute / latency bound) for $KDA_HOT_BACKENDS
 #            (default all), R 128 and 512, T 1 and 5 -> $OUT/bench-hot-<gpu>.json
-#   ncu      alone: one Nsight Compute profile (speed of light, memory, warp stats) per backend
-#            ($KDA_NCU_BACKENDS, default all) at H=32 R=$KDA_NCU_BATCHES (default 128)
-#            T=$KDA_NCU_TOKENS (default 1), other bench flags in $KDA_NCU_FLAGS (e.g.
-#            --state_dtype=bf16) -> logs/ncu.log
+#   ncu      alone: one Nsight Compute profile (speed of light, memory, warp stats, occupancy,
+#            executed instructions) per backend ($KDA_NCU_BACKENDS, default all) at H=32
+#            R=$KDA_NCU_BATCHES (default 128) T=$KDA_NCU_TOKENS (default 1), other bench flags
+#            in $KDA_NCU_FLAGS (e.g. --state_dtype=bf16) -> logs/ncu.log; and one per schedule
+#            of the CuTe DSL family named in $KDA_NCU_SCHEDULES (e.g. "split4 streamg"), on the
+#            first step of tools/gpu/step_check at H=$KDA_NCU_HEADS (default 32), the same R and
+#            T, state $KDA_NCU_STATE (default fp32)
 #   tests    in parallel (one CPU thread each): the conformance suite once per backend in
 #            $KDA_TEST_BACKENDS (default all; ci matrix, every backend required), the
 #            per-backend GPU tests
@@ -123,16 +126,23 @@ fi
 
 if want ncu; then
   t0=$SECONDS
+  NCU=(ncu --clock-control none --launch-count 1 --section SpeedOfLight
+       --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy
+       --section LaunchStats --metrics 'smsp__inst_executed.sum,sm__ctas_launched.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio')
   for b in ${KDA_NCU_BACKENDS:-$GPU}; do
     echo "=== $b" >> "$L/ncu.log"
-    timeout 60 ncu --clock-control none --launch-skip 2 --launch-count 1 \
-      -k 'regex:kda|Kda|cutlass' --section SpeedOfLight --section MemoryWorkloadAnalysis \
-      --section WarpStateStats --section Occupancy --section LaunchStats \
-      --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+    timeout 60 "${NCU[@]}" --launch-skip 2 -k 'regex:kda|Kda|cutlass' \
       python3 -m tools.bench.bench --backends="$b" --peers=none --heads=32 \
       --batches="${KDA_NCU_BATCHES:-128}" \
       --tokens="${KDA_NCU_TOKENS:-1}" --iters=8 \
       --warmup=0 --mode=eager --noplot ${KDA_NCU_FLAGS:-} >> "$L/ncu.log" 2>&1
+  done
+  # (the step check's reference runs torch kernels beside: only the family's kernel is profiled)
+  for name in ${KDA_NCU_SCHEDULES:-}; do
+    echo "=== cutedsl:$name" >> "$L/ncu.log"
+    timeout 60 "${NCU[@]}" -k 'regex:kdabackendscutedsl' python3 -m tools.gpu.step_check \
+      "cutedsl:$name" "${KDA_NCU_HEADS:-32}" "${KDA_NCU_BATCHES:-128}" "${KDA_NCU_TOKENS:-1}" \
+      "${KDA_NCU_STATE:-fp32}" >> "$L/ncu.log" 2>&1
   done
   echo "ncu rc=$? $((SECONDS - t0))s" >> "$L/_rc"
 fi
