@@ -8,7 +8,9 @@ README.md with one table per JSON (time in us and fraction of the copy-bandwidth
 backend and peer), headed by the run's device, date and command (its commit is in the JSON),
 and the text between ``<!-- tiers:begin -->`` and ``<!-- tiers:end -->`` in each run folder's README.md (where it
 has them) with ``cutedsl`` against ``touch`` per tier of items (:data:`TIERS`) from that
-folder's JSONs, so neither shows a number by hand. ``--check`` exits non-zero when any is not
+folder's JSONs of the project's bench (a peer harness's JSON, whose meta names its ``peer``,
+times ``cutedsl`` on another gate beside other kernels: it gets a table, not a tier), so neither
+shows a number by hand. ``--check`` exits non-zero when any is not
 up to date.
 """
 
@@ -159,7 +161,8 @@ def main(argv: List[str]) -> int:
             with open(run_readme) as f:
                 run_text = f.read()
             if TIERS_BEGIN in run_text and TIERS_END in run_text:
-                full = [os.path.join(root, p) for p in paths if os.path.dirname(p) == run_dir]
+                full = [os.path.join(root, p) for p in paths if os.path.dirname(p) == run_dir
+                        and "peer" not in load_run(os.path.join(root, p))[0]]
                 updates.append((run_readme, run_text,
                                 _replace(run_text, TIERS_BEGIN, TIERS_END, tiers(full))))
     if check:

@@ -41,7 +41,7 @@ def test_readme_table_is_generated_from_committed_results(monkeypatch):
 
 def _run(path, sd, cells):
     meta = {"device": "NVIDIA H200", "date": "d", "commit": "c", "copy_bandwidth_Bps": 4e12,
-            "timing": "t", "gate": "softplus", "layout": "SD", "gpu": True}
+            "timing": "t", "gate": "softplus", "layout": "SD", "gpu": True, "command": "c"}
     json.dump({"meta": meta, "cells": [
         {"backend": b, "H": H, "T": T, "R": R, "time_us": t, "floor_us": 1.0, "frac": 0.5,
          "state_dtype": sd} for b, H, T, R, t in cells]}, open(path, "w"))
@@ -71,6 +71,30 @@ def test_tiers_summary_by_items(tmp_path):
     assert "R=1 (" not in text and "cutedsl_wide" not in text and "touch_ring" not in text
     only_fast = report.tiers([bf])
     assert "fastest backend in every cell: no other is faster by more than 0.5%" in only_fast
+
+
+def test_peer_runs_get_a_table_but_no_tier(monkeypatch, tmp_path):
+    """A peer harness's JSON beside a run's bench JSONs (its meta names the ``peer``; its
+    ``cutedsl`` cells ran another gate) is tabled in README.md, and the run's tier summary
+    stays that of the bench JSONs alone."""
+    run = tmp_path / "run"
+    run.mkdir()
+    fp = _run(run / "bench-x-fp32.json", "fp32", [
+        ("touch", 32, 1, 128, 100.0), ("cutedsl", 32, 1, 128, 105.0)])
+    peer = _run(run / "bench-peer.json", "fp32", [
+        ("touch", 32, 1, 128, 100.0), ("cutedsl", 32, 1, 128, 130.0),
+        ("vllm_split", 32, 1, 128, 101.0)])
+    data = json.load(open(peer))
+    data["meta"]["peer"] = "a peer"
+    json.dump(data, open(peer, "w"))
+    (tmp_path / "README.md").write_text(f"{report.BEGIN}\n{report.END}\n")
+    (run / "README.md").write_text(f"{report.TIERS_BEGIN}\n{report.TIERS_END}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("BUILD_WORKSPACE_DIRECTORY", raising=False)
+    assert report.main(["run/bench-x-fp32.json", "run/bench-peer.json"]) == 0
+    assert "vllm_split" in (tmp_path / "README.md").read_text()
+    tiers = (run / "README.md").read_text()
+    assert "| large | 1.05-1.05 |" in tiers and "1.30" not in tiers, tiers
 
 
 def test_bench_cpu_run_writes_json(tmp_path, capsys):
