@@ -27,7 +27,8 @@ def _schedules() -> str:
 
     gpu = torch.cuda.is_available()
     name = torch.cuda.get_device_name() if gpu else None
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if gpu else None
+    sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+           if gpu else None)
     try:
         return tables.describe(name, sms)
     except ValueError as e:         # a broken table file: say so rather than fail the report

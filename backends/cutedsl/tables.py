@@ -192,7 +192,8 @@ def describe(device_name: Optional[str], sms: Optional[int] = None) -> str:
     count is not used)."""
     have = ", ".join(shipped()) or "none"
     if device_name is None:
-        return f"cutedsl schedules: no GPU here (measured tables in the package: {have})"
+        return (f"cutedsl schedules: no GPU here (measured tables in the package: {have}; "
+                f"any other GPU runs the default in SM waves)")
     table = for_device(device_name)
     if table is None:
         return (f"cutedsl schedules on {device_name}: the default in SM waves (no measured "

@@ -10,10 +10,17 @@ benchmark's workload (:mod:`tools.bench.harness`: 8 GiB state pool, rotating slo
 CUDA-graph replay) beside the ``touch`` peer, in one process: a short screen of every
 candidate, then the fastest ``--finalists`` again at full length; the fastest time wins the
 cell. The table (:mod:`kda.backends.cutedsl.tables`: one row per cell, the winner's
-schedule axes and every candidate's step time with ``touch``'s) goes to the package, named
-for the device (``backends/cutedsl/tables/<device>.json``), and the whole run's cells to
-``--results_dir`` (``tune-<device>.json``, the table's name) beside it, which the table names
-as its source. Both state dtypes are tuned unless ``--state_dtype`` names one.
+schedule axes and every candidate's step time with ``touch``'s) goes to the package of the
+source tree (also under ``bazel run``), named for the device
+(``backends/cutedsl/tables/<device>.json``), and the whole run's cells to ``--results_dir``
+(``tune-<device>.json``, the table's name) beside it, which the table names as its source.
+Both state dtypes are tuned unless ``--state_dtype`` names one.
+
+A group of cells (state dtype, T, heads) enters the table only whole: one cut short by
+``--budget_s`` stays in the results file, and its batches run the default there. The rows of
+a device's previous table whose groups this run did not measure are kept (a run of
+``--tokens=2`` adds T = 2 to the table, it does not drop T = 1 and 4); the table's meta names
+the table they came from.
 ``--other_backends`` also times the project's other GPU backends at each cell (into the
 results file).
 """
@@ -58,9 +65,10 @@ def define_flags() -> None:
     flags.DEFINE_float("pool_gib", 8.0, "state pool size in GiB")
     flags.DEFINE_integer("sets", 8, "rotating slot sets")
     flags.DEFINE_float("budget_s", 0, "stop starting cells after this many seconds (0: none); "
-                       "the cells measured are written")
+                       "the cells measured go to the results file, the groups (state dtype, "
+                       "T, heads) measured whole to the table")
     flags.DEFINE_string("table", "", "where the table goes (default: the package's table of this "
-                        "device)")
+                        "device in the source tree, rows of groups not measured kept)")
     flags.DEFINE_string("results_dir", "", "where the run's cells go (tune-<device>.json)")
     flags.DEFINE_string("source", "", "the path the table names as its source, where the "
                         "results file will be committed, e.g. docs/results/<run>/"
@@ -69,6 +77,8 @@ def define_flags() -> None:
     flags.DEFINE_bool("dry_run", False, "print the plan and exit (no GPU needed)")
     flags.DEFINE_integer("jobs", 0, "processes compiling the candidates into the compile cache "
                          "before the sweep (0: one per CPU)")
+    # the tuner's own default: both state dtypes (the shared flag's default is the bench's)
+    FLAGS.set_default("state_dtype", list(STATE_DTYPES))
 
 
 #: The names the tuner can time: every schedule name (:data:`tools.schedules.BUILD`) but the
@@ -121,15 +131,38 @@ def winner(times: Dict[str, float]) -> str:
     return min(times, key=times.get)
 
 
-def make_table(device: str, sms: int, source: str, cells: List[dict], meta: dict):
+def _group(cell) -> tuple:
+    """The (state dtype, T, heads) group of a cell or of a table row."""
+    if isinstance(cell, dict):
+        return cell["state"], cell["T"], cell["H"]
+    return cell.state, cell.T, cell.heads
+
+
+def whole_groups(planned: List[dict], done: List[dict]) -> List[dict]:
+    """The measured cells ``done`` of the groups whose every planned cell was measured."""
+    left = {_group(c) for c in planned[len(done):]}
+    return [c for c in done if _group(c) not in left]
+
+
+def make_table(device: str, sms: int, source: str, cells: List[dict], meta: dict,
+               previous=None):
     """The :class:`kda.backends.cutedsl.tables.Table` of measured ``cells`` (each with
-    ``us``, ``touch_us`` and its ``schedule`` axes)."""
+    ``us``, ``touch_us`` and its ``schedule`` axes), with the rows of ``previous`` (the
+    device's table before this run, same SM count) whose groups ``cells`` do not measure."""
     from kda.backends.cutedsl.tables import Row, Table
 
     rows = tuple(Row(state=c["state"], T=c["T"], heads=c["H"], items=c["items"],
                      axes=tuple(sorted(c["schedule"].items())),
                      times=tuple(sorted(c["us"].items())), touch_us=c["touch_us"])
                  for c in cells)
+    meta = dict(meta)
+    if previous is not None and previous.sms == sms:
+        measured = {_group(c) for c in cells}
+        kept = tuple(r for r in previous.rows if _group(r) not in measured)
+        if kept:
+            rows = tuple(sorted(kept + rows, key=lambda r: (r.state, r.T, r.heads, r.items)))
+            meta["kept_rows"] = (f"{len(kept)} rows of groups this run did not measure, from "
+                                 f"{previous.source} ({dict(previous.meta).get('commit', '?')})")
     return Table(device=device, sms=sms, source=source, rows=rows,
                  meta=tuple(sorted(meta.items())))
 
@@ -212,8 +245,7 @@ def main(argv):
     heads = [int(h) for h in FLAGS.heads]
     tokens = [int(t) for t in FLAGS.tokens]
     batches = [int(b) for b in FLAGS.batches]
-    state_dtypes = (["fp32", "bf16"] if FLAGS["state_dtype"].using_default_value
-                    else FLAGS.state_dtype)
+    state_dtypes = list(dict.fromkeys(FLAGS.state_dtype))
     candidates = FLAGS.candidates or list(DEFAULT_CANDIDATES)
     unknown = [n for n in candidates if n not in CANDIDATE_NAMES]
     if unknown:
@@ -287,16 +319,48 @@ def main(argv):
         source = _repo_relative(path)
     if FLAGS.source:
         source = FLAGS.source
-    table = make_table(name, sms, source, done, meta)
-    out = user_path(FLAGS.table) or tables.path_for(name)
+    whole = whole_groups(cells, done)
+    if len(whole) < len(done):
+        console.print(f"{len(done) - len(whole)} cells of a group cut short by --budget_s stay "
+                      "out of the table (the results file has them)")
+    if not whole:
+        console.print("no group was measured whole: no table written")
+        return 1
+    out = user_path(FLAGS.table) or table_path(name)
+    previous = None
+    if os.path.exists(out):
+        try:
+            with open(out) as f:
+                previous = tables.Table.from_json(json.load(f))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            console.print(f"{out}: the previous table cannot be read ({e}); it is replaced")
+    table = make_table(name, sms, source, whole, meta, previous)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     table.dump(out)
-    console.print(f"wrote {out} ({len(table.rows)} rows)")
+    console.print(f"wrote {out} ({len(table.rows)} rows"
+                  + (f"; {dict(table.meta)['kept_rows']}" if "kept_rows" in dict(table.meta)
+                     else "") + ")")
     return 0
 
 
+def _repo_root() -> str:
+    """The source tree: the workspace ``bazel run`` was started in
+    (``BUILD_WORKSPACE_DIRECTORY``), else the tree this file is in."""
+    return (os.environ.get("BUILD_WORKSPACE_DIRECTORY")
+            or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def table_path(device_name: str) -> str:
+    """Where the tuned table of ``device_name`` goes by default: the package's tables folder
+    of the source tree (not a ``bazel run`` runfiles tree, where it would be lost)."""
+    from kda.backends.cutedsl import tables
+
+    return tables.path_for(device_name, os.path.join(_repo_root(), "backends", "cutedsl",
+                                                     "tables"))
+
+
 def _repo_relative(path: str) -> str:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = _repo_root()
     full = os.path.abspath(path)
     return os.path.relpath(full, root) if full.startswith(root + os.sep) else full
 

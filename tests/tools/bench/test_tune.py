@@ -55,3 +55,61 @@ def test_plan_drops_cells_no_candidate_serves():
     cells = tune.plan([12], [1, 4], [1, 8], ["fp32"], ["streamg"])
     assert {c["T"] for c in cells} == {1} and len(cells) == 2
     assert tune.plan([12], [4], [1], ["fp32"], ["streamg"]) == []
+
+
+def _cell(state, T, H, R, sched, us):
+    return {"state": state, "T": T, "H": H, "R": R, "items": R * H, "us": {"x": us},
+            "winner": "x", "schedule": sched, "touch_us": us / 1.1}
+
+
+def test_a_group_cut_short_stays_out_of_the_table():
+    planned = [{"state": "bf16", "T": 1, "H": h, "R": r} for h in (12, 96) for r in (1, 512)]
+    done = [_cell("bf16", 1, 12, 1, policy.SPLIT8, 3.0), _cell("bf16", 1, 12, 512, policy.STREAM4, 300.0),
+            _cell("bf16", 1, 96, 1, policy.SPLIT4, 6.0)]        # H=96 R=512 not reached
+    whole = tune.whole_groups(planned, done)
+    assert [(c["H"], c["R"]) for c in whole] == [(12, 1), (12, 512)]
+    assert tune.whole_groups(planned[:2], done[:2]) == done[:2]
+
+
+def test_a_new_run_keeps_the_rows_of_groups_it_did_not_measure():
+    old = tune.make_table("G", 100, "docs/results/a/tune-g.json",
+                          [_cell("fp32", 1, 12, 1, policy.SPLIT8, 2.0),
+                           _cell("fp32", 2, 12, 1, policy.SPLIT8, 4.0)], {"commit": "abc"})
+    new = tune.make_table("G", 100, "docs/results/b/tune-g.json",
+                          [_cell("fp32", 2, 12, 1, policy.SPLIT4, 3.0)], {"commit": "def"}, old)
+    assert [(r.T, r.schedule == policy.SPLIT4) for r in new.rows] == [(1, False), (2, True)]
+    assert new.source == "docs/results/b/tune-g.json"
+    assert "docs/results/a/tune-g.json (abc)" in dict(new.meta)["kept_rows"]
+    # a table measured on another SM count is not merged
+    other = tune.make_table("G", 78, "s", [_cell("fp32", 2, 12, 1, policy.SPLIT4, 3.0)], {}, old)
+    assert len(other.rows) == 1 and "kept_rows" not in dict(other.meta)
+
+
+def test_the_table_goes_to_the_source_tree_under_bazel_run(monkeypatch, tmp_path):
+    monkeypatch.setenv("BUILD_WORKSPACE_DIRECTORY", str(tmp_path))
+    assert tune.table_path("NVIDIA H20") == \
+        str(tmp_path / "backends" / "cutedsl" / "tables" / "nvidia-h20.json")
+    monkeypatch.delenv("BUILD_WORKSPACE_DIRECTORY")
+    assert tune.table_path("NVIDIA H20") == tables.path_for("NVIDIA H20")
+
+
+def test_the_tuner_tunes_both_state_dtypes_by_default():
+    """Its plan (--dry_run, no GPU) has both dtypes unless --state_dtype names one."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
+    env = dict(os.environ, PYTHONPATH=root)
+
+    def plan(*extra):
+        out = subprocess.run([sys.executable, "-m", "tools.bench.tune", "--dry_run",
+                              "--heads=12", "--batches=1", "--tokens=1", "--candidates=split4",
+                              *extra], cwd=root, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        return [line.split()[0] for line in out.stdout.splitlines() if " T=1 H=12 " in line]
+
+    assert plan() == ["fp32", "bf16"]
+    assert plan("--state_dtype=bf16") == ["bf16"]
