@@ -163,6 +163,8 @@ def main(argv: List[str]) -> int:
             if TIERS_BEGIN in run_text and TIERS_END in run_text:
                 full = [os.path.join(root, p) for p in paths if os.path.dirname(p) == run_dir
                         and "peer" not in load_run(os.path.join(root, p))[0]]
+                if not full:        # only a peer harness's JSON named: the summary stays
+                    continue
                 updates.append((run_readme, run_text,
                                 _replace(run_text, TIERS_BEGIN, TIERS_END, tiers(full))))
     if check:

@@ -95,6 +95,9 @@ def test_peer_runs_get_a_table_but_no_tier(monkeypatch, tmp_path):
     assert "vllm_split" in (tmp_path / "README.md").read_text()
     tiers = (run / "README.md").read_text()
     assert "| large | 1.05-1.05 |" in tiers and "1.30" not in tiers, tiers
+    # a folder of which only the peer harness's JSON is named keeps its summary
+    assert report.main(["run/bench-peer.json"]) == 0
+    assert (run / "README.md").read_text() == tiers
 
 
 def test_bench_cpu_run_writes_json(tmp_path, capsys):
