@@ -139,7 +139,8 @@ def _group(cell) -> tuple:
 
 
 def whole_groups(planned: List[dict], done: List[dict]) -> List[dict]:
-    """The measured cells ``done`` of the groups whose every planned cell was measured."""
+    """The measured cells ``done`` (a prefix of ``planned``: the sweep runs the plan in order
+    and stops at its budget) of the groups whose every planned cell was measured."""
     left = {_group(c) for c in planned[len(done):]}
     return [c for c in done if _group(c) not in left]
 
@@ -337,26 +338,29 @@ def main(argv):
     table = make_table(name, sms, source, whole, meta, previous)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     table.dump(out)
-    console.print(f"wrote {out} ({len(table.rows)} rows"
-                  + (f"; {dict(table.meta)['kept_rows']}" if "kept_rows" in dict(table.meta)
-                     else "") + ")")
+    kept = dict(table.meta).get("kept_rows")
+    console.print(f"wrote {out} ({len(table.rows)} rows" + (f"; {kept}" if kept else "") + ")")
     return 0
+
+
+#: The tree this file is in (under ``bazel run``: its runfiles tree).
+_TREE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _repo_root() -> str:
     """The source tree: the workspace ``bazel run`` was started in
     (``BUILD_WORKSPACE_DIRECTORY``), else the tree this file is in."""
-    return (os.environ.get("BUILD_WORKSPACE_DIRECTORY")
-            or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    return os.environ.get("BUILD_WORKSPACE_DIRECTORY") or _TREE
 
 
 def table_path(device_name: str) -> str:
     """Where the tuned table of ``device_name`` goes by default: the package's tables folder
-    of the source tree (not a ``bazel run`` runfiles tree, where it would be lost)."""
+    (:data:`kda.backends.cutedsl.tables.TABLE_DIR`) in the source tree, not in a ``bazel run``
+    runfiles tree, where it would be lost."""
     from kda.backends.cutedsl import tables
 
-    return tables.path_for(device_name, os.path.join(_repo_root(), "backends", "cutedsl",
-                                                     "tables"))
+    return tables.path_for(device_name, os.path.join(
+        _repo_root(), os.path.relpath(tables.TABLE_DIR, _TREE)))
 
 
 def _repo_relative(path: str) -> str:
