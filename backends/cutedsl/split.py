@@ -197,19 +197,25 @@ class KdaSplit(Launch):
 
         S = state_regs(self.wave) if self.direct else None
         if live:
-            if cutlass.const_expr(self.direct):
-                if is_main:      # the CTA's rows, in flight while the conv and norms run
-                    self._load_rows(g, src, h, rank, tid // LANES, tid % LANES, S)
-            elif tid == 0:
-                rows_g = cute.local_tile(g.state[src, h, None, None], (self.rows, D), (rank, 0))
-                atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), st_t,
-                                           num_bits_per_copy=self.rows * D * st_t.width)
-                cute.copy(atom, cute.group_modes(rows_g, 0, 2), cute.group_modes(s_state, 0, 2),
-                          mbar_ptr=bar_state)
             if is_main:
+                # the window history of the thread's q / k / v channels, requested before
+                # the rows: behind the launch's burst of row reads it comes back last
+                hq = [g.conv_state[cslot, ch, off + j] for j in range(3)]
+                hk = [g.conv_state[cslot, dim + ch, off + j] for j in range(3)]
+                hv = [g.conv_state[cslot, 2 * dim + vch, off + j] for j in range(3)]
+                if cutlass.const_expr(self.direct):
+                    # the CTA's rows, in flight while the conv and norms run
+                    self._load_rows(g, src, h, rank, tid // LANES, tid % LANES, S)
+                elif tid == 0:
+                    rows_g = cute.local_tile(g.state[src, h, None, None], (self.rows, D),
+                                             (rank, 0))
+                    atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), st_t,
+                                               num_bits_per_copy=self.rows * D * st_t.width)
+                    cute.copy(atom, cute.group_modes(rows_g, 0, 2),
+                              cute.group_modes(s_state, 0, 2), mbar_ptr=bar_state)
                 self._main(g, tid, rank, h, r, cslot, src, off, slots, wq, wk, wv, bq, bk, bv,
-                           nwv, xq, xk, xv, ogr, braw, scale, eps, s_state, s_q, s_k, s_a, s_o,
-                           s_v, s_b, s_red, s_win, bars, S)
+                           nwv, xq, xk, xv, ogr, braw, hq, hk, hv, scale, eps, s_state, s_q, s_k,
+                           s_a, s_o, s_v, s_b, s_red, s_win, bars, S)
             else:
                 self._gate(g, mma, thr, rB, s_fb, bar_fb, lane, rank, h, r, cslot, lb, s_a,
                            bar_alpha, alog, s_dtb)
@@ -224,16 +230,15 @@ class KdaSplit(Launch):
     # ------------------------------------------------------------------------- main warps
     @cute.jit
     def _main(self, g, tid, rank, h, r, cslot, src, off, slots, wq, wk, wv, bq, bk, bv, nwv,
-              xq, xk, xv, ogr, braw, scale, eps, s_state, s_q, s_k, s_a, s_o, s_v, s_b, s_red,
-              s_win, bars, S_direct):
+              xq, xk, xv, ogr, braw, hq, hk, hv, scale, eps, s_state, s_q, s_k, s_a, s_o, s_v,
+              s_b, s_red, s_win, bars, S_direct):
+        """Steps 3-5 of a main thread (module docstring): ``hq`` / ``hk`` / ``hv`` the window
+        history of its q, k and v channels (``hv`` used where ``tid < rows``)."""
         pb, T, C, dim = self.pb, self.T, self.C, self.dim
         warp_i = tid // 32
         lane = tid % 32
         n0 = r * T
         vch = rank * self.rows + tid
-        # history and inputs of the q / k channel tid (and the v row, where tid < rows)
-        hq = [g.conv_state[cslot, h * D + tid, off + j] for j in range(3)]
-        hk = [g.conv_state[cslot, dim + h * D + tid, off + j] for j in range(3)]
         if rank == 0:
             for i, win in enumerate((self._window(g, hq, xq), self._window(g, hk, xk))):
                 for pos in cutlass.range_constexpr(T + 2):
@@ -246,7 +251,6 @@ class KdaSplit(Launch):
         yq = self._conv(hq, xq, wq, bq)
         yk = self._conv(hk, xk, wk, bk)
         if tid < self.rows:
-            hv = [g.conv_state[cslot, 2 * dim + h * D + vch, off + j] for j in range(3)]
             yv = self._conv(hv, xv, wv, bv)
             for t in cutlass.range_constexpr(T):
                 s_v[t, tid] = yv[t]
