@@ -39,12 +39,21 @@ class Sync(enum.IntEnum):
     PREP = 1          #: the streamed kernel's prep warpgroup
     MAIN = 1          #: the split kernel's main warps
     GROUP = 2         #: consumer group g of the streamed kernel: ``GROUP + g``
+    #: the streamed kernel: the prep has requested its first item's operands (its consumers
+    #: wait for that before their first page copies)
+    FIRST_OPS = 15
 
 
 def sync(bar, threads: int) -> None:
     """``bar.sync`` on named barrier ``bar`` (a :class:`Sync`, or ``Sync.GROUP + g``) of
     ``threads`` threads (:class:`cutlass.pipeline.NamedBarrier`)."""
     NamedBarrier(int(bar) if isinstance(bar, int) else bar, threads).arrive_and_wait()
+
+
+def arrive(bar, threads: int) -> None:
+    """``bar.arrive`` on named barrier ``bar`` of ``threads`` threads: counts this thread
+    without waiting (the others :func:`sync`)."""
+    NamedBarrier(int(bar), threads).arrive()
 
 
 class Mbarriers:

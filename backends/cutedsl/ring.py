@@ -133,7 +133,8 @@ class WarpRing:
 
     @cute.jit
     def walk(self, storage, state: cute.Tensor, si: cute.Tensor, na: cute.Tensor, R: Int32,
-             slots: Int32, i0: Int32, i1: Int32, w: Int32, lane: Int32, unit, skip):
+             slots: Int32, i0: Int32, i1: Int32, w: Int32, lane: Int32, unit, skip,
+             before_copies=None):
         """Consumer warp ``w``'s loop over its group's items of ``[i0, i1)``.
 
         For every live item it waits for the unit's stage, then calls ``unit(stage, j, h,
@@ -144,7 +145,8 @@ class WarpRing:
         ``skip(j)``.
 
         ``state``: [slots, H, 128, 128]; ``si``: [R, T] slot ids; ``na``: [R] accepted counts
-        (read at T > 1 only).
+        (read at T > 1 only); ``before_copies()``, if given, runs once after the first slot
+        ids are requested and before the first page copy.
         """
         T = self.T
         F = self.fields_per_item
@@ -159,6 +161,8 @@ class WarpRing:
         ctr[1] = Int32(0)
         self._load_batch(bat, 0, Int32(0), si, na, R, slots, i0, i1, g, lane)
         self._load_batch(bat, 1, Int32(1), si, na, R, slots, i0, i1, g, lane)
+        if cutlass.const_expr(before_copies is not None):
+            before_copies()
         for q in cutlass.range_constexpr(dep):          # the first depth items (lookahead < 32)
             for f in cutlass.range_constexpr(3):
                 pend[f] = cute.arch.shuffle_sync(bat[0, f], q)

@@ -58,7 +58,7 @@ from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile, smem_fragment
 from kda.backends.cutedsl.ring import WarpRing
 from kda.backends.cutedsl.item import chunk, reg_chunk, state_regs, store4
 from kda.backends.cutedsl.pipeline import (FA_STAGES, ItemSlots, Mbarriers, Sync, init_fence,
-                                            release_reads, sync)
+                                            arrive, release_reads, sync)
 from kda.backends.cutedsl.problem import Problem
 from kda.backends.cutedsl.schedule import FB_ROW, GATE_BATCH, PREP_THREADS, Prep, Rows, Schedule
 from kda.backends.cutedsl.scheduler import grid
@@ -112,6 +112,10 @@ class KdaStream(Launch):
         self.NI = self.LAG + 1
         self.prep0 = 32 * sched.consumers      # first prep thread
         self.threads = self.prep0 + PREP
+        #: the consumers' first page copies wait until the prep has requested its first
+        #: item's window and activations (behind a launch's burst of page reads they came
+        #: back last); the groups' prep and the early reads request them first anyway
+        self.windows_first = not self.group_prep and not self.early
         T, NI = pb.T, self.NI
         fields = dict(self.ring.fields())
         fields.update({
@@ -230,8 +234,12 @@ class KdaStream(Launch):
                 if cutlass.const_expr(self.group_prep):
                     self._group_epilogue(storage, g, gp, j, i0, R, warp_i, lane, eps, False)
 
+            before_copies = None
+            if cutlass.const_expr(self.windows_first):
+                def before_copies():
+                    sync(Sync.FIRST_OPS, self.threads)
             self.ring.walk(storage, g.state, g.state_indices, g.num_accepted_tokens, R, slots,
-                           i0, i1, warp_i, lane, unit, skip)
+                           i0, i1, warp_i, lane, unit, skip, before_copies)
         else:
             self._prep_loop(storage, g, tid - self.prep0, i0, i1, R, slots, scale, eps, lb)
             if cutlass.const_expr(self.block):
@@ -544,6 +552,8 @@ class KdaStream(Launch):
             self._load_ops(g, dsc, ops, pt, OPS_ACTIVATIONS)
         else:
             self._load_ops(g, dsc, ops, pt)
+        if cutlass.const_expr(self.windows_first):
+            arrive(Sync.FIRST_OPS, self.threads)
         s_fa = self._fa_rows(storage)
         for st in cutlass.range_constexpr(2):
             for t in cutlass.range_constexpr(self.T, 8):
