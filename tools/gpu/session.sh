@@ -35,7 +35,9 @@
 #            streamed-kernel batch, streamg at T=1, the gate in batches, blocks with the tail,
 #            the cluster kernel's direct rows, cutedsl_wide at T=1) and of cuda's bf16-state
 #            builds, each kernel with fp32 and bf16 state pools; after the stages above are
-#            done (beside them racecheck runs failed), at most 12 at a time
+#            done (beside them racecheck runs failed), at most 12 at a time; a racecheck
+#            run that ends with the program gone and no hazard runs once more alone
+#            (<name>-alone in the summary)
 #
 # A stage's job that would start with the budget spent is skipped and listed as skipped.
 #
@@ -197,6 +199,7 @@ if want sanitize; then
   wait
   san() {  # san <name> <step_check arguments...>: one sanitizer run of $tool on one step
     local name=$1; shift
+    echo "$*" > "$L/sanitize-$tool-$name.args"
     throttle 12; bg "sanitize-$tool-$name" compute-sanitizer --tool "$tool" --print-limit 20 \
        --error-exitcode 9 --report-api-errors no python3 -m tools.gpu.step_check "$@"
   }
@@ -218,6 +221,22 @@ if want sanitize; then
       san "wide-$sd" cutedsl_wide 4 3 1 $sd
     done
     san cuda-bf16 cuda 4 3 2 bf16
+  done
+  wait
+  # a racecheck run among 12 can end with the program gone and no hazard reported where the
+  # same run alone is clean: such a run (no hazard, no failed check or refusal of
+  # step_check's) runs once more alone, as <name>-alone; both results stay in the summary
+  for f in "$L"/sanitize-racecheck-*.args; do
+    [ -e "$f" ] || continue
+    name=$(basename "$f" .args)
+    log="$L/$name.log"
+    failed=$(grep -E 'R=[0-9]+: ' "$log" | grep -v ': ok$'; grep '^step_check:' "$log")
+    if grep -q "^$name rc=[1-9]" "$L/_rc" && grep -q "RACECHECK SUMMARY: 0 hazards" "$log" \
+       && [ -z "$failed" ]; then
+      bg "$name-alone" compute-sanitizer --tool racecheck --print-limit 20 --error-exitcode 9 \
+         --report-api-errors no python3 -m tools.gpu.step_check $(cat "$f")
+      wait
+    fi
   done
 fi
 wait
