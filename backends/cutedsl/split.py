@@ -14,10 +14,12 @@ Per CTA:
    After the wait the dependents are released (they read this kernel's outputs only after
    their own wait) and the activations (x, output gate, beta, the gate warp's f_a
    fragments), which do not depend on the slot ids, are requested first.
-2. slot ids -> liveness; the CTA's state rows, one contiguous block, are requested with one
-   bulk copy (``cp.async.bulk``, completion on an mbarrier), or with ``Schedule.state_direct``
-   loaded by the main threads straight into the registers the recurrence uses (one load of
-   each 4-column chunk: 16 bytes fp32, 8 bytes bf16; in flight while step 3 runs).
+2. slot ids -> liveness; the window history of the thread's q / k / v channels is requested
+   (the conv waits on it; behind the launch's row reads it would come back last), then the
+   CTA's state rows, one contiguous block, with one bulk copy (``cp.async.bulk``, completion
+   on an mbarrier), or with ``Schedule.state_direct`` loaded by the main threads straight
+   into the registers the recurrence uses (one load of each 4-column chunk: 16 bytes fp32, 8
+   bytes bf16; in flight while step 3 runs).
 3. main warps: conv + SiLU of all 256 q / k channels (every CTA: they are the key vector)
    and of the CTA's v channels; the window of the CTA's v channels is rewritten; q / k L2
    norms. The gate warp meanwhile: MMA, rounding, decay, ``st.async`` of the decays into every
