@@ -19,7 +19,9 @@ have come; the barrier of use j is free again (:meth:`Mbarriers.wait_free`) once
   f_b rows (one bulk copy).
 
 The split kernel's barriers are used once a launch (:class:`ClusterExchange`).
-:class:`Sync` names the barriers threads of one role meet at (``bar.sync``).
+:class:`Sync` names the named barriers: threads of one role meet at them (``bar.sync``), but
+``FIRST_OPS``, where the streamed kernel's prep only arrives (``bar.arrive``, :func:`arrive`)
+and its consumers wait.
 """
 
 from __future__ import annotations

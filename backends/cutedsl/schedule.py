@@ -19,7 +19,8 @@ the compile key. A schedule is a value along a few axes, not a named kernel:
 * flags: ``gate_batch`` (at T = 1 the prep computes the gate projections of up to 8
   consecutive items of one head in one MMA pass, one item per column), ``state_direct`` (the
   cluster kernel loads its CTA's state rows from global memory straight into registers,
-  right after the slot ids, instead of one bulk copy through shared memory),
+  after the slot ids and the window history, instead of one bulk copy through shared
+  memory),
   ``early_reads`` (the first items' slot ids, windows and pages read before the PDL wait,
   :attr:`kda.config.KdaConfig.early_reads`), ``stage_fb`` (a head's f_b rows staged in
   shared memory), ``prefetch`` (the item after next brought to L2), ``x_ahead`` (x of the next

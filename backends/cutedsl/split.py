@@ -168,8 +168,9 @@ class KdaSplit(Launch):
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
-        # ---- 2. the activations (independent of the slot ids, so requested first): x of the
-        # thread's q / k / v channels, the output gate, beta; the gate warp's f_a fragments
+        # ---- 1, after the wait: the activations (independent of the slot ids, so requested
+        # first): x of the thread's q / k / v channels, the output gate, beta; the gate warp's
+        # f_a fragments
         n0 = r * T
         xq = [g.x[n0 + t, ch] for t in range(T)]
         xk = [g.x[n0 + t, dim + ch] for t in range(T)]
@@ -186,7 +187,7 @@ class KdaSplit(Launch):
         if (tid >= MAIN) & (lane // 4 < T):
             cute.autovec_copy(tB, rB)
 
-        # ---- 3. slots and liveness (every thread, uniform loads)
+        # ---- 2. slots and liveness (every thread, uniform loads)
         # (the T slot ids and num_accepted_tokens are loaded together: selecting the source
         # slot costs no second round trip)
         ids = [g.state_indices[r, t] for t in range(T)]

@@ -36,7 +36,10 @@ a dead item too, so that every warp passes every phase of its slots) and *free* 
 done). A slot holds its item's warp sums of the q / k norms and of the RMSNorm too, so the
 prep warps sync once per norm, between their sums and their reads, and never to hand a
 slot back. With ``Prep.GROUP`` the group's epilogue frees the slot (one arrival per lane
-of each unit warp) and *done* is not used.
+of each unit warp) and *done* is not used. With the prep warpgroup (and no early reads) the
+consumers' first page copies wait on named barrier ``Sync.FIRST_OPS`` until the prep has
+requested its first item's window and activations, which otherwise came back behind the
+launch's burst of page reads.
 
 Every value is computed in the order of the other kernels of the family (the item arithmetic
 of :mod:`kda.backends.cutedsl.item`, the same warp sums of the norms, the same MMA chains per
@@ -114,7 +117,8 @@ class KdaStream(Launch):
         self.threads = self.prep0 + PREP
         #: the consumers' first page copies wait until the prep has requested its first
         #: item's window and activations (behind a launch's burst of page reads they came
-        #: back last); the groups' prep and the early reads request them first anyway
+        #: back last); the groups' prep requests them before its walk; with the early reads
+        #: pages and windows are all requested before the PDL wait, in no fixed order
         self.windows_first = not self.group_prep and not self.early
         T, NI = pb.T, self.NI
         fields = dict(self.ring.fields())

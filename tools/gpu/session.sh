@@ -33,11 +33,11 @@
 #   sanitize compute-sanitizer memcheck, racecheck and synccheck on one checked step of the
 #            CuTe DSL kernels (tools/gpu/step_check.py; cutedsl at a split-kernel and at a
 #            streamed-kernel batch, streamg at T=1, the gate in batches, blocks with the tail,
-#            the cluster kernel's direct rows at 4 and 8 CTAs, cutedsl_wide at T=1) and of
-#            cuda's bf16-state builds, each kernel with fp32 and bf16 state pools; after the
-#            stages above are done (beside them racecheck runs failed), at most 12 at a time;
-#            a racecheck run that ends with the program gone and no hazard runs once more
-#            alone (<name>-alone in the summary)
+#            the cluster kernel's direct rows at 4 and 8 CTAs, its cluster of 2,
+#            cutedsl_wide at T=1) and of cuda's bf16-state builds, each kernel with fp32 and
+#            bf16 state pools; after the stages above are done (beside them racecheck runs
+#            failed), at most 12 at a time; a racecheck run that ends with the program gone
+#            and no hazard runs once more alone (<name>-alone in the summary)
 #
 # A stage's job that would start with the budget spent is skipped and listed as skipped.
 #
@@ -220,6 +220,8 @@ if want sanitize; then
       # the cluster of 8 with the direct rows (one pass of 16 rows: the H100 table's pick at
       # the smallest batches), T=1 as it runs there
       san "direct8-$sd" cutedsl:split8+direct 12 8 1 $sd
+      # the cluster of 2 (two waves of 32 rows per CTA), as the H100 table runs it
+      san "split2-$sd" cutedsl:split2 12 16 1 $sd
       # the one-CTA-per-item kernel at an odd T (its epilogue's upper half has no last token)
       san "wide-$sd" cutedsl_wide 4 3 1 $sd
     done
