@@ -197,11 +197,15 @@ if want sanitize; then
   # gone, no hazard reported) where the same run alone was clean: the sanitizers start once
   # the other stages are done, at most 12 at a time
   wait
+  sanitizer() {  # sanitizer <tool> <job> <step_check arguments...>: one run in the background
+    local tool=$1 job=$2; shift 2
+    bg "$job" compute-sanitizer --tool "$tool" --print-limit 20 --error-exitcode 9 \
+       --report-api-errors no python3 -m tools.gpu.step_check "$@"
+  }
   san() {  # san <name> <step_check arguments...>: one sanitizer run of $tool on one step
     local name=$1; shift
     echo "$*" > "$L/sanitize-$tool-$name.args"
-    throttle 12; bg "sanitize-$tool-$name" compute-sanitizer --tool "$tool" --print-limit 20 \
-       --error-exitcode 9 --report-api-errors no python3 -m tools.gpu.step_check "$@"
+    throttle 12; sanitizer "$tool" "sanitize-$tool-$name" "$@"
   }
   for tool in memcheck racecheck synccheck; do
     for sd in fp32 bf16; do
@@ -238,8 +242,7 @@ if want sanitize; then
     failed=$(grep -E 'R=[0-9]+: ' "$log" | grep -v ': ok$'; grep '^step_check:' "$log")
     if grep -q "^$name rc=[1-9]" "$L/_rc" && grep -q "RACECHECK SUMMARY: 0 hazards" "$log" \
        && [ -z "$failed" ]; then
-      bg "$name-alone" compute-sanitizer --tool racecheck --print-limit 20 --error-exitcode 9 \
-         --report-api-errors no python3 -m tools.gpu.step_check $(cat "$f")
+      sanitizer racecheck "$name-alone" $(cat "$f")
       wait
     fi
   done
