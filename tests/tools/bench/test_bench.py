@@ -16,7 +16,7 @@ FLAGS = flags.FLAGS
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def test_readme_table_is_generated_from_committed_results(monkeypatch):
+def test_readme_table_is_generated_from_committed_results(monkeypatch, tmp_path):
     """README's generated block, and the tier summary in each run's own README, are what the
     runs its command names generate: GPU runs of committed results, among them the runs behind
     ``auto``'s tables (kda.auto.SOURCE)."""
@@ -37,6 +37,10 @@ def test_readme_table_is_generated_from_committed_results(monkeypatch):
     assert report.main(["--check", *rel]) == 0, \
         "README.md's table or the run's tier summary is stale: run python3 -m tools.bench.report " \
         + " ".join(rel)
+    # the same under ``bazel run``: the paths name files of the workspace, not of the cwd
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("BUILD_WORKSPACE_DIRECTORY", ROOT)
+    assert report.main(["--check", *rel]) == 0, "the report depends on the working directory"
 
 
 def _run(path, sd, cells):
