@@ -255,10 +255,11 @@ def validate_args(cfg: KdaConfig, args: KdaArgs, config_name: Optional[str] = No
     if not isinstance(si, torch.Tensor):
         raise KdaArgumentError("state_indices", f"expected an int32 tensor, got {type(si).__name__}")
     want_dims = "[R]" if T == 1 else f"[R, T={T}]"
-    if si.dim() != (1 if T == 1 else 2):
-        raise KdaArgumentError("state_indices", f"expected {want_dims} for T = {T} (T = 1 takes a 1-D "
-                                                f"tensor, verify T > 1 a 2-D one), got shape "
-                                                f"{list(si.shape)}")
+    t_from = f"{decides('T')}; " if config_name else ""
+    if si.dim() != (1 if T == 1 else 2) or (T > 1 and si.shape[1] != T):
+        raise KdaArgumentError("state_indices", f"expected {want_dims} for T = {T} ({t_from}T = 1 "
+                                                f"takes a 1-D tensor, verify T > 1 a 2-D one), got "
+                                                f"shape {list(si.shape)}")
     R = si.shape[0]
     N = R * T
     if x.shape[0] != N:
@@ -363,8 +364,11 @@ def validate_args(cfg: KdaConfig, args: KdaArgs, config_name: Optional[str] = No
     else:
         for name in ("v_record", "kg_record"):
             if getattr(args, name) is not None:
-                raise KdaArgumentError(name, "given without record mode; pass both v_record and "
-                                             "kg_record to enable it")
+                raise KdaArgumentError(name, f"given, but {config_name}.record is False (record "
+                                             "mode: KdaConfig(record=True), with both v_record "
+                                             "and kg_record)" if config_name else
+                                       "given without record mode; pass both v_record and "
+                                       "kg_record to enable it")
     _check_no_overlap(args)
 
 

@@ -280,6 +280,34 @@ def test_object_form_rejects_1d_state_indices_for_verify(backend_name, require_b
     _assert_untouched(a, before)
 
 
+def test_object_form_names_its_config_for_t_and_record_mismatches():
+    """Tensors of another T, or record buffers for a step built without record mode: the
+    error names state_indices or the record buffer, and the KdaConfig field that decides
+    (found by a new-user trial: x's row count was blamed, and "pass both" was the advice)."""
+    a3 = make_case(CaseSpec(KdaConfig(num_heads=2, T=3, window=6), R=3, null_frac=0.0))
+    for cfg in (KdaConfig(num_heads=2, T=2, window=6), KdaConfig(num_heads=2, T=1, window=6)):
+        step = kda.KdaDecode(cfg, device="cpu", backend="reference")
+        kw = _object_kw(a3)
+        if cfg.T == 1:
+            kw.pop("num_accepted_tokens")
+        before = clone_args(a3)
+        with pytest.raises(KdaArgumentError) as ei:
+            step(**kw)
+        assert ei.value.arg == "state_indices", ei.value
+        assert f"for T = {cfg.T} (this KdaDecode's KdaConfig.T decides" in str(ei.value)
+        assert "got shape [3, 3]" in str(ei.value)
+        _assert_untouched(a3, before)
+    r = make_case(CaseSpec(dataclasses.replace(CFG2, record=True), R=2, null_frac=0.0))
+    step = kda.KdaDecode(CFG2, device="cpu", backend="reference")
+    before = clone_args(r)
+    with pytest.raises(KdaArgumentError) as ei:
+        step(**_kwargs(r))
+    assert ei.value.arg == "v_record"
+    assert "this KdaDecode's KdaConfig.record is False" in str(ei.value)
+    assert "KdaConfig(record=True)" in str(ei.value)
+    _assert_untouched(r, before)
+
+
 @pytest.mark.parametrize("validated_before", [True, False], ids=["seen", "first"])
 @pytest.mark.parametrize("name", ["x", "conv_weight", "conv_bias", "conv_state", "f_a", "f_b", "beta",
                                   "A_log", "dt_bias", "state", "state_indices", "output_gate",
