@@ -1,6 +1,7 @@
 """tools/kda, the front door, run with stand-ins for bazel, apt-get and Python on PATH: what
-setup says before apt installs, the usage of a bare or wrong ``bench``, ``test`` with flags
-only still testing every target, and ``test`` in a log through tools/testlog.py."""
+setup says before apt installs, the usage of a bare or wrong ``bench``, an unknown command, a
+``KDA_PYTHON`` that does not run, ``test`` with flags only still testing every target, and
+``test`` in a log through tools/testlog.py."""
 
 import os
 import pathlib
@@ -66,6 +67,22 @@ def test_bench_with_an_unknown_backend_names_it(bin_dir):
     res = _run(bin_dir, "bench", "tensorrt", "--heads=4")
     assert res.returncode == 2
     assert res.stderr.startswith("tools/kda bench: unknown backend 'tensorrt'\nusage: ")
+
+
+def test_an_unknown_command_is_named(bin_dir):
+    res = _run(bin_dir, "bogus")
+    assert res.returncode == 2
+    assert res.stderr == "tools/kda: unknown command 'bogus'\n"
+    assert res.stdout.startswith("The project's front door")
+
+
+def test_a_kda_python_that_does_not_run_is_said_once(bin_dir, tmp_path):
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path), "KDA_PYTHON": "/nonexistent/python"}
+    res = subprocess.run(["/bin/bash", str(KDA), "serve", "--help"], env=env, text=True,
+                         capture_output=True, timeout=60)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr == ("tools/kda: KDA_PYTHON=/nonexistent/python is not a Python interpreter "
+                          "that runs (expected e.g. ~/kda-venv/bin/python)\n")
 
 
 def test_test_with_flags_only_still_tests_every_target(bin_dir):
