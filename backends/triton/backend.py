@@ -29,6 +29,26 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+#: Triton releases whose CPU interpreter cannot run the kernels: 3.9's gives a bool mask formed
+#: with a scalar (``tensor & live``, a scalar mask) int32 data and refuses it ("mask has
+#: unsupported dtype"); 3.6-3.8 run them (the ``dev`` extra pins 3.6.0). The compiled GPU
+#: kernels are unaffected.
+INTERPRETER_REFUSED = ((3, 9),)
+
+
+def interpreter_refusal(version: str) -> Optional[str]:
+    """Why Triton ``version``'s CPU interpreter cannot run the kernels, or None."""
+    try:
+        major_minor = tuple(int(p) for p in version.split(".")[:2])
+    except ValueError:
+        return None
+    if major_minor in INTERPRETER_REFUSED:
+        return (f"Triton {version}'s CPU interpreter (TRITON_INTERPRET=1) rejects the kernels' "
+                "masks (\"mask has unsupported dtype\"); the interpreter runs them with Triton "
+                "3.6-3.8 (pip install \"triton<3.9\"; the dev extra pins 3.6.0)")
+    return None
+
+
 class TritonBackend(Backend):
     """The whole decode step in one Triton kernel launch, the build chosen per call by
     :mod:`kda.backends.triton.policy`.
@@ -51,7 +71,7 @@ class TritonBackend(Backend):
         except Exception as e:  # noqa: BLE001 - any failure means unavailable
             return f"triton not importable: {type(e).__name__}: {e}"
         if interpreter_enabled():
-            return None
+            return interpreter_refusal(triton.__version__)
         try:
             if not torch.cuda.is_available():
                 return "no CUDA device (set TRITON_INTERPRET=1 to run Triton's CPU interpreter)"

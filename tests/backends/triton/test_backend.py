@@ -22,6 +22,14 @@ from tests.backends.triton.helpers import INTERP, device  # noqa: E402
 GPU = pytest.mark.skipif(INTERP or not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def test_the_interpreter_of_triton_3_9_is_refused_with_the_versions_that_work():
+    from kda.backends.triton.backend import interpreter_refusal
+    why = interpreter_refusal("3.9.0")
+    assert why.startswith("Triton 3.9.0's CPU interpreter") and "3.6-3.8" in why
+    for v in ("3.6.0", "3.7.1", "3.8.0", "3.10.0", "4.0.0", "dev"):
+        assert interpreter_refusal(v) is None, v
+
+
 def test_policy_names_every_build_once():
     """Every build of both kernels is one the policy can choose, and nothing else."""
     assert sorted(policy.builds()) == sorted({**kd.BUILDS, **kc.BUILDS})
