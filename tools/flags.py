@@ -21,8 +21,9 @@ flags.register_validator("gate_mode", lambda v: v in (0, 1), message="--gate_mod
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 STATE_DTYPE = flags.DEFINE_list(
     "state_dtype", ["fp32"], "state pool dtype: fp32 or bf16 (half the bytes, fp32 math, each "
-    "state written rounded once); tools/serve takes one, tools/bench a list (a dimension of its "
-    "grid: the floor counts 32 KiB bf16 pages; peers other than touch run fp32 only)")
+    "state written rounded once); tools/serve takes one value, tools/bench and tools/kda tune "
+    "a list (a dimension of the grid: the floor counts 32 KiB bf16 pages; peers other than "
+    "touch run fp32 only; the tuner's default is both)")
 flags.register_validator("state_dtype", lambda v: len(v) > 0 and all(d in STATE_DTYPES for d in v),
                          message="--state_dtype takes fp32, bf16 (a list for tools/bench)")
 

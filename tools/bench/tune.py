@@ -2,7 +2,7 @@
 
     tools/kda tune [flags]                 # on a GPU: sweep, then write the table
     tools/kda tune --dry_run               # anywhere: the plan (cells, candidates)
-    python3 -m tools.bench.tune --results_dir=docs/results/2026-12-07-h100   # GPU machine
+    python3 -m tools.bench.tune --results_dir=docs/results/<date>-<gpu>   # GPU machine
 
 For each (state dtype, T, heads, batch) of the grid, every candidate schedule
 (:mod:`tools.schedules`; those that cannot serve the cell are left out) runs the step on the
@@ -53,8 +53,9 @@ def define_flags() -> None:
                       "default in SM waves)")
     flags.DEFINE_list("batches", ["1", "2", "4", "8", "16", "32", "64", "128", "256", "512"],
                       "R values")
-    flags.DEFINE_list("candidates", None, "schedule names (default: all of "
-                      + ", ".join(DEFAULT_CANDIDATES) + ")")
+    flags.DEFINE_list("candidates", None, "schedule names (default: "
+                      + ", ".join(DEFAULT_CANDIDATES) + "; any of tools.schedules' names but "
+                      "the early-reading builds may be named)")
     flags.DEFINE_list("other_backends", [], "the project's other backends to time at each cell "
                       "(e.g. cutedsl_wide,cuda,triton)")
     flags.DEFINE_integer("screen_iters", 24, "timed iterations of the screen")
@@ -115,6 +116,34 @@ def plan(heads, tokens, batches, state_dtypes, candidates) -> List[dict]:
                     cells.append({"state": sd, "T": T, "H": H, "R": R, "items": R * H,
                                   "candidates": names, "cfg": cfg})
     return cells
+
+
+def print_plan(console, cells, candidates) -> None:
+    """The plan of ``--dry_run``: a line per (state dtype, T, heads) group (its batches and
+    candidates, the same for each batch), then each candidate left out of some group, once per
+    reason, with the groups it concerns."""
+    from tools.schedules import parse
+
+    groups: Dict[tuple, List[dict]] = {}
+    for c in cells:
+        groups.setdefault(_group(c), []).append(c)
+    left: Dict[tuple, List[tuple]] = {}
+    for (sd, T, H), cs in groups.items():
+        names = cs[0]["candidates"]
+        console.print(f"{sd} T={T} H={H} R={','.join(str(c['R']) for c in cs)}: "
+                      f"{len(names)} candidates: {', '.join(names)}")
+        for name in candidates:
+            if name not in names:
+                try:
+                    parse(name, cs[0]["cfg"])
+                except ValueError as e:       # "Schedule <name> for <problem>: <reasons>"
+                    left.setdefault((name, str(e).split(": ", 1)[-1]), []).append((sd, T, H))
+    for (name, why), where in left.items():
+        ts = sorted({T for _, T, _ in where})
+        console.print(f"  left out {name} at T={','.join(map(str, ts))} ({len(where)} of "
+                      f"{len(groups)} groups): {why}")
+    console.print(f"{len(cells)} cells, {sum(len(c['candidates']) for c in cells)} "
+                  "candidate timings")
 
 
 def _builds(cells):
@@ -265,21 +294,7 @@ def main(argv):
         console.print("no cell has a candidate that serves it (--candidates, --tokens)")
         return 2
     if FLAGS.dry_run:
-        from tools.schedules import parse
-        shown = set()
-        for c in cells:
-            console.print(f"{c['state']} T={c['T']} H={c['H']} R={c['R']} ({c['items']} items): "
-                          + ", ".join(c["candidates"]))
-            key = (c["state"], c["T"], c["H"])
-            for name in [n for n in candidates if n not in c["candidates"]]:
-                if (key, name) not in shown:     # once per configuration: why it is left out
-                    shown.add((key, name))
-                    try:
-                        parse(name, c["cfg"])
-                    except ValueError as e:
-                        console.print(f"  left out {name}: {e}")
-        console.print(f"{len(cells)} cells, {sum(len(c['candidates']) for c in cells)} "
-                      "candidate timings")
+        print_plan(console, cells, candidates)
         return 0
     if not torch.cuda.is_available():
         console.print("tools/kda tune measures on a GPU: none here (--dry_run prints the plan)")
