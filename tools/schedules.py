@@ -17,6 +17,11 @@ BUILD = {
        for C in S.BLOCKS},
     **{f"split{C}+direct": (lambda pb, C=C, **kw: S.split(pb, C, state_direct=True, **kw))
        for C in S.CLUSTERS if C >= 4},
+    **{f"split{C}+qk": (lambda pb, C=C, **kw: S.split(pb, C, split_qk=True, **kw))
+       for C in S.CLUSTERS},
+    **{f"split{C}+direct+qk": (lambda pb, C=C, **kw: S.split(pb, C, state_direct=True,
+                                                          split_qk=True, **kw))
+       for C in S.CLUSTERS if C >= 4},
     "stream+gb": lambda pb, **kw: S.stream(pb, gate_batch=True, **kw),
     "streamg+gb": lambda pb, **kw: S.stream(pb, prep=S.Prep.GROUP, gate_batch=True, **kw),
     **{f"stream{C}+gb": (lambda pb, C=C, **kw: S.stream(pb, block=C, gate_batch=True, **kw))

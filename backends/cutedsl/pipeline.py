@@ -221,23 +221,32 @@ class ItemSlots:
 
 
 class ClusterExchange:
-    """The split kernel's barriers, each used once a launch (phase 0), from ``bars`` (3 + T
-    mbarriers): the CTA's state rows (one bulk copy), the decays of every feature (st.async
-    from every CTA of the cluster), per token t the o of the token's 128 rows (st.async to the
-    token's owner, CTA ``t % C``), and the gate warp's f_b rows and dt_bias (bulk copies)."""
+    """The split kernel's barriers, each used once a launch (phase 0), from ``bars``
+    (:meth:`count` mbarriers): the CTA's state rows (one bulk copy), the decays of every
+    feature (st.async from every CTA of the cluster), per token t the o of the token's 128 rows
+    (st.async to the token's owner, CTA ``t % C``), the gate warp's f_b rows and dt_bias (bulk
+    copies), and with ``qk`` (``Schedule.split_qk``) the q / k conv outputs and their warps'
+    sums of squares (st.async from every CTA of the cluster)."""
 
-    def __init__(self, bars, T: int):
+    def __init__(self, bars, T: int, qk: bool = False):
         self.T = T
+        self.has_qk = qk
         self.state = bars
         self.alpha = bars + 1
         self.fb = bars + 2 + T
+        self.qk = bars + 3 + T if qk else None
         self.bars = bars
+
+    @staticmethod
+    def count(T: int, qk: bool) -> int:
+        """The mbarriers of ``T`` tokens (with or without the q / k exchange)."""
+        return 3 + T + (1 if qk else 0)
 
     def __extract_mlir_values__(self):
         return [self.bars]
 
     def __new_from_mlir_values__(self, values):
-        return ClusterExchange(values[0], self.T)
+        return ClusterExchange(values[0], self.T, self.has_qk)
 
     def o(self, t):
         """The barrier of token ``t``'s o (its owner's)."""
@@ -245,20 +254,24 @@ class ClusterExchange:
 
     @cute.jit
     def init(self, rank, C: int, state_bytes: int, alpha_bytes: int, fb_bytes: int,
-             o_bytes: int) -> None:
+             o_bytes: int, qk_bytes: int = 0) -> None:
         """One thread: every barrier expects one arrival, its own, with the bytes that come
-        (the state rows, the decays, the f_b rows and dt_bias; at the owner of token t its
-        o)."""
+        (the state rows, the decays, the f_b rows and dt_bias, the q / k exchange; at the
+        owner of token t its o)."""
         T = self.T
         cute.arch.mbarrier_init(self.state, 1)
         cute.arch.mbarrier_init(self.alpha, 1)
         cute.arch.mbarrier_init(self.fb, 1)
         for t in cutlass.range_constexpr(T):
             cute.arch.mbarrier_init(self.o(t), 1)
+        if cutlass.const_expr(self.has_qk):
+            cute.arch.mbarrier_init(self.qk, 1)
         init_fence()
         cute.arch.mbarrier_arrive_and_expect_tx(self.state, state_bytes)
         cute.arch.mbarrier_arrive_and_expect_tx(self.alpha, alpha_bytes)
         cute.arch.mbarrier_arrive_and_expect_tx(self.fb, fb_bytes)
+        if cutlass.const_expr(self.has_qk):
+            cute.arch.mbarrier_arrive_and_expect_tx(self.qk, qk_bytes)
         for t in cutlass.range_constexpr(T):
             if rank == t % C:
                 cute.arch.mbarrier_arrive_and_expect_tx(self.o(t), o_bytes)

@@ -20,7 +20,9 @@ the compile key. A schedule is a value along a few axes, not a named kernel:
   consecutive items of one head in one MMA pass, one item per column), ``state_direct`` (the
   cluster kernel loads its CTA's state rows from global memory straight into registers,
   after the slot ids and the window history, instead of one bulk copy through shared
-  memory),
+  memory), ``split_qk`` (the cluster kernel's CTAs each compute 256 / ``cluster`` of the q /
+  k channels' conv and norm partial sums and send them to every CTA of the cluster, instead of
+  every CTA computing all 256),
   ``early_reads`` (the first items' slot ids, windows and pages read before the PDL wait,
   :attr:`kda.config.KdaConfig.early_reads`), ``stage_fb`` (a head's f_b rows staged in
   shared memory), ``prefetch`` (the item after next brought to L2), ``x_ahead`` (x of the next
@@ -96,8 +98,8 @@ MAX_THREADS = 1024
 GROUP_LAG = 4
 GROUP_SLOTS = GROUP_LAG + 1
 #: The schedule's yes / no fields.
-FLAGS = ("tail", "gate_batch", "state_direct", "early_reads", "stage_fb", "prefetch",
-         "x_ahead", "walk", "token_loop", "page_last")
+FLAGS = ("tail", "gate_batch", "state_direct", "split_qk", "early_reads", "stage_fb",
+         "prefetch", "x_ahead", "walk", "token_loop", "page_last")
 #: Items whose gate projections one ``gate_batch`` MMA pass computes (the MMA's 8 columns).
 GATE_BATCH = 8
 
@@ -115,6 +117,7 @@ class Schedule:
     tail: bool = False
     gate_batch: bool = False
     state_direct: bool = False
+    split_qk: bool = False
     unit_rows: int = 32
     consumers: int = 8
     depth: int = 1
@@ -200,6 +203,8 @@ class Schedule:
             why.append(f"state_direct: a flag of rows=CLUSTER with cluster >= 4 (the CTA's rows "
                        f"in one wave of registers), got rows={self.rows.value} cluster="
                        f"{self.cluster}")
+        if self.split_qk and self.rows != Rows.CLUSTER:
+            why.append(f"split_qk: a flag of rows=CLUSTER, got rows={self.rows.value}")
         return why
 
     def reasons(self, problem: Problem) -> List[str]:
@@ -253,7 +258,8 @@ class Schedule:
     def name(self) -> str:
         """A short name for logs and tools (``wide``, ``split4``, ``stream``, ``streamg``,
         ``stream4``, ``stream4t`` with the tail; ``+gb`` with ``gate_batch``, ``+direct`` with
-        ``state_direct``, ``+early`` where it reads early). Never parsed by the backend."""
+        ``state_direct``, ``+qk`` with ``split_qk``, ``+early`` where it reads early). Never
+        parsed by the backend."""
         if self.rows == Rows.CTA:
             base = "wide"
         elif self.rows == Rows.CLUSTER:
@@ -262,7 +268,7 @@ class Schedule:
             base = "stream" + ("g" if self.prep == Prep.GROUP else "") + (
                 str(self.block) if self.block else "")
         return (base + ("t" if self.tail else "") + ("+gb" if self.gate_batch else "")
-                + ("+direct" if self.state_direct else "")
+                + ("+direct" if self.state_direct else "") + ("+qk" if self.split_qk else "")
                 + ("+early" if self.early_reads else ""))
 
     def tag(self) -> str:
@@ -276,7 +282,8 @@ class Schedule:
             parts.append("tail")
         if self.rows == Rows.WARP:
             parts += [f"u{self.unit_rows}", f"w{self.consumers}", f"d{self.depth}"]
-        for f, short in (("gate_batch", "gb"), ("state_direct", "sd"), ("early_reads", "er"),
+        for f, short in (("gate_batch", "gb"), ("state_direct", "sd"), ("split_qk", "qk"),
+                         ("early_reads", "er"),
                          ("stage_fb", "fb"),
                          ("prefetch", "pf"),
                          ("x_ahead", "xa"), ("walk", "wk"), ("token_loop", "tl"),
@@ -287,12 +294,13 @@ class Schedule:
 
     def axes(self) -> dict:
         """The fields a policy table names: the axes, the ring's shape but its depth, and the
-        flags the tuner chooses (``tail``, ``gate_batch``, ``state_direct``). The depth and the
-        other flags come from :func:`make`'s rules (:func:`default_flags`; the tuner's
-        candidates keep them), so a table row builds the schedule the tuner timed."""
+        flags the tuner chooses (``tail``, ``gate_batch``, ``state_direct``, ``split_qk``). The
+        depth and the other flags come from :func:`make`'s rules (:func:`default_flags`; the
+        tuner's candidates keep them), so a table row builds the schedule the tuner timed."""
         out = {"rows": self.rows.value, "prep": self.prep.value, "items": self.items.value}
         for f, default in (("cluster", 1), ("block", 0), ("tail", False), ("gate_batch", False),
-                           ("state_direct", False), ("unit_rows", 32), ("consumers", 8)):
+                           ("state_direct", False), ("split_qk", False), ("unit_rows", 32),
+                           ("consumers", 8)):
             if getattr(self, f) != default:
                 out[f] = getattr(self, f)
         return out

@@ -22,14 +22,20 @@ Per CTA:
    bytes bf16; in flight while step 3 runs).
 3. main warps: conv + SiLU of all 256 q / k channels (every CTA: they are the key vector)
    and of the CTA's v channels; the window of the CTA's v channels is rewritten; q / k L2
-   norms. The gate warp meanwhile: MMA, rounding, decay, ``st.async`` of the decays into every
+   norms. With ``Schedule.split_qk`` the q / k channels are shared out instead: the 256 are
+   8 warp-blocks of 32 (q warps 0-3, k warps 0-3 of the one-CTA kernel), each CTA's last
+   ``8 / C`` main warps conv ``8 / C`` blocks, rewrite their windows, and ``st.async`` the
+   outputs and each block's warp sum of squares into every CTA's shared memory (one
+   mbarrier per CTA counts the bytes); then every main thread forms its q / k channel's norm
+   from the four warp sums in warp order. The gate warp meanwhile: MMA, rounding, decay, ``st.async`` of the decays into every
    CTA's shared memory (one mbarrier per CTA counts the bytes).
 4. main warps: the recurrence of the CTA's rows (all T tokens, rows in waves of up to 32
    straight from the staged block), state stores, ``o`` of each row sent with ``st.async`` to the CTA
    that owns the token (``t % C``).
 5. the owner of token t: gated RMSNorm over the 128 values, ``out``; rank 0 writes the new
    q / k windows, kept in its shared memory since step 3, once every CTA's o of token 0
-   arrived (so every CTA has read the history).
+   arrived (so every CTA has read the history; with ``split_qk`` each window was rewritten in
+   step 3 by the one thread that read it).
 
 Every value is computed in the same order whatever C, and in the same order as the
 one-CTA-per-item kernel (:mod:`kda.backends.cutedsl.wide`): the item arithmetic of
@@ -60,6 +66,7 @@ MAIN = 128          # conv / norm / recurrence / epilogue threads (warps 0-3)
 NTHREADS = MAIN + 32  # + the gate warp
 LANES = 8           # lanes per state row: a warp instruction covers 4 rows x 128 bytes
 GROUPS = MAIN // LANES  # rows per pass
+QK_BLOCKS = 2 * D // 32  # warp-blocks of q / k channels (split_qk: shared out over the cluster)
 
 
 class KdaSplit(Launch):
@@ -78,6 +85,9 @@ class KdaSplit(Launch):
         self.wave = min(2, self.passes)
         # state_direct: the CTA's rows (one wave) loaded into registers after the slot ids
         self.direct = sched.state_direct
+        # split_qk: the CTA's last qk_warps main warps conv as many of the q / k warp-blocks
+        self.qk = sched.split_qk
+        self.qk_warps = QK_BLOCKS // self.C
         self.T = pb.T
         self.H = pb.H
         self.dim = pb.H * D
@@ -98,8 +108,18 @@ class KdaSplit(Launch):
         if cutlass.const_expr(not self.direct):
             s_state = smem.allocate_tensor(st_t, cute.make_layout((self.rows, D), stride=(D, 1)),
                                            byte_alignment=128)
-        s_q = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)), byte_alignment=16)
-        s_k = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)), byte_alignment=16)
+        if cutlass.const_expr(self.qk):
+            # the q rows then the k rows of every token, one buffer: a block's st.async offset
+            # is which * T * D + t * D + channel
+            s_qk = smem.allocate_tensor(Float32, cute.make_layout((2 * T, D), stride=(D, 1)),
+                                        byte_alignment=16)
+            s_q = cute.make_tensor(s_qk.iterator, cute.make_layout((T, D), stride=(D, 1)))
+            s_k = cute.make_tensor(s_qk.iterator + T * D, cute.make_layout((T, D), stride=(D, 1)))
+        else:
+            s_q = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)),
+                                       byte_alignment=16)
+            s_k = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)),
+                                       byte_alignment=16)
         s_a = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)), byte_alignment=16)
         s_o = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)), byte_alignment=16)
         s_v = smem.allocate_tensor(Float32, cute.make_layout((T, self.rows), stride=(self.rows, 1)),
@@ -109,15 +129,18 @@ class KdaSplit(Launch):
                                      byte_alignment=16)
         # rank 0: the new q / k windows (thread tid: q channel tid, k channel tid), kept from
         # the start until every CTA has read the history, then written without a re-read
-        s_win = smem.allocate_tensor(g.conv_state.element_type, cute.make_layout(
-            (2, T + 2, MAIN), stride=((T + 2) * MAIN, MAIN, 1)), byte_alignment=16)
+        s_win = None
+        if cutlass.const_expr(not self.qk):
+            s_win = smem.allocate_tensor(g.conv_state.element_type, cute.make_layout(
+                (2, T + 2, MAIN), stride=((T + 2) * MAIN, MAIN, 1)), byte_alignment=16)
         # the gate warp's f_b rows, rows padded to 136 bf16 so that the MMA fragment loads
         # of a warp hit 32 distinct banks
         s_fb = smem.allocate_tensor(BFloat16, cute.make_layout((self.F, D), stride=(FB_ROW, 1)),
                                     byte_alignment=16)
         # the gate warp's dt_bias of the CTA's F features (copied with s_fb)
         s_dtb = smem.allocate_tensor(Float32, cute.make_layout((self.F,)), byte_alignment=16)
-        bars = ClusterExchange(smem.allocate_array(Int64, 3 + T), T)
+        bars = ClusterExchange(smem.allocate_array(Int64, ClusterExchange.count(T, self.qk)), T,
+                               self.qk)
         bar_state = bars.state
         bar_alpha = bars.alpha
         bar_fb = bars.fb
@@ -126,7 +149,7 @@ class KdaSplit(Launch):
         if tid == 0:
             # (state_direct: no copy counts on the state's barrier; it completes at once)
             bars.init(rank, C, 0 if self.direct else self.rows * D * st_bytes, T * D * 4,
-                      self.F * (D * 2 + 4), D * 4)
+                      self.F * (D * 2 + 4), D * 4, T * (2 * D + QK_BLOCKS) * 4 if self.qk else 0)
         cute.arch.sync_threads()
         cute.arch.cluster_arrive_relaxed()
 
@@ -136,15 +159,26 @@ class KdaSplit(Launch):
         lane = tid % 32
         ch = h * D + tid % MAIN                       # q / k channel of a main thread
         vch = h * D + rank * self.rows + tid % self.rows  # v channel (main threads < rows)
-        wq = [Float32(g.conv_weight[0, e, ch]) for e in range(4)]
-        wk = [Float32(g.conv_weight[1, e, ch]) for e in range(4)]
+        # (split_qk: "q" is the thread's channel of its warp-block, q or k, at x / conv_state
+        # channel qch; no "k" values)
+        qch = ch
+        wk, bk = None, None
+        if cutlass.const_expr(self.qk):
+            _, which, chl = self._qk_block(rank, tid)
+            qch = which * dim + h * D + chl
+            wq = [Float32(g.conv_weight[which, e, h * D + chl]) for e in range(4)]
+        else:
+            wq = [Float32(g.conv_weight[0, e, ch]) for e in range(4)]
+            wk = [Float32(g.conv_weight[1, e, ch]) for e in range(4)]
         wv = [Float32(g.conv_weight[2, e, vch]) for e in range(4)]
         bq = Float32(0.0)
-        bk = Float32(0.0)
+        if cutlass.const_expr(not self.qk):
+            bk = Float32(0.0)
         bv = Float32(0.0)
         if cutlass.const_expr(pb.has_bias):
-            bq = g.conv_bias[ch]
-            bk = g.conv_bias[dim + ch]
+            bq = g.conv_bias[qch]
+            if cutlass.const_expr(not self.qk):
+                bk = g.conv_bias[dim + ch]
             bv = g.conv_bias[2 * dim + vch]
         nwv = Float32(g.norm_weight[tid % MAIN])
         # A_log[h] for the gate warp's decay, loaded here so that no load waits after its MMA
@@ -172,8 +206,8 @@ class KdaSplit(Launch):
         # first): x of the thread's q / k / v channels, the output gate, beta; the gate warp's
         # f_a fragments
         n0 = r * T
-        xq = [g.x[n0 + t, ch] for t in range(T)]
-        xk = [g.x[n0 + t, dim + ch] for t in range(T)]
+        xq = [g.x[n0 + t, qch] for t in range(T)]
+        xk = None if self.qk else [g.x[n0 + t, dim + ch] for t in range(T)]
         xv = [g.x[n0 + t, 2 * dim + vch] for t in range(T)]
         ogr = [g.output_gate[n0 + t, ch] for t in range(T)]
         braw = g.beta[n0 + tid % T, h]
@@ -203,8 +237,9 @@ class KdaSplit(Launch):
             if is_main:
                 # the window history of the thread's q / k / v channels, requested before
                 # the rows: behind the launch's burst of row reads it comes back last
-                hq = [g.conv_state[cslot, ch, off + j] for j in range(3)]
-                hk = [g.conv_state[cslot, dim + ch, off + j] for j in range(3)]
+                hq = [g.conv_state[cslot, qch, off + j] for j in range(3)]
+                hk = None if self.qk else [g.conv_state[cslot, dim + ch, off + j]
+                                           for j in range(3)]
                 hv = [g.conv_state[cslot, 2 * dim + vch, off + j] for j in range(3)]
                 if cutlass.const_expr(self.direct):
                     # the CTA's rows, in flight while the conv and norms run
@@ -236,49 +271,64 @@ class KdaSplit(Launch):
               xq, xk, xv, ogr, braw, hq, hk, hv, scale, eps, s_state, s_q, s_k, s_a, s_o, s_v,
               s_b, s_red, s_win, bars, S_direct):
         """Steps 3-5 of a main thread (module docstring): ``hq`` / ``hk`` / ``hv`` the window
-        history of its q, k and v channels (``hv`` used where ``tid < rows``)."""
+        history of its q, k and v channels (``hv`` used where ``tid < rows``; with
+        ``split_qk`` ``wq`` / ``bq`` / ``xq`` / ``hq`` are those of its warp-block's channel,
+        q or k, and the k ones None)."""
         pb, T, C, dim = self.pb, self.T, self.C, self.dim
         warp_i = tid // 32
         lane = tid % 32
         n0 = r * T
         vch = rank * self.rows + tid
-        if rank == 0:
-            for i, win in enumerate((self._window(g, hq, xq), self._window(g, hk, xk))):
-                for pos in cutlass.range_constexpr(T + 2):
-                    s_win[i, pos, tid] = win[pos]
+        yq, yk = None, None
+        if cutlass.const_expr(self.qk):
+            self._qk_send(g, tid, rank, h, cslot, wq, bq, xq, hq, s_q, s_red, bars)
+        else:
+            if rank == 0:
+                for i, win in enumerate((self._window(g, hq, xq), self._window(g, hk, xk))):
+                    for pos in cutlass.range_constexpr(T + 2):
+                        s_win[i, pos, tid] = win[pos]
         if tid < T:
             if cutlass.const_expr(pb.beta_activated):
                 s_b[tid] = Float32(braw)      # the engine's sigmoid(beta), used as it is
             else:
                 s_b[tid] = N.sigmoid(Float32(braw))
-        yq = self._conv(hq, xq, wq, bq)
-        yk = self._conv(hk, xk, wk, bk)
+        if cutlass.const_expr(not self.qk):
+            yq = self._conv(hq, xq, wq, bq)
+            yk = self._conv(hk, xk, wk, bk)
         if tid < self.rows:
             yv = self._conv(hv, xv, wv, bv)
             for t in cutlass.range_constexpr(T):
                 s_v[t, tid] = yv[t]
             self._rewrite(g, cslot, 2 * dim + h * D + vch, hv, xv)
-        for t in cutlass.range_constexpr(T):
-            sq = N.warp_sum(N.fmul(yq[t], yq[t]))
-            sk = N.warp_sum(N.fmul(yk[t], yk[t]))
-            if lane == 0:
-                s_red[t, 0, warp_i] = sq
-                s_red[t, 1, warp_i] = sk
-            if cutlass.const_expr(pb.record):
-                if rank == 0:
-                    g.kg_record[cslot, h, t, tid] = BFloat16(yk[t])
-        sync(Sync.MAIN, MAIN)
+        if cutlass.const_expr(self.qk):
+            bars.wait(bars.qk)      # every warp-block's outputs and sums
+        else:
+            for t in cutlass.range_constexpr(T):
+                sq = N.warp_sum(N.fmul(yq[t], yq[t]))
+                sk = N.warp_sum(N.fmul(yk[t], yk[t]))
+                if lane == 0:
+                    s_red[t, 0, warp_i] = sq
+                    s_red[t, 1, warp_i] = sk
+                if cutlass.const_expr(pb.record):
+                    if rank == 0:
+                        g.kg_record[cslot, h, t, tid] = BFloat16(yk[t])
+            sync(Sync.MAIN, MAIN)
         for t in cutlass.range_constexpr(T):
             sq = item.quarter_sum(lambda i, t=t: s_red[t, 0, i])
             sk = item.quarter_sum(lambda i, t=t: s_red[t, 1, i])
             iq = item.inv_norm(sq)
             ik = item.inv_norm(sk)
-            s_q[t, tid] = item.q_hat(yq[t], iq, scale)
-            s_k[t, tid] = N.fmul(yk[t], ik)
+            if cutlass.const_expr(self.qk):     # in place: channel tid's own outputs
+                s_q[t, tid] = item.q_hat(s_q[t, tid], iq, scale)
+                s_k[t, tid] = N.fmul(s_k[t, tid], ik)
+            else:
+                s_q[t, tid] = item.q_hat(yq[t], iq, scale)
+                s_k[t, tid] = N.fmul(yk[t], ik)
         # output gate (used by the owner of each token)
         ogs = [N.sigmoid(Float32(v)) for v in ogr]
         sync(Sync.MAIN, MAIN)
-        cute.arch.cluster_wait()
+        if cutlass.const_expr(not self.qk):
+            cute.arch.cluster_wait()
         bars.wait(bars.alpha)       # the decays of every feature
         if cutlass.const_expr(not self.direct):
             bars.wait(bars.state)   # the CTA's state rows
@@ -296,12 +346,47 @@ class KdaSplit(Launch):
                 ss = item.quarter_sum(lambda i, t=t: s_red[t, 2, i])
                 y = item.gated_rmsnorm(ob, ss, eps, nwv, ogs[t])
                 g.out[n0 + t, h * D + tid] = BFloat16(y)
-        if rank == 0:
-            # every CTA's o of token 0 arrived (rank 0 owns it), so every CTA has read the
-            # q / k history: rank 0 writes the new windows it kept in shared memory
-            for i in cutlass.range_constexpr(2):
-                for pos in cutlass.range_constexpr(T + 2):
-                    g.conv_state[cslot, i * dim + h * D + tid, pos] = s_win[i, pos, tid]
+        if cutlass.const_expr(not self.qk):
+            if rank == 0:
+                # every CTA's o of token 0 arrived (rank 0 owns it), so every CTA has read the
+                # q / k history: rank 0 writes the new windows it kept in shared memory
+                for i in cutlass.range_constexpr(2):
+                    for pos in cutlass.range_constexpr(T + 2):
+                        g.conv_state[cslot, i * dim + h * D + tid, pos] = s_win[i, pos, tid]
+
+    def _qk_block(self, rank, tid):
+        """``split_qk``: (warp-block, 0 for q or 1 for k, channel of the head) of thread
+        ``tid`` of CTA ``rank``: block ``rank * qk_warps + warp % qk_warps`` of the 8 (q warps
+        0-3, then k warps 0-3 of the one-CTA kernel), its lane's channel."""
+        qb = rank * self.qk_warps + (tid // 32) % self.qk_warps
+        return qb, qb // 4, (qb % 4) * 32 + tid % 32
+
+    @cute.jit
+    def _qk_send(self, g, tid, rank, h, cslot, w, b, x, hist, s_qk, s_red, bars):
+        """``split_qk``, step 3's q / k part: the CTA's last ``qk_warps`` main warps conv their
+        warp-block's channel (``w``, ``b``, ``x``, ``hist``), rewrite its window (no other
+        thread reads it), and send each token's output to ``s_qk`` (q rows, then k rows) and
+        the warp's sum of squares to ``s_red[t, 0 or 1, warp]`` of every CTA of the cluster,
+        as the one-CTA kernel's warp of those channels sums it. Every main thread first waits
+        for the cluster (every CTA's barriers set up)."""
+        pb, T, C, dim = self.pb, self.T, self.C, self.dim
+        cute.arch.cluster_wait()
+        if tid // 32 >= MAIN // 32 - self.qk_warps:
+            qb, which, chl = self._qk_block(rank, tid)
+            y = self._conv(hist, x, w, b)
+            self._rewrite(g, cslot, which * dim + h * D + chl, hist, x)
+            for t in cutlass.range_constexpr(T):
+                ss = N.warp_sum(N.fmul(y[t], y[t]))
+                for q in cutlass.range_constexpr(C):
+                    cute.arch.store_async_dsmem(s_qk.iterator + (which * (T * D) + t * D + chl),
+                                                N.f32_bits(y[t]), bars.qk, Int32(q))
+                if tid % 32 == 0:
+                    for q in cutlass.range_constexpr(C):
+                        cute.arch.store_async_dsmem(s_red.iterator + (t * 12 + which * 4 + qb % 4),
+                                                    N.f32_bits(ss), bars.qk, Int32(q))
+                if cutlass.const_expr(pb.record):
+                    if which == 1:
+                        g.kg_record[cslot, h, t, chl] = BFloat16(y[t])
 
     def _conv(self, hist_raw, x_raw, w, bias):
         """acc = bias; acc = fma(s[t+e], w[e], acc) over s = [w0, w1, w2, x_0..]; bf16(silu)."""

@@ -88,7 +88,9 @@ def define_flags() -> None:
 CANDIDATE_NAMES = tuple(n for n in BUILD if "+early" not in n)
 #: The candidates by default: all of :data:`CANDIDATE_NAMES` but the blocks of 16 requests
 #: (``--candidates`` names them), in the order that breaks ties (:func:`winner`).
-DEFAULT_CANDIDATES = ("split2", "split4", "split8", "split4+direct", "split8+direct", "stream",
+DEFAULT_CANDIDATES = ("split2", "split4", "split8", "split4+direct", "split8+direct",
+                      "split2+qk", "split4+qk", "split8+qk", "split4+direct+qk",
+                      "split8+direct+qk", "stream",
                       "streamg", "stream2", "stream4", "stream8", "stream2t", "stream4t",
                       "stream8t", "stream+gb", "streamg+gb", "stream2+gb", "stream4+gb",
                       "stream8+gb", "stream2t+gb", "stream4t+gb", "stream8t+gb", "wide")

@@ -226,6 +226,10 @@ if want sanitize; then
       san "direct8-$sd" cutedsl:split8+direct 12 8 1 $sd
       # the cluster of 2 (two waves of 32 rows per CTA), as the H100 table runs it
       san "split2-$sd" cutedsl:split2 12 16 1 $sd
+      # the q / k channels shared out over the cluster (T=2: two tokens' exchange), C = 8
+      # and 2
+      san "qk8-$sd" cutedsl:split8+direct+qk 4 3 2 $sd
+      san "qk2-$sd" cutedsl:split2+qk 12 8 1 $sd
       # the one-CTA-per-item kernel at an odd T (its epilogue's upper half has no last token)
       san "wide-$sd" cutedsl_wide 4 3 1 $sd
     done

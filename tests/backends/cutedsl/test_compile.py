@@ -522,6 +522,40 @@ def test_state_direct_builds_compile(kind, cfg):
         assert usage["REG"] <= 128 and usage["LOCAL"] == 0 and usage["STACK"] <= 16, usage
 
 
+#: The cluster kernel with the q / k channels shared out over the cluster (``split_qk``):
+#: C = 2, 4, 8, T = 1, 2, 4, 5, 8, both state dtypes and layouts, record mode, bias, the rows
+#: in registers.
+QK_CASES = [
+    ("split2+qk", KdaConfig(num_heads=12, T=1, window=3)),
+    ("split4+qk", KdaConfig(num_heads=4, T=2, window=4, conv_layout="DS", lower_bound=-5.0,
+                            gate_mode=1, has_conv_bias=True, record=True)),
+    ("split8+qk", KdaConfig(num_heads=96, T=4, window=6, state_dtype=bf16)),
+    ("split8+qk", KdaConfig(num_heads=8, T=8, window=10, conv_layout="DS", record=True,
+                            conv_state_dtype=f32, norm_weight_dtype=bf16)),
+    ("split2+qk", KdaConfig(num_heads=12, T=5, window=7, has_conv_bias=True, record=True,
+                            state_dtype=bf16)),
+    ("split8+direct+qk", KdaConfig(num_heads=32, T=1, window=3, state_dtype=bf16)),
+    ("split4+direct+qk", KdaConfig(num_heads=12, T=4, window=6, lower_bound=-5.0)),
+]
+
+
+@pytest.mark.parametrize("kind,cfg", QK_CASES, ids=[f"{k}-{c.short()}" for k, c in QK_CASES])
+def test_split_qk_builds_compile(kind, cfg):
+    """``split_qk``: against the same build without it, one more mbarrier (the exchange's) and
+    2 * T * C more st.async (each token's output of a q / k channel and its warp's sum of
+    squares, to each of the C CTAs); no local arrays, no stack, at most 128 registers."""
+    pb, sched = build(kind, cfg)
+    assert sched.split_qk and sched.name == kind
+    compiled, ptx = _compile_build(pb, sched)
+    plain = _compile_build(pb, dataclasses.replace(sched, split_qk=False))[1]
+    st_async = r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes"
+    assert _ldst(ptx, st_async) - _ldst(plain, st_async) == 2 * cfg.T * sched.cluster
+    assert _ldst(ptx, r"mbarrier\.init") - _ldst(plain, r"mbarrier\.init") == 1
+    usage = _resource_usage(compiled.__cubin__)
+    if usage is not None:
+        assert usage["REG"] <= 128 and usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
+
+
 #: Builds with ``early_reads`` (the persistent walk on fp32 pages): T = 1, 2, 4, 8, record
 #: mode, both layouts, both gates.
 EARLY_CASES = [

@@ -115,9 +115,11 @@ def _check_beside_wide(name, run, cfg, args, device, require_backend, check_wide
     return wide
 
 
-#: The cluster kernels by label: every cluster size, and with the rows loaded straight into
-#: registers (``state_direct``, C = 4 and 8)
+#: The cluster kernels by label: every cluster size, with the rows loaded straight into
+#: registers (``state_direct``, C = 4 and 8), and with the q / k channels shared out over the
+#: cluster (``split_qk``)
 SPLITS = [f"split{c}" for c in CLUSTERS] + [f"split{c}+direct" for c in CLUSTERS if c >= 4]
+SPLITS += [f"split{c}+qk" for c in CLUSTERS] + ["split8+direct+qk"]
 
 
 @pytest.mark.parametrize("kind", SPLITS)

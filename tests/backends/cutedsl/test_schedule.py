@@ -58,6 +58,12 @@ def test_problem_is_validated():
      "state_direct: a flag of rows=CLUSTER with cluster >= 4"),
     (dict(rows="warp", prep="warpgroup", items="range", state_direct=True),
      "state_direct: a flag of rows=CLUSTER"),
+    (dict(rows="warp", prep="warpgroup", items="range", split_qk=True),
+     "split_qk: a flag of rows=CLUSTER"),
+    (dict(rows="cta", prep="inline", items="one", split_qk=True),
+     "split_qk: a flag of rows=CLUSTER"),
+    (dict(rows="cluster", prep="cluster", items="one", cluster=4, split_qk=1),
+     "split_qk: expected a bool"),
     (dict(rows="cta", prep="inline", items="one", prefetch=True), "flags of rows=WARP only"),
     (dict(rows="cluster", prep="cluster", items="one", cluster=4, early_reads=True),
      "flags of rows=WARP only"),
@@ -131,6 +137,15 @@ def test_names_and_tags():
     assert [s.name for s in scheds[-4:]] == ["stream2", "stream4", "stream8", "stream16"]
     assert S.stream(pb, block=4).axes() == {"rows": "warp", "prep": "warpgroup",
                                             "items": "blocks", "block": 4}
+    shared = [S.split(pb, C, split_qk=True) for C in S.CLUSTERS]
+    shared += [S.split(pb, C, state_direct=True, split_qk=True) for C in (4, 8)]
+    assert [s.name for s in shared] == ["split2+qk", "split4+qk", "split8+qk",
+                                        "split4+direct+qk", "split8+direct+qk"]
+    every = scheds + tails + batched + shared + [S.split(pb, 8, state_direct=True)]
+    assert len({s.tag() for s in every}) == len(every)
+    assert shared[3].axes() == {"rows": "cluster", "prep": "cluster", "items": "one",
+                                "cluster": 4, "state_direct": True, "split_qk": True}
+    assert S.from_axes(pb, shared[3].axes()) == shared[3]
 
 
 def test_gate_batch_serves_one_token_without_record():
