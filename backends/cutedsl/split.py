@@ -54,6 +54,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from kda.backends.cutedsl import item, ptx as N
 from kda.backends.cutedsl.args import KernelArgs, Launch, make_views
+from kda.backends.cutedsl.common import load_or0
 from kda.backends.cutedsl.item import chunk, reg_chunk, state_regs, store4
 from kda.backends.cutedsl.gate import decay, gate_mma, gate_tile, smem_fragment
 from kda.backends.cutedsl.pipeline import ClusterExchange, Sync, sync
@@ -88,6 +89,7 @@ class KdaSplit(Launch):
         # split_qk: the CTA's last qk_warps main warps conv as many of the q / k warp-blocks
         self.qk = sched.split_qk
         self.qk_warps = QK_BLOCKS // self.C
+        assert QK_BLOCKS % self.C == 0 and self.qk_warps <= MAIN // 32, self.C
         self.T = pb.T
         self.H = pb.H
         self.dim = pb.H * D
@@ -162,8 +164,10 @@ class KdaSplit(Launch):
         # (split_qk: "q" is the thread's channel of its warp-block, q or k, at x / conv_state
         # channel qch; no "k" values)
         qch = ch
+        qk_on = is_main                 # (split_qk: a thread of the CTA's q / k warps)
         wk, bk = None, None
         if cutlass.const_expr(self.qk):
+            qk_on = is_main & (tid // 32 >= MAIN // 32 - self.qk_warps)
             _, which, chl = self._qk_block(rank, tid)
             qch = which * dim + h * D + chl
             wq = [Float32(g.conv_weight[which, e, h * D + chl]) for e in range(4)]
@@ -206,7 +210,11 @@ class KdaSplit(Launch):
         # first): x of the thread's q / k / v channels, the output gate, beta; the gate warp's
         # f_a fragments
         n0 = r * T
-        xq = [g.x[n0 + t, qch] for t in range(T)]
+        if cutlass.const_expr(self.qk):   # read by the q / k warps only
+            xq = [load_or0(qk_on, lambda t=t: g.x[n0 + t, qch], g.x.element_type)
+                  for t in range(T)]
+        else:
+            xq = [g.x[n0 + t, qch] for t in range(T)]
         xk = None if self.qk else [g.x[n0 + t, dim + ch] for t in range(T)]
         xv = [g.x[n0 + t, 2 * dim + vch] for t in range(T)]
         ogr = [g.output_gate[n0 + t, ch] for t in range(T)]
@@ -237,7 +245,11 @@ class KdaSplit(Launch):
             if is_main:
                 # the window history of the thread's q / k / v channels, requested before
                 # the rows: behind the launch's burst of row reads it comes back last
-                hq = [g.conv_state[cslot, qch, off + j] for j in range(3)]
+                if cutlass.const_expr(self.qk):   # read (and rewritten) by its thread only
+                    hq = [load_or0(qk_on, lambda j=j: g.conv_state[cslot, qch, off + j],
+                                   g.conv_state.element_type) for j in range(3)]
+                else:
+                    hq = [g.conv_state[cslot, qch, off + j] for j in range(3)]
                 hk = None if self.qk else [g.conv_state[cslot, dim + ch, off + j]
                                            for j in range(3)]
                 hv = [g.conv_state[cslot, 2 * dim + vch, off + j] for j in range(3)]
