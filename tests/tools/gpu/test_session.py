@@ -68,5 +68,5 @@ def test_sanitize_retries_only_a_vanished_racecheck_alone(tmp_path):
     ran = calls.read_text().splitlines()
     assert ran.count("racecheck cutedsl:stream 8 100 2 fp32") == 2
     assert ran.count("racecheck cutedsl:stream4t 8 100 2 bf16") == 1
-    # every other run once: 3 tools x (2 dtypes x 9 steps + cuda's bf16) and the retry
-    assert len(ran) == 3 * 19 + 1
+    # every other run once: 3 tools x (2 dtypes x 11 steps + cuda's bf16) and the retry
+    assert len(ran) == 3 * 23 + 1
