@@ -68,6 +68,7 @@ NTHREADS = MAIN + 32  # + the gate warp
 LANES = 8           # lanes per state row: a warp instruction covers 4 rows x 128 bytes
 GROUPS = MAIN // LANES  # rows per pass
 QK_BLOCKS = 2 * D // 32  # warp-blocks of q / k channels (split_qk: shared out over the cluster)
+RED_ROWS = 3        # per token, the four warps' sums of q^2, k^2 and o^2 (s_red)
 
 
 class KdaSplit(Launch):
@@ -127,7 +128,8 @@ class KdaSplit(Launch):
         s_v = smem.allocate_tensor(Float32, cute.make_layout((T, self.rows), stride=(self.rows, 1)),
                                    byte_alignment=16)
         s_b = smem.allocate_tensor(Float32, cute.make_layout((8,)), byte_alignment=16)
-        s_red = smem.allocate_tensor(Float32, cute.make_layout((T, 3, 4), stride=(12, 4, 1)),
+        s_red = smem.allocate_tensor(Float32, cute.make_layout((T, RED_ROWS, 4),
+                                                               stride=(RED_ROWS * 4, 4, 1)),
                                      byte_alignment=16)
         # rank 0: the new q / k windows (thread tid: q channel tid, k channel tid), kept from
         # the start until every CTA has read the history, then written without a re-read
@@ -394,8 +396,9 @@ class KdaSplit(Launch):
                                                 N.f32_bits(y[t]), bars.qk, Int32(q))
                 if tid % 32 == 0:
                     for q in cutlass.range_constexpr(C):
-                        cute.arch.store_async_dsmem(s_red.iterator + (t * 12 + which * 4 + qb % 4),
-                                                    N.f32_bits(ss), bars.qk, Int32(q))
+                        cute.arch.store_async_dsmem(
+                            s_red.iterator + (t * (RED_ROWS * 4) + which * 4 + qb % 4),
+                            N.f32_bits(ss), bars.qk, Int32(q))
                 if cutlass.const_expr(pb.record):
                     if which == 1:
                         g.kg_record[cslot, h, t, chl] = BFloat16(y[t])
