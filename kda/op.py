@@ -19,6 +19,18 @@ from kda.errors import KdaArgumentError, KdaBackendError
 from kda.validate import FIELD_ARG, check_is_tensor, config_from_args, validate_args
 
 
+def tracing(x: torch.Tensor) -> bool:
+    """Whether a call with ``x`` is being traced rather than run: under ``torch.compile``
+    (dynamo), with a fake ``x`` (``FakeTensorMode``), or under a dispatch mode such as
+    ``make_fx``'s proxy mode. Such a call goes through the custom op, whose fake
+    implementation traces it (the eager path would read fake tensors' addresses)."""
+    if torch.compiler.is_compiling():
+        return True
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    return is_fake(x) or _get_current_dispatch_mode() is not None
+
+
 def _host(v):
     """A scalar argument as the Python number it stands for, under torch.compile: dynamo
     turns numpy scalars (accepted eagerly) into arrays, which the op's schema refuses; a 0-d
@@ -118,10 +130,11 @@ def kda_decode(
         expected and what was given. Nothing has been written.
       KdaBackendError: unknown backend name, or the chosen backend cannot serve the call.
 
-    Under ``torch.compile`` the call is traced as the custom op ``torch.ops.kda.decode``
-    (:mod:`kda.torch_op`, same validation, run eagerly inside the graph): tracing the backend's
-    own code would let the compiler drop the bf16 round trips that are the contract's rounding
-    points.
+    Under ``torch.compile``, and with fake or proxy tensors (``FakeTensorMode``, ``make_fx``,
+    ``torch.export``: :func:`tracing`), the call is traced as the custom op
+    ``torch.ops.kda.decode`` (:mod:`kda.torch_op`, same validation, run eagerly inside the
+    graph): tracing the backend's own code would let the compiler drop the bf16 round trips
+    that are the contract's rounding points.
 
     Formulas: the contract, section 2 (after fla-core's ``naive_recurrent_kda`` and
     ``naive_kda_gate`` / ``naive_kda_lowerbound_gate``, with the rounding points of section 3).
@@ -129,8 +142,8 @@ def kda_decode(
     args = KdaArgs(x, conv_weight, conv_bias, conv_state, f_a, f_b, beta, A_log, dt_bias, state,
                    state_indices, output_gate, norm_weight, num_accepted_tokens, v_record,
                    kg_record, out)
-    if torch.compiler.is_compiling():
-        check_is_tensor("x", x)
+    check_is_tensor("x", x)
+    if tracing(x):
         if backend is not None and not isinstance(backend, str):
             registry.check_choice(backend, "argument")     # not a name: raises as resolve()
         if out is None and isinstance(A_log, torch.Tensor) and A_log.dim() == 1:
@@ -231,7 +244,8 @@ class KdaDecode:
         """Run one step; arguments as :func:`kda_decode` (scalars and the form of ``beta``
         come from the config).
 
-        Under ``torch.compile`` the call is traced as the custom op ``torch.ops.kda.decode``
+        Under ``torch.compile`` (or fake / proxy tensors: :func:`tracing`) the call is traced
+        as the custom op ``torch.ops.kda.decode``
         with this object's backend and scalars, after checking that the tensors' device and
         configuration are this object's (as :func:`kda_decode` does, and for the same
         reason). The op validates as ``validate="first"`` does, whatever this object's
@@ -243,7 +257,7 @@ class KdaDecode:
                        v_record, kg_record, out)
         if out is None:
             args = args._replace(out=alloc_out(x, self.cfg.dim))
-        if torch.compiler.is_compiling():
+        if tracing(x):
             return self._compiled_call(args)
         # dtype, shape, strides and device of every argument: metadata not validated before
         # (a new batch size, another cache layout or window, a bias appearing, a tensor on

@@ -167,6 +167,36 @@ def test_public_entry_points_compile_to_the_op(T, entry, fullgraph):
         assert bits_equal(getattr(eager, name), getattr(comp, name)), name
 
 
+@pytest.mark.parametrize("entry", ["kda_decode", "KdaDecode"])
+def test_public_entry_points_trace_with_fake_and_proxy_tensors(entry):
+    """Outside dynamo, with fake tensors (FakeTensorMode) and under make_fx, kda_decode and
+    KdaDecode trace as the custom op: a fake out of the right shape, and one
+    torch.ops.kda.decode in the graph (the eager path read the fake tensors' null addresses
+    and refused "out overlaps x"; found by an integrator's trial)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    cfg = KdaConfig(num_heads=2, T=2, window=4)
+    a = make_case(CaseSpec(cfg, R=3, seed=9))
+    step = kda.KdaDecode(cfg, device="cpu", backend="reference")
+
+    def fn(x, *rest, nacc, out):
+        if entry == "kda_decode":
+            return kda.kda_decode(x, *rest, num_accepted_tokens=nacc, out=out,
+                                  backend="reference")
+        return step(x, *rest, num_accepted_tokens=nacc, out=out)
+
+    mode = FakeTensorMode()
+    fake = [None if t is None else mode.from_tensor(t)
+            for t in (*_args(a), a.num_accepted_tokens, a.out)]
+    with mode:
+        out = fn(*fake[:13], nacc=fake[13], out=fake[14])
+    assert tuple(out.shape) == tuple(a.out.shape) and out.dtype == torch.bfloat16
+    g = make_fx(lambda *t: fn(*t[:13], nacc=t[13], out=t[14]), tracing_mode="fake")(
+        *_args(a), a.num_accepted_tokens, a.out)
+    assert [n.target for n in g.graph.nodes if "kda" in str(n.target)] == \
+        [torch.ops.kda.decode.default]
+
+
 def test_compiled_kda_decode_object_refuses_tensors_of_another_configuration():
     """Under torch.compile, KdaDecode checks (while tracing) that the tensors' configuration is
     its own, as its eager call does, before handing them to the op (dynamo may also give up on
