@@ -62,8 +62,24 @@ _import_error: Optional[str] = None
 _imported = False
 
 
+#: The nvidia-cutlass-dsl release the kernels are written for and measured with (the
+#: ``cutedsl`` extra's pin); another one is imported with a warning.
+TESTED_CUTE_DSL = "4.8.1"
+
+
+def version_note(version: Optional[str]) -> Optional[str]:
+    """The warning for an installed nvidia-cutlass-dsl ``version`` other than
+    :data:`TESTED_CUTE_DSL` (None: that version, or unknown)."""
+    if version is None or version.split("+", 1)[0] == TESTED_CUTE_DSL:
+        return None
+    return (f"nvidia-cutlass-dsl {version} is installed; the cutedsl kernels are written for and "
+            f"tested with {TESTED_CUTE_DSL} (the cutedsl extra's pin): check a new release with "
+            "the GPU tests before serving with it")
+
+
 def import_cutedsl() -> Optional[str]:
-    """Import CuTe DSL once (setting ``CUTE_DSL_ARCH=sm_90a`` when no GPU is visible).
+    """Import CuTe DSL once (setting ``CUTE_DSL_ARCH=sm_90a`` when no GPU is visible); an
+    nvidia-cutlass-dsl other than :data:`TESTED_CUTE_DSL` is logged as a warning once.
 
     Returns None on success, else the reason it cannot be imported. Never raises.
     """
@@ -77,6 +93,13 @@ def import_cutedsl() -> Optional[str]:
                 os.environ["CUTE_DSL_ARCH"] = "sm_90a"
             import cutlass  # noqa: F401
             import cutlass.cute  # noqa: F401
+            try:
+                from importlib.metadata import version
+                note = version_note(version("nvidia-cutlass-dsl"))
+            except Exception:  # noqa: BLE001 - no distribution metadata: nothing to say
+                note = None
+            if note is not None:
+                log.warning("cutedsl: %s", note)
         except ImportError as e:
             _import_error = f"nvidia-cutlass-dsl not installed ({e})"
         except Exception as e:  # noqa: BLE001 - availability must not raise
