@@ -35,9 +35,10 @@ class KdaGlm5NextLinearAttention(KdaLayerMixin, Glm5NextLinearAttention):
         super().__init__(config, vllm_config, prefix)
         self._kda_init(backend, source)
 
-    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self._kda_off():
-            return super().forward(hidden_states, positions)
+    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor, *args,
+                **kwargs) -> torch.Tensor:
+        if self._kda_off(args, kwargs):
+            return super().forward(hidden_states, positions, *args, **kwargs)
         # vLLM's projections, keeping f_a (the op fuses f_b_proj)
         dim, H, D = self.local_projection_size, self.local_num_heads, self.head_dim
         projected = self.in_proj_qkvbfg_a(hidden_states)[0]

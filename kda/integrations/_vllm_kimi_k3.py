@@ -32,9 +32,10 @@ class KdaKimiK3DeltaAttention(KdaLayerMixin, KimiK3DeltaAttention):
         super().__init__(config, vllm_config, prefix, *args, **kwargs)
         self._kda_init(backend, source)
 
-    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self._kda_off():
-            return super().forward(hidden_states, positions)
+    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor, *args,
+                **kwargs) -> torch.Tensor:
+        if self._kda_off(args, kwargs):
+            return super().forward(hidden_states, positions, *args, **kwargs)
         # vLLM's in-projection without its capture-time overlap with the f_b GEMM: the op
         # fuses that GEMM (vLLM's path computes it in the eager segment)
         dim, H, D = self.local_projection_size, self.local_num_heads, self.head_dim

@@ -52,8 +52,12 @@ class KdaKimiGatedDeltaNetAttention(KdaLayerMixin, KimiGatedDeltaNetAttention):
     def __init__(self, config, vllm_config, prefix: str = "") -> None:
         # Before anything is registered under ``prefix``: an unknown value fails here.
         backend, source = plugin.backend_choice(getattr(vllm_config, "additional_config", None))
+        # on vLLM's path under a vLLM the plugin was not tested with, the layer is vLLM's own,
+        # its pool's dtype included (set before vLLM's __init__, which may ask for it)
+        self._kda_passive = backend == plugin.VLLM_PATH and not plugin.tested_vllm()
         mc, cc = vllm_config.model_config, vllm_config.cache_config
-        if not PREFILL_STORES_INTO_BF16 and mc is not None and cc is not None \
+        if not self._kda_passive and not PREFILL_STORES_INTO_BF16 and mc is not None \
+                and cc is not None \
                 and state_dtypes(mc, cc)[1] == torch.bfloat16:
             raise KdaArgumentError(
                 "--mamba-ssm-cache-dtype",
@@ -68,18 +72,21 @@ class KdaKimiGatedDeltaNetAttention(KdaLayerMixin, KimiGatedDeltaNetAttention):
 
     def get_state_dtype(self) -> tuple[torch.dtype, torch.dtype]:
         """(conv state, recurrent state) dtypes, honoring ``--mamba-ssm-cache-dtype``
-        (:func:`state_dtypes`).
+        (:func:`state_dtypes`); on vLLM's path under an untested vLLM, vLLM's own layer's.
 
         Raises:
           ValueError: the layer has no model or cache config (as vLLM's method).
         """
+        if self._kda_passive:
+            return super().get_state_dtype()
         if self.model_config is None or self.cache_config is None:
             raise ValueError("model_config and cache_config must be set")
         return state_dtypes(self.model_config, self.cache_config)
 
-    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self._kda_off():
-            return super().forward(hidden_states, positions)
+    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor, *args,
+                **kwargs) -> torch.Tensor:
+        if self._kda_off(args, kwargs):
+            return super().forward(hidden_states, positions, *args, **kwargs)
         # vLLM's projections, keeping f_a (the op fuses f_b_proj)
         projected = self.in_proj_qkvgfab(hidden_states)[0]
         dim, H, D = self.local_projection_size, self.local_num_heads, self.head_dim

@@ -130,12 +130,23 @@ class KdaLayerMixin:
         raise NotImplementedError
 
     # ---- the layer's setup -------------------------------------------------------------
-    def _kda_off(self) -> bool:
-        """True when every call of this layer runs vLLM's own ``forward`` (sets
-        ``kda_last_path``); checks the layer's setup once (logged once per model and reason)."""
+    def _kda_off(self, args=(), kwargs=None) -> bool:
+        """True when this call of the layer runs vLLM's own ``forward`` (sets
+        ``kda_last_path``): the layer is disabled, or vLLM passed ``forward`` arguments beyond
+        (hidden_states, positions) (``args``, ``kwargs``: a vLLM whose layer the plugin does
+        not know), or its setup is not the op's (checked once; logged once per model and
+        reason)."""
         if not self.kda_enabled:
             self.kda_last_path = ("vllm: disabled (kda_enabled=False; "
                                   f"{plugin.CONFIG_KEY}={self.kda_backend!r})")
+            return True
+        if args or kwargs:
+            extra = f"{len(args)} more positional, keywords {sorted(kwargs or ())}"
+            self.kda_last_path = ("vllm: forward called with arguments the plugin does not "
+                                  f"know ({extra})")
+            plugin.log_once(("forward-args", self.kda_model, extra), logging.WARNING,
+                            "vLLM plugin: %s's forward was called with arguments the plugin "
+                            "does not know (%s): vLLM's path runs.", self.kda_model, extra)
             return True
         if not self._kda_layer_checked:
             self._kda_layer_why = self._kda_layer_reason()

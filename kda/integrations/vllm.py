@@ -219,6 +219,13 @@ def vllm_version() -> Optional[str]:
         return None
 
 
+def tested_vllm() -> bool:
+    """Whether the installed vLLM is one of :data:`TESTED_VLLM_VERSIONS` (or none is
+    installed)."""
+    version = vllm_version()
+    return version is None or version in TESTED_VLLM_VERSIONS
+
+
 def backend_choice(additional_config=None) -> Tuple[str, str]:
     """The setting's value for this process, and where it came from.
 

@@ -1076,6 +1076,26 @@ def test_an_untested_vllm_version_keeps_vllms_path_unless_asked(env, model_dir, 
     assert "vLLM 0.99.0" in warning and "0.33.0, 0.34.0" in warning
 
 
+def test_a_layer_on_vllms_path_is_vllms(env, model_dir, monkeypatch, plugin_log):
+    """Under an untested vLLM with the default setting (every layer on vLLM's path) the
+    subclass is vLLM's layer: its state dtypes are vLLM's own class's (vLLM's Kimi-Linear
+    layer keeps an fp32 pool under --mamba-ssm-cache-dtype bfloat16; no refusal under 0.33
+    either), and on any layer a forward call with arguments the plugin does not know runs
+    vLLM's path (found by an integrator's trial with a newer vLLM's signature)."""
+    from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import (
+        KimiGatedDeltaNetAttention)
+    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.99.0")
+    layer = construct(vllm_config(model_dir, ssm_dtype="bfloat16", backend=None), KIMI,
+                      KIMI.tp8)
+    assert not layer.kda_enabled
+    assert layer.get_state_dtype() == KimiGatedDeltaNetAttention.get_state_dtype(layer)
+    named = construct(vllm_config(model_dir, backend="reference"), KIMI, KIMI.tp8)
+    assert named.kda_enabled and named._kda_off((), {"output": None})
+    assert named.kda_last_path.startswith("vllm: forward called with arguments"), \
+        named.kda_last_path
+    assert "['output']" in named.kda_last_path
+
+
 LOG_LINE = re.compile(r"\(\S+ pid=\d+\) (INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d "
                       r"\[\S+:\d+\] vLLM plugin: ")
 
