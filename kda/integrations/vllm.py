@@ -244,6 +244,8 @@ def backend_choice(additional_config=None) -> Tuple[str, str]:
     from kda.errors import KdaBackendError
     if isinstance(additional_config, dict) and additional_config.get(CONFIG_KEY) is not None:
         name, source = additional_config[CONFIG_KEY], f"--additional-config {CONFIG_KEY}"
+        if isinstance(name, str):          # as $KDA_BACKEND: surrounding blanks do not count
+            name = name.strip()
     elif os.environ.get(registry.ENV_VAR, "").strip():
         name, source = os.environ[registry.ENV_VAR].strip(), f"${registry.ENV_VAR}"
     else:

@@ -62,6 +62,13 @@ def test_every_valid_value_is_accepted(value, monkeypatch):
         value, f"--additional-config {plugin.CONFIG_KEY}")
 
 
+def test_blanks_around_a_value_do_not_count_in_either_source(monkeypatch):
+    monkeypatch.delenv("KDA_BACKEND", raising=False)
+    assert plugin.backend_choice({plugin.CONFIG_KEY: " auto "})[0] == "auto"
+    monkeypatch.setenv("KDA_BACKEND", " vllm ")
+    assert plugin.backend_choice(None)[0] == "vllm"
+
+
 def test_order_key_then_env_then_auto(monkeypatch):
     monkeypatch.setenv("KDA_BACKEND", "triton")
     assert plugin.backend_choice({plugin.CONFIG_KEY: "cuda"})[0] == "cuda"
