@@ -1,5 +1,6 @@
 """``python3 -m kda``: which backends run here, and why the others do not; which schedule
-table ``cutedsl`` uses on this GPU."""
+table ``cutedsl`` uses on this GPU; without a GPU (an image being built), what ``auto`` would
+take first on one and whether CuTe DSL imports here."""
 
 from rich.console import Console
 from rich.table import Table
@@ -17,6 +18,9 @@ def main() -> None:
     console = Console()
     console.print(table)
     console.print(_schedules())
+    note = _without_gpu()
+    if note:
+        console.print(note)
 
 
 def _schedules() -> str:
@@ -33,6 +37,39 @@ def _schedules() -> str:
         return tables.describe(name, sms)
     except ValueError as e:         # a broken table file: say so rather than fail the report
         return f"cutedsl schedules: {e}"
+
+
+def _without_gpu() -> str:
+    """Without a CUDA GPU: ``auto``'s first choice on one at H=32, T=1 and 4, every measured
+    batch size (:func:`kda.auto.plan`; it takes the first of its order that runs there), and
+    whether CuTe DSL imports here (which release). Empty with a GPU (the table says it)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return ""
+    from kda import auto
+    from kda.backends.cutedsl.backend import import_cutedsl, version_note
+    from kda.config import KdaConfig
+
+    firsts = {T: sorted({order[0] for order in auto.plan(KdaConfig(num_heads=32, T=T),
+                                                            torch.device("cuda")).values()})
+              for T in (1, 4)}
+    lines = ["on a CUDA GPU, auto's first choice (H=32, every measured batch size): "
+             + "; ".join(f"T={T} {', '.join(n)}" for T, n in firsts.items())
+             + " (it runs the first of its order that runs there)"]
+    why = import_cutedsl()
+    if why is None:
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            release = version("nvidia-cutlass-dsl")
+        except PackageNotFoundError:
+            release = "of unknown release"
+        note = version_note(release if release[0].isdigit() else None)
+        lines.append(f"CuTe DSL imports here (nvidia-cutlass-dsl {release}): cutedsl would run on "
+                     "a GPU of compute capability 9.0 or higher" + (f"; {note}" if note else ""))
+    else:
+        lines.append(f"CuTe DSL does not import here: {why}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -167,10 +167,15 @@ def test_package_imports_without_cute_dsl():
             "assert all('nvidia-cutlass-dsl' in b.availability() or 'CUDA' in b.availability() "
             "for b in pkg.BACKENDS), [b.availability() for b in pkg.BACKENDS]\n"
             "import runpy; runpy.run_module('kda', run_name='__main__')\n")
+    import os
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=120)
+                       timeout=120, env=dict(os.environ, COLUMNS="200"))
     assert r.returncode == 0, r.stderr
     assert "cutedsl schedules" in r.stdout, r.stdout
+    if not torch.cuda.is_available():   # what an image being built learns: auto's first
+        # choice on a GPU, and that CuTe DSL does not import here
+        assert "auto's first choice (H=32, every measured batch size): T=1 " in r.stdout
+        assert "CuTe DSL does not import here: nvidia-cutlass-dsl not installed" in r.stdout
 
 
 def test_the_table_of_a_gpu_with_other_sms_is_not_used(monkeypatch):
