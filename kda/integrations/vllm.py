@@ -156,6 +156,10 @@ from typing import Dict, NamedTuple, Optional, Tuple
 
 #: The ``--additional-config`` key that picks the backend.
 CONFIG_KEY = "kda_fused_decode_backend"
+#: vLLM's own ``--additional-config`` keys of KDA layers (Kimi-K3's kernel choice), which
+#: keep their meaning; any other key that names ``kda`` is warned about as a likely misspelling
+#: of :data:`CONFIG_KEY`.
+VLLM_KDA_KEYS = ("kda_decode_backend", "kda_spec_decode_backend")
 #: The setting's value that keeps every KDA layer on vLLM's own path.
 VLLM_PATH = "vllm"
 #: The vLLM releases the plugin is tested against (``tools/vllm/run_tests.sh`` runs each).
@@ -242,6 +246,14 @@ def backend_choice(additional_config=None) -> Tuple[str, str]:
     """
     from kda import registry
     from kda.errors import KdaBackendError
+    if isinstance(additional_config, dict):
+        odd = sorted(k for k in additional_config if isinstance(k, str) and "kda" in k.lower()
+                     and k not in (CONFIG_KEY,) + VLLM_KDA_KEYS)
+        if odd:
+            log_once(("keys", tuple(odd)), logging.WARNING,
+                     "vLLM plugin: --additional-config has %s, which the plugin does not read "
+                     "(its setting is %r; vLLM's own KDA keys: %s).", ", ".join(map(repr, odd)),
+                     CONFIG_KEY, ", ".join(VLLM_KDA_KEYS))
     if isinstance(additional_config, dict) and additional_config.get(CONFIG_KEY) is not None:
         name, source = additional_config[CONFIG_KEY], f"--additional-config {CONFIG_KEY}"
         if isinstance(name, str):          # as $KDA_BACKEND: surrounding blanks do not count

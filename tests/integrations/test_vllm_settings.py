@@ -69,6 +69,19 @@ def test_blanks_around_a_value_do_not_count_in_either_source(monkeypatch):
     assert plugin.backend_choice(None)[0] == "vllm"
 
 
+def test_a_misspelled_key_is_warned_about_once(monkeypatch, vllm_log):
+    monkeypatch.delenv("KDA_BACKEND", raising=False)
+    for _ in range(2):
+        assert plugin.backend_choice({"kda_fused_backend": "cuda",
+                                      "kda_decode_backend": "native"}) == ("auto", "default")
+    warned = [r.getMessage() for r in vllm_log if r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned
+    assert "'kda_fused_backend'" in warned[0] and repr(plugin.CONFIG_KEY) in warned[0]
+    assert "'kda_decode_backend'" not in warned[0].split("vLLM's own")[0]
+    plugin.backend_choice({plugin.CONFIG_KEY: "cuda", "kda_spec_decode_backend": "triton"})
+    assert len([r for r in vllm_log if r.levelno == logging.WARNING]) == 1
+
+
 def test_order_key_then_env_then_auto(monkeypatch):
     monkeypatch.setenv("KDA_BACKEND", "triton")
     assert plugin.backend_choice({plugin.CONFIG_KEY: "cuda"})[0] == "cuda"
