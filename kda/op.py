@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from kda import registry, torch_op
 from kda.config import HEAD_DIM, KdaArgs, KdaConfig, dtype_name
@@ -23,12 +25,10 @@ def tracing(x: torch.Tensor) -> bool:
     """Whether a call with ``x`` is being traced rather than run: under ``torch.compile``
     (dynamo), with a fake ``x`` (``FakeTensorMode``), or under a dispatch mode such as
     ``make_fx``'s proxy mode. Such a call goes through the custom op, whose fake
-    implementation traces it (the eager path would read fake tensors' addresses)."""
-    if torch.compiler.is_compiling():
-        return True
-    from torch._subclasses.fake_tensor import is_fake
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-    return is_fake(x) or _get_current_dispatch_mode() is not None
+    implementation traces it (the eager path would read fake tensors' addresses). On every
+    call's host path: three checks of well under a microsecond together."""
+    return (torch.compiler.is_compiling() or isinstance(x, FakeTensor)
+            or _get_current_dispatch_mode() is not None)
 
 
 def _host(v):
