@@ -48,7 +48,7 @@ def _without_gpu() -> str:
     if torch.cuda.is_available():
         return ""
     from kda import auto
-    from kda.backends.cutedsl.backend import import_cutedsl, version_note
+    from kda.backends.cutedsl.backend import import_cutedsl, installed_release, version_note
     from kda.config import KdaConfig
 
     firsts = {T: sorted({order[0] for order in auto.plan(KdaConfig(num_heads=32, T=T),
@@ -59,14 +59,11 @@ def _without_gpu() -> str:
              + " (it runs the first of its order that runs there)"]
     why = import_cutedsl()
     if why is None:
-        from importlib.metadata import PackageNotFoundError, version
-        try:
-            release = version("nvidia-cutlass-dsl")
-        except PackageNotFoundError:
-            release = "of unknown release"
-        note = version_note(release if release[0].isdigit() else None)
-        lines.append(f"CuTe DSL imports here (nvidia-cutlass-dsl {release}): cutedsl would run on "
-                     "a GPU of compute capability 9.0 or higher" + (f"; {note}" if note else ""))
+        release = installed_release()
+        note = version_note(release)
+        lines.append(f"CuTe DSL imports here (nvidia-cutlass-dsl {release or 'of unknown release'}"
+                     "): cutedsl would run on a GPU of compute capability 9.0 or higher"
+                     + (f"; {note}" if note else ""))
     else:
         lines.append(f"CuTe DSL does not import here: {why}")
     return "\n".join(lines)

@@ -67,6 +67,16 @@ _imported = False
 TESTED_CUTE_DSL = "4.8.1"
 
 
+def installed_release() -> Optional[str]:
+    """The installed nvidia-cutlass-dsl's version, or None (no or unreadable distribution
+    metadata). Never raises."""
+    from importlib.metadata import version
+    try:
+        return version("nvidia-cutlass-dsl")
+    except Exception:  # noqa: BLE001 - metadata missing or broken: nothing to say
+        return None
+
+
 def version_note(version: Optional[str]) -> Optional[str]:
     """The warning for an installed nvidia-cutlass-dsl ``version`` other than
     :data:`TESTED_CUTE_DSL` (None: that version, or unknown)."""
@@ -93,11 +103,7 @@ def import_cutedsl() -> Optional[str]:
                 os.environ["CUTE_DSL_ARCH"] = "sm_90a"
             import cutlass  # noqa: F401
             import cutlass.cute  # noqa: F401
-            try:
-                from importlib.metadata import version
-                note = version_note(version("nvidia-cutlass-dsl"))
-            except Exception:  # noqa: BLE001 - no distribution metadata: nothing to say
-                note = None
+            note = version_note(installed_release())
             if note is not None:
                 log.warning("cutedsl: %s", note)
         except ImportError as e:
