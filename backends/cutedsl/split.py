@@ -27,8 +27,9 @@ Per CTA:
    ``8 / C`` main warps conv ``8 / C`` blocks, rewrite their windows, and ``st.async`` the
    outputs and each block's warp sum of squares into every CTA's shared memory (one
    mbarrier per CTA counts the bytes); then every main thread forms its q / k channel's norm
-   from the four warp sums in warp order. The gate warp meanwhile: MMA, rounding, decay, ``st.async`` of the decays into every
-   CTA's shared memory (one mbarrier per CTA counts the bytes).
+   from the four warp sums in warp order. The gate warp meanwhile: MMA, rounding, decay,
+   ``st.async`` of the decays into every CTA's shared memory (one mbarrier per CTA counts the
+   bytes).
 4. main warps: the recurrence of the CTA's rows (all T tokens, rows in waves of up to 32
    straight from the staged block), state stores, ``o`` of each row sent with ``st.async`` to the CTA
    that owns the token (``t % C``).
@@ -169,7 +170,7 @@ class KdaSplit(Launch):
         qk_on = is_main                 # (split_qk: a thread of the CTA's q / k warps)
         wk, bk = None, None
         if cutlass.const_expr(self.qk):
-            qk_on = is_main & (tid // 32 >= MAIN // 32 - self.qk_warps)
+            qk_on = is_main & self._qk_warp(tid)
             _, which, chl = self._qk_block(rank, tid)
             qch = which * dim + h * D + chl
             wq = [Float32(g.conv_weight[which, e, h * D + chl]) for e in range(4)]
@@ -368,6 +369,11 @@ class KdaSplit(Launch):
                     for pos in cutlass.range_constexpr(T + 2):
                         g.conv_state[cslot, i * dim + h * D + tid, pos] = s_win[i, pos, tid]
 
+    def _qk_warp(self, tid):
+        """``split_qk``: whether main thread ``tid`` is in one of the CTA's q / k warps (its
+        last ``qk_warps``)."""
+        return tid // 32 >= MAIN // 32 - self.qk_warps
+
     def _qk_block(self, rank, tid):
         """``split_qk``: (warp-block, 0 for q or 1 for k, channel of the head) of thread
         ``tid`` of CTA ``rank``: block ``rank * qk_warps + warp % qk_warps`` of the 8 (q warps
@@ -385,7 +391,7 @@ class KdaSplit(Launch):
         for the cluster (every CTA's barriers set up)."""
         pb, T, C, dim = self.pb, self.T, self.C, self.dim
         cute.arch.cluster_wait()
-        if tid // 32 >= MAIN // 32 - self.qk_warps:
+        if self._qk_warp(tid):
             qb, which, chl = self._qk_block(rank, tid)
             y = self._conv(hist, x, w, b)
             self._rewrite(g, cslot, which * dim + h * D + chl, hist, x)
