@@ -155,8 +155,10 @@ def check_choice(name, source: str) -> None:
       KdaBackendError: it is not (the message lists the valid names).
     """
     if name not in CHOICES:
+        hint = ("; 'vllm' is a setting of the vLLM plugin only (vLLM's own kernel there), not a "
+                "backend" if name == "vllm" else "")
         raise KdaBackendError(f"unknown KDA backend {name!r} (from {source}); valid names: "
-                              f"{', '.join(CHOICES)}")
+                              f"{', '.join(CHOICES)}{hint}")
 
 
 def resolve(cfg: KdaConfig, device: torch.device, explicit: Optional[str] = None) -> Backend:

@@ -79,6 +79,13 @@ def test_unknown_env_name_lists_valid_names(monkeypatch):
     assert "env KDA_BACKEND" in msg and all(n in msg for n in registry.CHOICES)
 
 
+def test_vllm_outside_the_plugin_says_whose_setting_it_is(monkeypatch):
+    """``KDA_BACKEND=vllm`` (the vLLM plugin's value) outside vLLM: the error says so."""
+    monkeypatch.setenv("KDA_BACKEND", "vllm")
+    with pytest.raises(KdaBackendError, match="setting of the vLLM plugin only"):
+        registry.resolve(CFG, torch.device("cpu"))
+
+
 def test_choice_is_logged_once(monkeypatch, caplog):
     monkeypatch.delenv("KDA_BACKEND", raising=False)
     registry._logged.clear()
