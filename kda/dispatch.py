@@ -13,7 +13,7 @@ from kda import registry
 from kda.backend import StepFn
 from kda.config import KdaArgs, KdaConfig
 from kda.errors import KdaArgumentError
-from kda.validate import check_x_is_2d, config_from_args, validate_args
+from kda.validate import check_x_is_2d, config_from_args, validate_args, write_mode
 
 _resolved: Dict[tuple, StepFn] = {}
 
@@ -64,8 +64,9 @@ def validated_step(args: KdaArgs, *, scale, norm_eps, lower_bound, gate_mode,
 
 def metadata_key(args: KdaArgs) -> tuple:
     """dtype, shape, strides and device of every argument (None for absent optional ones;
-    a non-tensor gives a value equal to nothing, so it is never taken as validated)."""
+    a non-tensor gives a value equal to nothing, so it is never taken as validated), and
+    :func:`kda.validate.write_mode`."""
     return tuple(None if t is None else
                  (t.dtype, t.shape, t.stride(), t.device) if isinstance(t, torch.Tensor) else
                  (object(),)
-                 for t in args)
+                 for t in args) + (write_mode(args),)

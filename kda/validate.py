@@ -369,7 +369,42 @@ def validate_args(cfg: KdaConfig, args: KdaArgs, config_name: Optional[str] = No
                                              "and kg_record)" if config_name else
                                        "given without record mode; pass both v_record and "
                                        "kg_record to enable it")
+    _check_writable(args, ("out", "conv_state") + (("v_record", "kg_record") if cfg.record
+                                                   else ("state",)))
     _check_no_overlap(args)
+
+
+def write_mode(args: KdaArgs) -> tuple:
+    """What decides whether PyTorch lets the written buffers be updated in place now: grad mode,
+    inference mode, and each one's ``requires_grad`` and ``is_inference()`` (part of the object
+    form's validation key: a later call in another mode, or with such a buffer, is checked)."""
+    if torch.is_inference_mode_enabled():
+        return ()           # (grad mode is off inside it) nothing is refused: engines' case
+    grad = torch.is_grad_enabled()
+    return (grad,) + tuple((grad and t.requires_grad, t.is_inference())
+                           if isinstance(t, torch.Tensor) else None
+                           for t in (args.conv_state, args.state, args.v_record, args.kg_record,
+                                     args.out))
+
+
+def _check_writable(args: KdaArgs, names: Sequence[str]) -> None:
+    """The buffers ``names`` are written in place: refused, as PyTorch refuses an in-place
+    update, for a tensor that requires grad while grad mode is on (the write would bypass
+    autograd) and for an inference tensor outside inference mode."""
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    for name in names:
+        t = getattr(args, name)
+        if grad and t.requires_grad:
+            raise KdaArgumentError(name, "expected a tensor that does not require grad, or a call "
+                                         "under torch.no_grad() / torch.inference_mode(): the "
+                                         "step writes it in place, which autograd cannot record; "
+                                         "got requires_grad=True with grad mode on")
+        if not inference and t.is_inference():
+            raise KdaArgumentError(name, "expected a normal tensor, or a call under "
+                                         "torch.inference_mode(): the step writes it in place, "
+                                         "which PyTorch forbids for an inference tensor outside "
+                                         "inference mode; got an inference tensor (made under "
+                                         "torch.inference_mode())")
 
 
 def _check_beta(cfg: KdaConfig, beta, N: int, dev: torch.device) -> None:

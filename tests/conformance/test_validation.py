@@ -555,3 +555,74 @@ def test_object_form_says_its_config_decides_a_dtype(name, field):
     assert (f"(this KdaDecode's KdaConfig.{field} decides), got "
             f"{str(other).replace('torch.', '')}") in str(ei.value), str(ei.value)
     _assert_untouched(args, before)
+
+
+def _made_in_inference_mode(t):
+    with torch.inference_mode():
+        return t.clone()
+
+
+@pytest.mark.parametrize("name", ["conv_state", "state", "out"])
+def test_inference_tensors_are_written_only_in_inference_mode(name, backend_name, require_backend,
+                                                             kda_device):
+    """A written buffer made under torch.inference_mode() (as engines make their caches):
+    refused outside inference mode, naming it, with nothing written (the reference raised
+    from inside the step, after writing out and part of the windows; a GPU kernel wrote it
+    unasked); inside inference mode the step runs as with a normal tensor."""
+    require_backend(backend_name, CFG1, kda_device)
+    a = make_case(CaseSpec(CFG1, R=3, null_frac=0.0), kda_device)
+    with torch.no_grad():
+        plain = clone_args(a)
+    kda.kda_decode(**_kwargs(plain), backend=backend_name)
+    a = a._replace(**{name: _made_in_inference_mode(getattr(a, name))})
+    before = clone_args(a)
+    with pytest.raises(KdaArgumentError, match="inference tensor") as ei:
+        kda.kda_decode(**_kwargs(a), backend=backend_name)
+    assert ei.value.arg == name
+    _assert_untouched(a, before)
+    with torch.inference_mode():
+        kda.kda_decode(**_kwargs(a), backend=backend_name)
+    for n in ("out", "state", "conv_state"):
+        assert bits_equal(getattr(a, n), getattr(plain, n)), n
+
+
+@pytest.mark.parametrize("name", ["conv_state", "state"])
+def test_buffers_that_require_grad_are_written_only_without_grad_mode(name, backend_name,
+                                                                     require_backend, kda_device):
+    """A written buffer with requires_grad=True: refused while grad mode is on, naming it,
+    nothing written (the write would bypass autograd; a compiled step crashed in autograd's
+    epilogue after writing the window); under torch.no_grad() the step runs. In record mode
+    the state is only read: accepted."""
+    require_backend(backend_name, CFG1, kda_device)
+    a = make_case(CaseSpec(CFG1, R=3, null_frac=0.0), kda_device)
+    getattr(a, name).requires_grad_(True)
+    with torch.no_grad():
+        before = clone_args(a)
+    with pytest.raises(KdaArgumentError, match="requires_grad=True") as ei:
+        kda.kda_decode(**_kwargs(a), backend=backend_name)
+    assert ei.value.arg == name
+    with torch.no_grad():
+        _assert_untouched(a, before)
+        kda.kda_decode(**_kwargs(a), backend=backend_name)
+    cfg_rec = dataclasses.replace(CFG1, record=True)
+    require_backend(backend_name, cfg_rec, kda_device)
+    rec = make_case(CaseSpec(cfg_rec, R=2, null_frac=0.0), kda_device)
+    rec.state.requires_grad_(True)
+    kda.kda_decode(**_kwargs(rec), backend=backend_name)
+
+
+def test_object_form_checks_the_write_mode_of_each_call():
+    """The object form validates once per argument metadata; a later call with the same
+    metadata but an inference-tensor cache, or outside the mode it first ran in, is checked."""
+    a = make_case(CaseSpec(CFG1, R=3, null_frac=0.0))
+    step = kda.KdaDecode(CFG1, device="cpu", backend="reference")
+    kw = _object_kw(a)
+    with torch.inference_mode():
+        kw_inf = {**kw, "state": _made_in_inference_mode(a.state)}
+        step(**kw_inf)
+    step(**kw)
+    before = clone_args(a)
+    with pytest.raises(KdaArgumentError, match="inference tensor") as ei:
+        step(**kw_inf)
+    assert ei.value.arg == "state"
+    _assert_untouched(a, before)
