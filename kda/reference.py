@@ -49,7 +49,8 @@ class ReferenceResult:
     """Everything one step produces, before it is written to the caller's buffers.
 
     Shapes (R requests, T tokens, H heads): ``out`` [R*T, H*D]; ``live`` [R] bool;
-    ``new_window`` [R, 3*dim, T+2] (positions 0..T+1 of the rewritten window);
+    ``new_window`` [R, 3*dim, T+2] (positions 0..T+1 of the rewritten window, in the conv
+    cache's dtype: copies of its history and of x);
     ``states`` [R, T, H, D, D] (state after each token, fp32: before the bf16 rounding of a
     bf16 pool's store, which :func:`reference_step` applies); ``u`` [R, H, T, D];
     ``k_raw`` [R, H, T, D] (conv output of k, before the L2 norm); ``rg`` [R, H, T, D] (raw
@@ -172,7 +173,9 @@ def reference_compute(cfg: KdaConfig, args: KdaArgs, precision: str = "bf16") ->
     # ---- conv + SiLU -------------------------------------------------------------------
     win = args.conv_state[cs_c]                                         # [R, 3dim, L]
     pos = (off[:, None] + torch.arange(3, device=dev)[None, :])         # [R, 3]
-    hist = win.gather(2, pos[:, None, :].expand(R, 3 * dim, 3))         # [R, 3dim, 3]
+    # (gathered as raw bits: torch's CPU gather of bf16 rewrites NaN payloads)
+    bits = {2: torch.int16, 4: torch.int32}[win.element_size()]
+    hist = win.view(bits).gather(2, pos[:, None, :].expand(R, 3 * dim, 3)).view(win.dtype)
     x = args.x.view(R, T, 3 * dim)
     s = torch.cat([hist.to(ft), x.to(ft).transpose(1, 2)], dim=2)      # [R, 3dim, T+3]
     w = args.conv_weight.to(ft).permute(0, 2, 1).reshape(3 * dim, 4)   # [3dim, 4] (tap e)
@@ -188,7 +191,8 @@ def reference_compute(cfg: KdaConfig, args: KdaArgs, precision: str = "bf16") ->
             prod = s[:, :, e:e + T].double() * w[None, :, e:e + 1].double()
             acc = _to_f32_once(*_two_sum(acc.double(), prod))
     y = rnd(F.silu(acc))                                                 # [R, 3dim, T]
-    new_window = torch.cat([s[:, :, 1:3], x.to(ft).transpose(1, 2)], dim=2)  # [R, 3dim, T+2]
+    # the window holds copies: built in the cache's dtype, so even a NaN keeps its bits
+    new_window = torch.cat([hist[:, :, 1:3], x.transpose(1, 2).to(hist.dtype)], dim=2)
 
     y = y.view(R, 3, H, D, T).permute(0, 1, 2, 4, 3)                   # [R, 3, H, T, D]
     q, k, v = y[:, 0], y[:, 1], y[:, 2]                                  # [R, H, T, D]

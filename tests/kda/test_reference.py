@@ -111,3 +111,25 @@ def test_bf16_state_rounds_to_nearest_even():
     x = torch.tensor([1 + 2 ** -8 + 2 ** -10, 1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -7 + 2 ** -9)])
     got = x.to(torch.bfloat16).float()
     assert got.tolist() == [1 + 2 ** -7, 1.0, 1 + 2 ** -6, -(1 + 2 ** -7)]
+
+
+@pytest.mark.parametrize("cs32", [False, True])
+@pytest.mark.parametrize("T", [1, 3])
+def test_window_copies_keep_nan_bits(T, cs32):
+    """The rewritten window holds copies (the contract, section 3): a NaN in the history or in
+    x keeps its sign and payload bits (torch's CPU gather and fp32 round trip of bf16 made
+    every one 0xffff; a breaker's trial), in a bf16 and an fp32 conv cache."""
+    from kda.reference import reference_step
+    cfg = make_config(1, T, cs32=cs32)
+    a = make_case(CaseSpec(cfg, R=1, seed=5, null_frac=0.0))
+    nans = torch.tensor([0xFFC1 - 65536, 0x7F81, 0x7FC0], dtype=torch.int16).view(torch.bfloat16)
+    a.x[0, :3] = nans
+    slot = int(a.state_indices.view(-1)[0])
+    off = 0 if T == 1 else min(max(int(a.num_accepted_tokens[0]), 1), T) - 1   # clamped
+    a.conv_state[slot, :3, off + 1] = nans.to(a.conv_state.dtype)
+    want_hist = a.conv_state[slot, :3, off + 1].clone()
+    want_x = nans.to(a.conv_state.dtype)
+    reference_step(cfg, a)
+    bits = {2: torch.int16, 4: torch.int32}[a.conv_state.element_size()]
+    assert torch.equal(a.conv_state[slot, :3, 0].contiguous().view(bits), want_hist.view(bits))
+    assert torch.equal(a.conv_state[slot, :3, 2].contiguous().view(bits), want_x.view(bits))
