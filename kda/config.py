@@ -129,7 +129,7 @@ class KdaConfig:
             if isinstance(lb, bool) or not isinstance(lb, numbers.Real):
                 raise KdaArgumentError("lower_bound", f"expected None or a float in [-5, 0), got "
                                                       f"{type(lb).__name__} {lb!r}")
-            if not (math.isfinite(lb) and -5.0 <= lb < 0.0 and as_fp32(lb) < 0.0):
+            if not (finite(lb) and -5.0 <= lb < 0.0 and as_fp32(lb) < 0.0):
                 raise KdaArgumentError("lower_bound", f"expected None or a float in [-5, 0) (also "
                                                       f"as fp32, the kernels' precision), got {lb!r}")
         if self.gate_mode not in (0, 1):
@@ -137,7 +137,7 @@ class KdaConfig:
         for name in ("scale", "norm_eps"):
             val = getattr(self, name)
             if (isinstance(val, bool) or not isinstance(val, numbers.Real)
-                    or not (math.isfinite(val) and val > 0)):
+                    or not (finite(val) and val > 0)):
                 raise KdaArgumentError(name, f"expected a finite float > 0, got "
                                              f"{type(val).__name__} {val!r}")
             f32 = as_fp32(val)
@@ -147,8 +147,7 @@ class KdaConfig:
                                              f"3.403e+38]), got {val!r} (fp32: {f32!r})")
         for name in ("has_conv_bias", "record", "beta_activated", "early_reads"):
             val = getattr(self, name)
-            # a bool, or numpy's bool_ (dtype kind "b")
-            if not (isinstance(val, bool) or getattr(getattr(val, "dtype", None), "kind", "") == "b"):
+            if not is_bool(val):
                 raise KdaArgumentError(name, f"expected a bool, got {type(val).__name__} {val!r}")
         for name in ("conv_state_dtype", "conv_weight_dtype", "norm_weight_dtype"):
             dt = getattr(self, name)
@@ -208,6 +207,20 @@ def dtype_name(dt) -> str:
     """How every message of the package spells a dtype: torch's name without ``torch.``
     ("float32", "bfloat16"); anything that is not a dtype as its repr."""
     return str(dt).replace("torch.", "") if isinstance(dt, torch.dtype) else repr(dt)
+
+
+def finite(v) -> bool:
+    """``math.isfinite(v)``, False for an int too large for a float (not an OverflowError)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+def is_bool(v) -> bool:
+    """A bool, or numpy's bool_ (a 0-d value of dtype kind "b"; not an array of them)."""
+    return isinstance(v, bool) or (getattr(getattr(v, "dtype", None), "kind", "") == "b"
+                                   and getattr(v, "ndim", None) == 0)
 
 
 def as_fp32(v: float) -> float:

@@ -129,6 +129,8 @@ def requested_name(explicit: Optional[str] = None) -> Tuple[str, str]:
       (name, source) with source one of "argument", "flag", "env", "default".
     """
     if explicit is not None:
+        if not isinstance(explicit, str):
+            check_choice(explicit, "argument")        # not a name: raises, naming it
         return explicit, "argument"
     flag = _flag_source() if _flag_source is not None else None
     if flag is not None:

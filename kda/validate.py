@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from kda.config import GATE_RANK, HEAD_DIM, KdaArgs, KdaConfig, dtype_name
+from kda.config import GATE_RANK, HEAD_DIM, KdaArgs, KdaConfig, dtype_name, is_bool
 from kda.errors import KdaArgumentError
 
 D = HEAD_DIM
@@ -115,8 +115,7 @@ def check_scalar_types(scale, norm_eps, lower_bound, gate_mode, beta_activated=F
         raise KdaArgumentError("gate_mode", f"expected the int 0 or 1, got {type(gate_mode).__name__} "
                                             f"{gate_mode!r}")
     for name, val in (("beta_activated", beta_activated), ("early_reads", early_reads)):
-        # a bool, or numpy's bool_ (dtype kind "b")
-        if not (isinstance(val, bool) or getattr(getattr(val, "dtype", None), "kind", "") == "b"):
+        if not is_bool(val):
             raise KdaArgumentError(name, f"expected a bool, got {type(val).__name__} {val!r}")
 
 

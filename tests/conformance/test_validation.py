@@ -125,6 +125,10 @@ BAD_SCALARS = [
     ("scale-fp32-zero", {"scale": 1e-320}, "scale"),
     ("scale-fp32-inf", {"scale": 1e39}, "scale"),
     ("lower_bound-fp32-zero", {"lower_bound": -1e-50}, "lower_bound"),
+    # ints too large for a float (an OverflowError before; a breaker's trial)
+    ("scale-huge-int", {"scale": 10 ** 400}, "scale"),
+    ("norm_eps-huge-int", {"norm_eps": 10 ** 400}, "norm_eps"),
+    ("lower_bound-huge-int", {"lower_bound": -10 ** 400}, "lower_bound"),
 ]
 
 
@@ -160,11 +164,13 @@ def test_bad_scalar(case, backend_name):
     _assert_untouched(args, before)
 
 
-def test_unknown_backend_lists_names():
+@pytest.mark.parametrize("backend", ["tensorrt", ["reference"]])
+def test_unknown_backend_lists_names(backend):
+    """A name that is no backend, or no name at all (a list: a TypeError before)."""
     args = make_case(CaseSpec(CFG1, R=2))
     before = clone_args(args)
     with pytest.raises(KdaBackendError) as ei:
-        kda.kda_decode(**_kwargs(args), backend="tensorrt")
+        kda.kda_decode(**_kwargs(args), backend=backend)
     for name in kda.CHOICES:
         assert name in str(ei.value)
     _assert_untouched(args, before)
@@ -232,12 +238,22 @@ def test_meta_tensors_are_rejected_by_device():
     assert ei.value.arg == "x" and "meta" in str(ei.value)
 
 
+def _np_bools(shape):
+    np = pytest.importorskip("numpy")
+    return np.zeros(shape, dtype=bool)
+
+
 @pytest.mark.parametrize("over,arg", [({"lower_bound": "-3"}, "lower_bound"), ({"gate_mode": True}, "gate_mode"),
                                        ({"gate_mode": 1.0}, "gate_mode"), ({"scale": "x"}, "scale"),
                                        ({"beta_activated": 1}, "beta_activated"),
                                        ({"beta_activated": "yes"}, "beta_activated"),
-                                       ({"early_reads": 1}, "early_reads")])
+                                       ({"early_reads": 1}, "early_reads"),
+                                       # numpy bool arrays are not bools (a 0-d one is)
+                                       ({"early_reads": lambda: _np_bools((1, 1))}, "early_reads"),
+                                       ({"beta_activated": lambda: _np_bools((2,))},
+                                        "beta_activated")])
 def test_scalar_types_are_checked(over, arg):
+    over = {k: v() if callable(v) else v for k, v in over.items()}
     a = make_case(CaseSpec(CFG1, R=2))
     with pytest.raises(KdaArgumentError) as ei:
         kda.kda_decode(**_kwargs(a), **over)
