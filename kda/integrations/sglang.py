@@ -60,21 +60,26 @@ Wiring (SGLang has no out-of-tree hook at this level: its kernel choice,
 ``KimiDeltaAttention.forward`` in ``sglang/srt/models/kimi_linear.py``, for the fused
 projection path (``do_fuse_qkvbfg and not no_kda_lora``)::
 
+    import kda
     from sglang.srt.model_executor.forward_context import get_attn_backend
     from kda.integrations import sglang as kda_sglang
 
     if self.do_fuse_qkvbfg and not self.no_kda_lora \\
+            and getattr(self, "_kda_refused", None) is None \\
             and not forward_batch.forward_mode.is_idle() \\
             and forward_batch.logical_forward_mode.is_decode():
         qkv, beta, fg_a = torch.split(self.fused_qkvbfg_a_proj(hidden_states),
                                       self.split_sizes, dim=-1)
         w = self.fused_fg_b_proj.weight                  # [2, H*128, 128]: f_b, g_b
-        out = kda_sglang.forward_decode(
-            get_attn_backend().linear_attn_backend, self.attn, forward_batch, qkv,
-            fg_a[:, :self.head_dim], beta, f_b=w[0],
-            output_gate=torch.nn.functional.linear(fg_a[:, self.head_dim:], w[1]),
-            norm_weight=self.o_norm.weight, norm_eps=self.o_norm.eps)
-        return self.o_proj(out)[0]
+        try:
+            out = kda_sglang.forward_decode(
+                get_attn_backend().linear_attn_backend, self.attn, forward_batch, qkv,
+                fg_a[:, :self.head_dim], beta, f_b=w[0],
+                output_gate=torch.nn.functional.linear(fg_a[:, self.head_dim:], w[1]),
+                norm_weight=self.o_norm.weight, norm_eps=self.o_norm.eps)
+            return self.o_proj(out)[0]
+        except kda.KdaArgumentError as e:   # nothing written: SGLang's path runs the batch
+            self._kda_refused = e           # (a layer or pool the op does not serve)
     # ... SGLang's body unchanged for every other batch
 
 Every tensor is SGLang's own: the q|k|v, beta and ``f_a`` column slices of the packed
@@ -127,6 +132,8 @@ objects it is given); ``import kda`` never imports this module.
 
 from __future__ import annotations
 
+import inspect
+import numbers
 import threading
 from typing import Optional
 
@@ -134,6 +141,15 @@ import torch
 
 #: The SGLang release this adapter was written against.
 SGLANG_VERSION = "0.5.23"
+
+#: The argument of :func:`forward_decode` that sets each :class:`kda.KdaConfig` field.
+CONFIG_SOURCES = {"window": "conv_states", "conv_state_dtype": "conv_states",
+                  "state_dtype": "ssm_states", "norm_weight_dtype": "norm_weight",
+                  "lower_bound": "layer", "has_conv_bias": "layer", "num_heads": "layer"}
+
+#: :func:`decode_step`'s default for ``norm_eps`` and ``lower_bound``: the step's value, or
+#: without a step the op's default (1e-5, the softplus gate).
+AS_STEP = type("AsStep", (), {"__repr__": lambda self: "AS_STEP"})()
 
 _lock = threading.RLock()
 
@@ -170,7 +186,7 @@ def decode_step(mixed_qkv: torch.Tensor, f_a: torch.Tensor, b: torch.Tensor, *,
                 A_log: torch.Tensor, dt_bias: torch.Tensor, conv_states: torch.Tensor,
                 ssm_states: torch.Tensor, cache_indices: torch.Tensor, f_b: torch.Tensor,
                 output_gate: torch.Tensor, norm_weight: torch.Tensor,
-                norm_eps: float = 1e-5, lower_bound: Optional[float] = None,
+                norm_eps=AS_STEP, lower_bound=AS_STEP,
                 out: Optional[torch.Tensor] = None, step=None,
                 backend: Optional[str] = None) -> torch.Tensor:
     """One KDA decode step (T = 1) on tensors in SGLang 0.5.23's layouts; returns ``out``.
@@ -197,14 +213,17 @@ def decode_step(mixed_qkv: torch.Tensor, f_a: torch.Tensor, b: torch.Tensor, *,
         output rows, nothing written.
       f_b: ``[dim, 128]`` bf16 (``fused_fg_b_proj.weight[0]``).
       output_gate: ``[N, dim]`` bf16 logits (``g_b_proj(g_a)``, SGLang's ``g_proj_states``).
-      norm_weight: ``[128]`` bf16 or fp32 (``o_norm.weight``). norm_eps: ``o_norm.eps``.
-      lower_bound: ``layer.lower_bound`` (None: Kimi-Linear's softplus gate).
+      norm_weight: ``[128]`` bf16 or fp32 (``o_norm.weight``).
+      norm_eps: ``o_norm.eps`` (default 1e-5); with ``step``, its configuration's (a value
+        given must equal it).
+      lower_bound: ``layer.lower_bound`` (None: Kimi-Linear's softplus gate; the default);
+        with ``step``, its configuration's (a value given must equal it).
       out: ``[N, dim]`` bf16 to write into (for CUDA graphs); allocated when None.
       step: a :class:`kda.KdaDecode` built for this configuration (reused across steps, and
         validated on its first call per argument metadata); None runs
         :func:`kda.kda_decode`, which validates every call.
       backend: the kda backend name when ``step`` is None (default ``$KDA_BACKEND``, else
-        ``auto``).
+        ``auto``); None with a step (its backend was chosen when it was built).
 
     Returns:
       ``out`` ``[N, dim]`` bf16: the gated-RMSNorm output, what SGLang feeds ``o_proj``.
@@ -213,7 +232,8 @@ def decode_step(mixed_qkv: torch.Tensor, f_a: torch.Tensor, b: torch.Tensor, *,
       kda.KdaArgumentError: a bad argument, named (SGLang's name where the mapping checks it:
         ``conv_states``, ``A_log``, ``b``; else the op's name: ``x`` for ``mixed_qkv``,
         ``conv_state``, ``state`` for ``ssm_states``, ``state_indices`` for
-        ``cache_indices``, ``beta`` for ``b``). Nothing has been written.
+        ``cache_indices``, ``beta`` for ``b``; ``norm_eps``, ``lower_bound`` or ``backend``
+        given with a step that holds another value). Nothing has been written.
       kda.KdaBackendError: as :func:`kda.kda_decode`.
 
     Nothing is copied: ``conv_states.transpose(-1, -2)`` is the op's "SD" conv layout
@@ -221,6 +241,22 @@ def decode_step(mixed_qkv: torch.Tensor, f_a: torch.Tensor, b: torch.Tensor, *,
     """
     import kda
     from kda.errors import KdaArgumentError
+    if step is not None:
+        for name, given in (("norm_eps", norm_eps), ("lower_bound", lower_bound)):
+            if given is AS_STEP:
+                continue
+            held = getattr(step.cfg, name)
+            if not _same_scalar(given, held):
+                raise KdaArgumentError(name, f"expected the step's {held!r} (its KdaConfig."
+                                             f"{name}) or nothing, got {given!r}")
+        if backend is not None:
+            raise KdaArgumentError("backend", f"expected None with a step (its backend, "
+                                              f"{step.backend_name!r}, was chosen when it was "
+                                              f"built), got {backend!r}")
+    if cache_indices.dim() != 1:
+        raise KdaArgumentError("cache_indices", "expected [N] int32, one token per request "
+                               f"(the adapter serves decode, T = 1), got shape "
+                               f"{list(cache_indices.shape)}")
     if conv_states.dim() != 3:
         raise KdaArgumentError("conv_states", "expected SGLang's per-layer KDA conv cache "
                                f"[slots, 3, 3*dim], got {list(conv_states.shape)}")
@@ -239,8 +275,17 @@ def decode_step(mixed_qkv: torch.Tensor, f_a: torch.Tensor, b: torch.Tensor, *,
             ssm_states, cache_indices, output_gate, norm_weight)
     if step is not None:
         return step(*args, out=out)
-    return kda.kda_decode(*args, out=out, norm_eps=norm_eps, lower_bound=lower_bound,
+    return kda.kda_decode(*args, out=out, norm_eps=1e-5 if norm_eps is AS_STEP else norm_eps,
+                          lower_bound=None if lower_bound is AS_STEP else lower_bound,
                           backend=backend)
+
+
+def _same_scalar(given, held) -> bool:
+    """Whether ``given`` is the configuration's ``held`` (None, or the same number)."""
+    if given is None or held is None:
+        return given is held
+    return isinstance(given, numbers.Real) and not isinstance(given, bool) \
+        and float(given) == float(held)
 
 
 def forward_decode(attn_backend, layer, forward_batch, mixed_qkv: torch.Tensor,
@@ -260,7 +305,7 @@ def forward_decode(attn_backend, layer, forward_batch, mixed_qkv: torch.Tensor,
         read: ``req_to_token_pool.mamba2_layer_cache(layer.layer_id)`` (``.conv[0]``,
         ``.temporal``), ``forward_metadata.mamba_cache_indices``; called afterwards, as
         SGLang's ``forward_decode`` does: ``_track_mamba_state_decode`` (prefix-cache
-        snapshots).
+        snapshots; with ``layer.layer_id`` where it takes one, as 0.5.23's does).
       layer: the ``RadixLinearAttention`` (``KimiDeltaAttention.attn``): ``layer_id``,
         ``conv_weights``, ``bias``, ``A_log``, ``dt_bias``, ``lower_bound``, head counts and
         dims are read; the re-laid-out conv weight and the ``KdaDecode`` steps are cached on
@@ -277,10 +322,12 @@ def forward_decode(attn_backend, layer, forward_batch, mixed_qkv: torch.Tensor,
 
     Raises:
       kda.KdaArgumentError: the layer or batch is not one the op serves (named: ``layer``
-        for head dims / conv taps / GQA, ``ssm_states`` for a pool neither fp32 nor bf16,
-        ``forward_batch`` for a non-decode batch, ``attn_backend`` for a pool with SGLang's
-        ReplaySSM rings), or the op refuses an argument. Raised before anything is written,
-        so SGLang's own path can still run the batch.
+        for head dims / GQA / its gate's lower bound, ``conv_weights`` for conv taps other
+        than 4, ``ssm_states`` for a pool neither fp32 nor bf16, ``conv_states`` /
+        ``norm_weight`` for their dtypes, ``forward_batch`` for a non-decode batch,
+        ``attn_backend`` for a pool with SGLang's ReplaySSM rings), or the op refuses an
+        argument. Raised before anything is written, so SGLang's own path can still run the
+        batch.
       kda.KdaBackendError: the named backend cannot serve it (at the first step).
     """
     import kda
@@ -289,7 +336,11 @@ def forward_decode(attn_backend, layer, forward_batch, mixed_qkv: torch.Tensor,
     mode = getattr(forward_batch, "logical_forward_mode", None)
     if mode is None:
         mode = getattr(forward_batch, "forward_mode", None)
-    if mode is not None and not mode.is_decode():
+    if mode is None:
+        raise KdaArgumentError("forward_batch", "expected SGLang's ForwardBatch, with "
+                               "logical_forward_mode or forward_mode, got a "
+                               f"{type(forward_batch).__name__} with neither")
+    if not mode.is_decode():
         raise KdaArgumentError("forward_batch", f"not a decode batch ({mode}); SGLang's "
                                "forward_extend serves it")
     D = kda.HEAD_DIM
@@ -314,14 +365,24 @@ def forward_decode(attn_backend, layer, forward_batch, mixed_qkv: torch.Tensor,
         raise KdaArgumentError("ssm_states", f"the op keeps fp32 or bf16 states; SGLang's pool "
                                f"is {ssm_states.dtype} (--mamba-ssm-dtype)")
     cache_indices = attn_backend.forward_metadata.mamba_cache_indices
+    track = getattr(attn_backend, "_track_mamba_state_decode", None)
+    if track is None:
+        raise KdaArgumentError("attn_backend", "expected SGLang's KDAAttnBackend, with "
+                               "_track_mamba_state_decode (the prefix cache's snapshots), got "
+                               f"a {type(attn_backend).__name__} without it")
+    with_layer_id = _takes_layer_id(track)      # (known before anything is written)
 
     state = _layer_state(layer)
-    cfg = kda.KdaConfig(
-        num_heads=H, T=1, window=conv_states.shape[-2], conv_layout="SD",
-        lower_bound=layer.lower_bound, has_conv_bias=layer.bias is not None,
-        norm_eps=float(norm_eps), conv_state_dtype=conv_states.dtype,
-        conv_weight_dtype=torch.float32, norm_weight_dtype=norm_weight.dtype,
-        state_dtype=ssm_states.dtype)
+    try:
+        cfg = kda.KdaConfig(
+            num_heads=H, T=1, window=conv_states.shape[-2], conv_layout="SD",
+            lower_bound=layer.lower_bound, has_conv_bias=layer.bias is not None,
+            norm_eps=norm_eps, conv_state_dtype=conv_states.dtype,
+            conv_weight_dtype=torch.float32, norm_weight_dtype=norm_weight.dtype,
+            state_dtype=ssm_states.dtype)
+    except KdaArgumentError as e:       # named as SGLang's argument that sets the field
+        raise KdaArgumentError(CONFIG_SOURCES.get(e.arg, e.arg),
+                               f"{e.message} (KdaConfig.{e.arg})") from None
     key = (cfg, mixed_qkv.device, kda_backend)
     step = state["steps"].get(key)
     if step is None:
@@ -332,9 +393,31 @@ def forward_decode(attn_backend, layer, forward_batch, mixed_qkv: torch.Tensor,
                       conv_states=conv_states, ssm_states=ssm_states,
                       cache_indices=cache_indices, f_b=f_b, output_gate=output_gate,
                       norm_weight=norm_weight, out=out, step=step)
-    attn_backend._track_mamba_state_decode(forward_batch, conv_states, ssm_states,
-                                           cache_indices, layer.layer_id)
+    track(forward_batch, conv_states, ssm_states, cache_indices,
+          *((layer.layer_id,) if with_layer_id else ()))
     return out
+
+
+_track_takes_layer_id: dict = {}
+
+
+def _takes_layer_id(track) -> bool:
+    """Whether SGLang's ``_track_mamba_state_decode`` takes the layer id: 0.5.23's takes
+    ``layer_id`` after ``cache_indices``, other versions of the file the first four only
+    (read once per function)."""
+    f = getattr(track, "__func__", track)
+    got = _track_takes_layer_id.get(f)
+    if got is None:
+        try:
+            params = list(inspect.signature(track).parameters.values())
+        except (TypeError, ValueError):     # no signature to read: pass it, as 0.5.23 takes
+            got = True
+        else:
+            got = len(params) >= 5 or any(p.kind == p.VAR_POSITIONAL or p.name == "layer_id"
+                                          for p in params)
+        with _lock:
+            _track_takes_layer_id[f] = got
+    return got
 
 
 def reload_weights(layer) -> None:

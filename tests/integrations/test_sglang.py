@@ -454,3 +454,91 @@ def test_import_kda_does_not_import_the_adapter():
     code = ("import sys, kda; assert 'kda.integrations.sglang' not in sys.modules; "
             "assert 'sglang' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- what an SGLang integrator's trial found ------------------------------------------------
+
+def _step_for(t, **over):
+    cfg = kda.KdaConfig(num_heads=t.H, window=t.conv_states.shape[-2], lower_bound=t.lower_bound,
+                        norm_eps=t.norm_eps, norm_weight_dtype=t.norm_weight.dtype,
+                        state_dtype=t.ssm_states.dtype, **over)
+    return kda.KdaDecode(cfg, backend="reference")
+
+
+def _decode_with_step(t, step, **kw):
+    return adapter.decode_step(
+        t.qkv, t.f_a, t.beta, conv_weight=adapter.conv_weight(t.conv_weights),
+        conv_bias=t.bias, A_log=t.A_log, dt_bias=t.dt_bias, conv_states=t.conv_states,
+        ssm_states=t.ssm_states, cache_indices=t.cache_indices, f_b=t.fg_b_weight[0],
+        output_gate=t.output_gate, norm_weight=t.norm_weight, step=step, **kw)
+
+
+@pytest.mark.parametrize("kw,arg", [(dict(lower_bound=-5.0), "lower_bound"),
+                                    (dict(norm_eps=0.5), "norm_eps"),
+                                    (dict(backend="cuda"), "backend")])
+def test_decode_step_refuses_scalars_its_step_does_not_hold(kw, arg):
+    """With ``step``, a lower bound, norm eps or backend other than the step's was dropped
+    silently (a bounded-gate layer then ran the softplus gate); now named, nothing written.
+    The step's own values, or none, run."""
+    t = sglang_layer(H=4, N=3)
+    step = _step_for(t)
+    before = (t.conv_states.clone(), t.ssm_states.clone())
+    with pytest.raises(KdaArgumentError) as e:
+        _decode_with_step(t, step, **kw)
+    assert e.value.arg == arg, str(e.value)
+    assert torch.equal(t.conv_states, before[0]) and torch.equal(t.ssm_states, before[1])
+    s = sglang_layer(H=4, N=3)
+    ref = run_adapter(s)
+    out = _decode_with_step(t, step, lower_bound=None, norm_eps=t.norm_eps)
+    assert torch.equal(out, ref) and torch.equal(t.ssm_states, s.ssm_states)
+
+
+def test_decode_step_names_2d_cache_indices():
+    t = sglang_layer(H=4, N=2)
+    t.cache_indices = t.cache_indices[:, None].expand(2, 2).contiguous()
+    with pytest.raises(KdaArgumentError) as e:
+        run_adapter(t)
+    assert e.value.arg == "cache_indices", str(e.value)
+
+
+def test_forward_decode_calls_a_four_argument_track_without_the_layer_id():
+    """SGLang files whose ``_track_mamba_state_decode`` takes (forward_batch, conv_states,
+    ssm_states, cache_indices) only: called so (the layer id raised a TypeError after the
+    pools were written); a backend without it is refused before anything is written."""
+    t = sglang_layer(H=4, N=3)
+    backend, layer, batch, _ = sglang_objects(t)
+    tracked = []
+
+    def track(forward_batch, conv_states, ssm_states, cache_indices):
+        tracked.append(cache_indices)
+    backend._track_mamba_state_decode = track
+    call_forward_decode(t, backend, layer, batch)
+    assert len(tracked) == 1 and tracked[0] is t.cache_indices
+    del backend._track_mamba_state_decode
+    before = (t.pools_conv.clone(), t.pools_temporal.clone())
+    with pytest.raises(KdaArgumentError) as e:
+        call_forward_decode(t, backend, layer, batch)
+    assert e.value.arg == "attn_backend", str(e.value)
+    assert torch.equal(t.pools_conv, before[0]) and torch.equal(t.pools_temporal, before[1])
+
+
+@pytest.mark.parametrize("what,arg", [("no mode", "forward_batch"),
+                                      ("fp16 conv pool", "conv_states"),
+                                      ("fp16 norm weight", "norm_weight")])
+def test_forward_decode_names_sglang_arguments(what, arg):
+    """A batch object without either forward mode passed silently; the dtype refusals of
+    the configuration named KdaConfig fields (conv_state_dtype, norm_weight_dtype)."""
+    t = sglang_layer(H=4, N=3)
+    if what == "fp16 conv pool":
+        t.pools_conv = t.pools_conv.to(torch.float16)
+    backend, layer, batch, tracked = sglang_objects(t)
+    if what == "no mode":
+        batch = types.SimpleNamespace()
+    if what == "fp16 norm weight":
+        t.norm_weight = t.norm_weight.to(torch.float16)
+    before = (t.pools_conv.clone(), t.pools_temporal.clone())
+    with pytest.raises(KdaArgumentError) as e:
+        call_forward_decode(t, backend, layer, batch)
+    assert e.value.arg == arg, str(e.value)
+    assert not tracked
+    assert torch.equal(t.pools_conv, before[0]) and torch.equal(t.pools_temporal, before[1])
