@@ -18,7 +18,8 @@ from kda import registry, torch_op
 from kda.config import HEAD_DIM, KdaArgs, KdaConfig, dtype_name
 from kda.dispatch import alloc_out, metadata_key, validated_step
 from kda.errors import KdaArgumentError, KdaBackendError
-from kda.validate import FIELD_ARG, check_is_tensor, config_from_args, validate_args
+from kda.validate import (FIELD_ARG, check_is_tensor, check_writable, config_from_args,
+                          validate_args)
 
 
 def tracing(x: torch.Tensor) -> bool:
@@ -148,6 +149,7 @@ def kda_decode(
             registry.check_choice(backend, "argument")     # not a name: raises as resolve()
         if out is None and isinstance(A_log, torch.Tensor) and A_log.dim() == 1:
             args = args._replace(out=alloc_out(x, A_log.shape[0] * HEAD_DIM))
+        check_writable(args, traced=True)
         return torch_op.call(args, scale=_host(scale), norm_eps=_host(norm_eps),
                              lower_bound=_host(lower_bound), gate_mode=_host(gate_mode),
                              beta_activated=_host(beta_activated),
@@ -298,6 +300,7 @@ class KdaDecode:
                               for v in (getattr(c, field), getattr(got, field)))
                 raise KdaArgumentError(arg, f"expected {field} = {want} (this KdaDecode's "
                                             f"configuration), got {have}")
+        check_writable(args, traced=True)
         return torch_op.call(args, scale=c.scale, norm_eps=c.norm_eps, lower_bound=c.lower_bound,
                              gate_mode=c.gate_mode, beta_activated=c.beta_activated,
                              early_reads=c.early_reads,

@@ -368,8 +368,7 @@ def validate_args(cfg: KdaConfig, args: KdaArgs, config_name: Optional[str] = No
                                              "and kg_record)" if config_name else
                                        "given without record mode; pass both v_record and "
                                        "kg_record to enable it")
-    _check_writable(args, ("out", "conv_state") + (("v_record", "kg_record") if cfg.record
-                                                   else ("state",)))
+    check_writable(args)
     _check_no_overlap(args)
 
 
@@ -386,19 +385,32 @@ def write_mode(args: KdaArgs) -> tuple:
                                      args.out))
 
 
-def _check_writable(args: KdaArgs, names: Sequence[str]) -> None:
-    """The buffers ``names`` are written in place: refused, as PyTorch refuses an in-place
-    update, for a tensor that requires grad while grad mode is on (the write would bypass
-    autograd) and for an inference tensor outside inference mode."""
-    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+def check_writable(args: KdaArgs, traced: bool = False) -> None:
+    """The buffers the step writes in place (``out``, ``conv_state``, and ``state``, or in
+    record mode, which the records' presence decides, ``v_record`` and ``kg_record``): refused,
+    as PyTorch refuses an in-place update, for a tensor that requires grad while grad mode is
+    on (the write would bypass autograd) and for an inference tensor outside inference mode.
+
+    ``traced``: before the custom op is traced (autograd's handling of a mutated input that
+    requires grad failed there after the op had written): every buffer the op's schema
+    declares written (``state`` in record mode too), and no inference-mode check (dynamo
+    cannot read the mode).
+    """
+    grad = torch.is_grad_enabled()
+    inference = not traced and not torch.is_inference_mode_enabled()
+    record = args.v_record is not None or args.kg_record is not None
+    names = ("out", "conv_state") + (("v_record", "kg_record") if record else ()) \
+        + (("state",) if traced or not record else ())
     for name in names:
         t = getattr(args, name)
+        if not isinstance(t, torch.Tensor):
+            continue
         if grad and t.requires_grad:
             raise KdaArgumentError(name, "expected a tensor that does not require grad, or a call "
                                          "under torch.no_grad() / torch.inference_mode(): the "
                                          "step writes it in place, which autograd cannot record; "
                                          "got requires_grad=True with grad mode on")
-        if not inference and t.is_inference():
+        if inference and t.is_inference():
             raise KdaArgumentError(name, "expected a normal tensor, or a call under "
                                          "torch.inference_mode(): the step writes it in place, "
                                          "which PyTorch forbids for an inference tensor outside "

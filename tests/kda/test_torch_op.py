@@ -318,3 +318,40 @@ def test_custom_op_carries_the_engine_forms():
         kda.torch_op.decode(*_args(d), num_accepted_tokens=d.num_accepted_tokens,
                             beta_activated=True, out=d.out, backend="reference")
     assert ei.value.arg == "beta" and "float32" in str(ei.value)
+
+
+@pytest.mark.parametrize("record", [False, True], ids=["plain", "record"])
+@pytest.mark.parametrize("form", ["function", "object"])
+def test_compiled_step_refuses_a_state_that_requires_grad(form, record):
+    """Under torch.compile with grad mode on, a state pool that requires grad (the op's schema
+    declares it written, in record mode too) is refused while tracing, before anything is
+    written: autograd's epilogue for the mutated input failed after the op had written the
+    window (a breaker's trial). Under torch.no_grad() the compiled step equals eager."""
+    cfg = KdaConfig(num_heads=2, T=1, window=3, record=record)
+    a = make_case(CaseSpec(cfg, R=2, seed=12))
+    a.state.requires_grad_(True)
+    extra = dict(v_record=a.v_record, kg_record=a.kg_record) if record else {}
+    if form == "function":
+        fn = lambda *t: kda.kda_decode(*t, out=a.out, backend="reference", **extra)
+    else:
+        step = kda.KdaDecode(cfg, device="cpu", backend="reference")
+        fn = lambda *t: step(*t, out=a.out, **extra)
+    with torch.no_grad():
+        before = clone_args(a)
+        expected = clone_args(a)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="requires_grad=True") as ei:
+        torch.compile(fn, fullgraph=True)(*_args(a))
+    assert isinstance(ei.value, (torch._dynamo.exc.Unsupported, kda.KdaArgumentError))
+    with torch.no_grad():
+        for name in ("state", "conv_state", "out"):
+            assert bits_equal(getattr(a, name), getattr(before, name)), name
+        torch._dynamo.reset()
+        torch.compile(fn, fullgraph=True)(*_args(a))
+        fn_eager = (lambda *t: kda.kda_decode(*t, out=expected.out, backend="reference",
+                                              **({} if not record else dict(
+                                                  v_record=expected.v_record,
+                                                  kg_record=expected.kg_record))))
+        fn_eager(*_args(expected))
+        for name in ("conv_state", "out") + (("v_record",) if record else ("state",)):
+            assert bits_equal(getattr(a, name), getattr(expected, name)), name
