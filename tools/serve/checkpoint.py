@@ -99,8 +99,10 @@ def load_layer(path: str, layer: int = 0) -> tuple:
         meta = f.metadata() or {}
         keys = [k for k in f.keys() if k.startswith(pre)]
         params = {k[len(pre):]: f.get_tensor(k) for k in keys}
-    if "A_log" not in params:
-        raise KeyError(f"{path}: no {pre}A_log; tensors with that prefix: {sorted(params)}")
+    for name in ("A_log", "q_proj.weight"):        # (they give the shapes of the others)
+        if name not in params:
+            raise KeyError(f"{path}: missing {pre}{name}; tensors with that prefix: "
+                           f"{sorted(params)}")
     heads = params["A_log"].numel()
     hidden = params["q_proj.weight"].shape[1]
     for name, shape in param_shapes(hidden, heads).items():

@@ -48,22 +48,28 @@ class KdaLayer:
         if head0 + H > total:
             raise ValueError(f"heads [{head0}, {head0 + H}) are outside the checkpoint's {total} heads")
         sl = slice(head0 * D, (head0 + H) * D)
-        dev = device
         self.cfg, self.device = cfg, device
+
+        def own(t, dtype=torch.bfloat16):
+            """A copy of ``t`` on the device in ``dtype`` (a checkpoint in another float dtype
+            is cast): memory of its own, aligned as torch allocates, not the file's (safetensors
+            aligns its data to 8 bytes, the op wants f_b at 16)."""
+            return t.to(device=device, dtype=dtype, copy=True).contiguous()
+
         self.hidden = params["q_proj.weight"].shape[1]
-        self.w_qkv = torch.cat([params[f"{p}_proj.weight"][sl] for p in "qkv"]).to(dev)  # [3dim, hidden]
-        self.w_fa = params["f_a_proj.weight"].to(dev)                                       # [128, hidden]
-        self.w_b = params["b_proj.weight"][head0:head0 + H].to(dev)                         # [H, hidden]
-        self.w_ga = params["g_a_proj.weight"].to(dev)
-        self.w_gb = params["g_b_proj.weight"][sl].to(dev)                                    # [dim, 128]
-        self.w_o = params["o_proj.weight"][:, sl].to(dev)                                    # [hidden, dim]
-        conv = torch.stack([params[f"{p}_conv1d.weight"][sl, 0, :] for p in "qkv"])        # [3, dim, 4]
-        self.conv_weight = conv.permute(0, 2, 1).contiguous().float().to(dev)               # [3, 4, dim]
-        self.f_b = params["f_b_proj.weight"][sl].contiguous().to(dev)
-        self.A_log = params["A_log"].reshape(-1)[head0:head0 + H].float().contiguous().to(dev)
-        self.dt_bias = params["dt_bias"][sl].float().contiguous().to(dev)
-        self.norm_weight = params["o_norm.weight"].float().contiguous().to(dev)
-        self.op = kda.KdaDecode(cfg, device=dev, backend=backend)
+        self.w_qkv = own(torch.cat([params[f"{p}_proj.weight"][sl] for p in "qkv"]))  # [3dim, hidden]
+        self.w_fa = own(params["f_a_proj.weight"])                                       # [128, hidden]
+        self.w_b = own(params["b_proj.weight"][head0:head0 + H])                         # [H, hidden]
+        self.w_ga = own(params["g_a_proj.weight"])
+        self.w_gb = own(params["g_b_proj.weight"][sl])                                    # [dim, 128]
+        self.w_o = own(params["o_proj.weight"][:, sl])                                    # [hidden, dim]
+        conv = torch.stack([params[f"{p}_conv1d.weight"][sl, 0, :] for p in "qkv"])     # [3, dim, 4]
+        self.conv_weight = own(conv.permute(0, 2, 1), torch.float32)                     # [3, 4, dim]
+        self.f_b = own(params["f_b_proj.weight"][sl])
+        self.A_log = own(params["A_log"].reshape(-1)[head0:head0 + H], torch.float32)
+        self.dt_bias = own(params["dt_bias"][sl], torch.float32)
+        self.norm_weight = own(params["o_norm.weight"], torch.float32)
+        self.op = kda.KdaDecode(cfg, device=device, backend=backend)
         assert self.conv_weight.shape == (3, 4, dim)
 
     # ---- projections (what the model does around the op) -----------------------------------

@@ -88,3 +88,57 @@ def test_serve_without_shadow_writes_fla_core_only(tmp_path, capsys):
     assert got["shadow_state_dtype"] is None
     assert set(got["comparisons"]) == {"fla-core"}
     assert 8 <= got["by_position"][0]["tokens"] <= 12      # 2 requests x 4..6 tokens
+
+
+def _metric(out: str, label: str) -> float:
+    line = next(l for l in out.splitlines() if label in l)
+    return float(line.split("│")[-2])
+
+
+def test_max_rel_err_holds_every_token(capsys):
+    """--max_rel_err bounds each token's error, as its help says (it was compared with the
+    per-request error: a token past the limit passed; a CLI trial): a limit between the
+    largest per-request and the largest per-token error fails the run."""
+    kw = dict(num_heads=2, num_requests=4, max_batch=3, spec_tokens=1, prompt_len="3:9",
+              gen_len="4:8")
+    with flagsaver.flagsaver(**kw):
+        assert serve.main(["serve"]) == 0
+    out = capsys.readouterr().out
+    per_request = _metric(out, "max relative L2 error per request")
+    per_token = _metric(out, "max relative L2 error per token")
+    assert per_token > per_request
+    with flagsaver.flagsaver(max_rel_err=(per_request + per_token) / 2, **kw):
+        assert serve.main(["serve"]) == 1
+    assert "CHECK FAILED" in capsys.readouterr().out
+
+
+def test_checkpoint_of_another_dtype_at_the_file_alignment(tmp_path, capsys):
+    """A checkpoint saved by safetensors with fp32 weights (its data 8-byte aligned; the op
+    wants f_b at 16): cast and copied into memory of the layer's own, it serves (a CLI trial:
+    it raised f_b's alignment error mid-run, or a dtype mismatch in the projections)."""
+    import safetensors.torch as st
+    import torch
+    from tools.serve import checkpoint as ck
+    src = ck.write_synthetic(str(tmp_path / "syn.safetensors"), layer=0, hidden=256, heads=4,
+                             seed=3)
+    params = st.load_file(src)
+    for note in ("", "x" * 7):       # two header lengths: one of them puts f_b off 16 bytes
+        path = tmp_path / f"fp32{len(note)}.safetensors"
+        st.save_file({k: v.float() for k, v in params.items()}, str(path),
+                     metadata={"note": note})
+        with flagsaver.flagsaver(num_heads=2, num_requests=3, max_batch=2, prompt_len="3:5",
+                                 gen_len="2:4", checkpoint=str(path)):
+            assert serve.main(["serve"]) == 0, capsys.readouterr().out
+    assert torch.bfloat16 in {v.dtype for v in params.values()}
+
+
+def test_a_missing_projection_is_named(tmp_path):
+    """A checkpoint without q_proj.weight: named as missing (it was a bare KeyError)."""
+    import safetensors.torch as st
+    from tools.serve import checkpoint as ck
+    src = ck.write_synthetic(str(tmp_path / "syn.safetensors"), layer=0, hidden=256, heads=4,
+                             seed=3)
+    params = {k: v for k, v in st.load_file(src).items() if not k.endswith("q_proj.weight")}
+    st.save_file(params, str(tmp_path / "noq.safetensors"))
+    with pytest.raises(KeyError, match="missing .*q_proj.weight"):
+        ck.load_layer(str(tmp_path / "noq.safetensors"))
