@@ -147,7 +147,16 @@ def main(argv):
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if FLAGS.device == "auto" else FLAGS.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise app.UsageError("--device=cuda but no CUDA device is available")
+        print("bench: error: --device=cuda: torch sees no CUDA device here", file=sys.stderr)
+        return 2
+    out_dir = user_path(FLAGS.out_dir)
+    made = bool(out_dir) and not os.path.exists(out_dir)
+    if out_dir:                 # before the measurements: a bad path would lose them
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+        except OSError as e:
+            print(f"bench: error: --out_dir={FLAGS.out_dir}: {e.strerror}", file=sys.stderr)
+            return 2
     gpu = device.type == "cuda"
     if not gpu:
         console.print("[bold yellow]No CUDA device: these are CPU wall-clock timings, NOT GPU timings.[/]")
@@ -261,11 +270,11 @@ def main(argv):
                     *[_time_cell(row[n]) if n in row else "-" for n in order])
     console.print(tab)
     if interrupted:
+        if made:                # nothing written: the folder made for the results goes too
+            os.rmdir(out_dir)
         return INTERRUPTED
 
-    out_dir = user_path(FLAGS.out_dir)
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
         now = datetime.datetime.now(datetime.timezone.utc)
         tag = FLAGS.tag or default_tag(dev_name, now)
         meta = {

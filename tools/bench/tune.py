@@ -285,11 +285,14 @@ def main(argv):
                       f"(early-reading builds are not candidates: a table row holds a schedule's "
                       f"axes, which its flags follow), got {', '.join(unknown)}")
         return 2
-    bad = [f"--{n}={v}" for n, vs in (("heads", heads), ("tokens", tokens), ("batches", batches))
+    bad = [f"--{n}={v}" for n, vs in (("heads", heads), ("tokens", tokens), ("batches", batches),
+                                      ("finalists", [FLAGS.finalists]),
+                                      ("screen_iters", [FLAGS.screen_iters]),
+                                      ("iters", [FLAGS.iters]), ("sets", [FLAGS.sets]))
            for v in vs if v < 1 or (n == "tokens" and v > MAX_T)]
     if bad:
-        console.print(f"expected heads and batches >= 1 and tokens 1..{MAX_T}, got "
-                      f"{', '.join(bad)}")
+        console.print(f"expected heads, batches, finalists, screen_iters, iters and sets >= 1 "
+                      f"and tokens 1..{MAX_T}, got {', '.join(bad)}")
         return 2
     cells = plan(heads, tokens, batches, state_dtypes, candidates)
     if not cells:

@@ -291,3 +291,15 @@ def test_a_failed_cells_verdict_is_one_line(fake_harness, capsys):
     assert "reference H=2 T=1 R=2 failed: RuntimeError: a long reason why this cell could not " \
         "be measured, longer than a log's 80 columns" in lines
     assert "1 cell(s) failed (exit status 1): reference H=2 T=1 R=2" in lines
+
+
+def test_an_out_dir_that_cannot_be_made_is_refused_before_measuring(fake_harness, capsys,
+                                                                     tmp_path):
+    """--out_dir is made before the first cell: one it cannot make is one line and exit 2, with
+    nothing measured (it was a traceback after the whole grid; a CLI trial)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    rc, measured = fake_harness(heads=["2"], tokens=["1"], batches=["1"],
+                                out_dir=str(blocker / "out"))
+    assert rc == 2 and measured == []
+    assert "bench: error: --out_dir=" in capsys.readouterr().err

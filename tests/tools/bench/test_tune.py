@@ -3,6 +3,8 @@ and the table it writes (the format ``cutedsl`` reads). The sweep itself needs a
 
 import json
 
+import pytest
+
 from kda.backends.cutedsl import policy, tables
 from tools.bench import tune
 
@@ -113,3 +115,19 @@ def test_the_tuner_tunes_both_state_dtypes_by_default():
 
     assert plan() == ["fp32", "bf16"]
     assert plan("--state_dtype=bf16") == ["bf16"]
+
+
+@pytest.mark.parametrize("flag", ["--finalists=0", "--iters=0", "--sets=0"])
+def test_counts_below_one_are_refused_in_the_plan(flag):
+    """--finalists=0 passed the plan and would have failed on the GPU after the compiles (a
+    CLI trial); counts below 1 are one line, exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
+    out = subprocess.run([sys.executable, "-m", "tools.bench.tune", "--dry_run", flag],
+                         cwd=root, env=dict(os.environ, PYTHONPATH=root), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and flag in out.stdout, out.stdout
