@@ -8,7 +8,17 @@ from rich.table import Table
 from kda.registry import status
 
 
-def main() -> None:
+def main(argv=None) -> int:
+    """The report; exit status 0, or 2 for any argument (it takes none; --help prints this
+    module's docstring)."""
+    import sys
+    args = sys.argv[1:] if argv is None else argv
+    if args:
+        print(__doc__.strip())
+        if args in (["--help"], ["-h"]):
+            return 0
+        print(f"python3 -m kda: takes no arguments, got {' '.join(args)}", file=sys.stderr)
+        return 2
     table = Table(title="KDA decode backends")
     for col in ("backend", "runs here", "what it is, or why it cannot run"):
         table.add_column(col)
@@ -21,6 +31,7 @@ def main() -> None:
     note = _without_gpu()
     if note:
         console.print(note)
+    return 0
 
 
 def _schedules() -> str:
@@ -70,4 +81,4 @@ def _without_gpu() -> str:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

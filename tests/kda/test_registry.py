@@ -245,3 +245,14 @@ def test_one_cache_folder_scheme(monkeypatch, tmp_path):
         assert build.cache_dir().parent == root / "cuda_ext"
         assert default_cache_dir() == str(root / "cutedsl")
     assert not (tmp_path / "c").exists()          # naming a folder creates nothing
+
+
+def test_python_m_kda_refuses_arguments(capsys):
+    """``python3 -m kda`` takes no arguments: one is refused (exit 2) rather than ignored;
+    ``--help`` prints what it reports (exit 0)."""
+    from kda.__main__ import main
+    assert main(["bogus"]) == 2
+    out = capsys.readouterr()
+    assert "takes no arguments, got bogus" in out.err and "python3 -m kda" in out.out
+    assert main(["--help"]) == 0
+    assert "which backends run here" in capsys.readouterr().out
