@@ -5,6 +5,8 @@ take first on one and whether CuTe DSL imports here."""
 from rich.console import Console
 from rich.table import Table
 
+from kda import registry
+from kda.errors import KdaBackendError
 from kda.registry import status
 
 
@@ -31,6 +33,10 @@ def main(argv=None) -> int:
     note = _without_gpu()
     if note:
         console.print(note)
+    try:                                   # what a step would refuse: say it here too
+        registry.check_choice(*registry.requested_name())
+    except KdaBackendError as e:
+        console.print(f"[red]{e}[/red]")
     return 0
 
 

@@ -256,3 +256,12 @@ def test_python_m_kda_refuses_arguments(capsys):
     assert "takes no arguments, got bogus" in out.err and "python3 -m kda" in out.out
     assert main(["--help"]) == 0
     assert "which backends run here" in capsys.readouterr().out
+
+
+def test_python_m_kda_says_when_kda_backend_names_no_backend(monkeypatch, capsys):
+    """``KDA_BACKEND=bogus python3 -m kda`` says the value is refused (it said nothing)."""
+    from kda.__main__ import main
+    monkeypatch.setenv("KDA_BACKEND", "bogus")
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main([]) == 0
+    assert "unknown KDA backend 'bogus' (from env KDA_BACKEND)" in capsys.readouterr().out
