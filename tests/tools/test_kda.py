@@ -127,3 +127,17 @@ def test_tune_runs_the_tuner_with_its_flags(bin_dir):
     assert res.returncode == 0, res.stderr
     call = (bin_dir.parent / "log").read_text().splitlines()[-1]
     assert call.startswith("bazel run ") and call.endswith("//tools/bench:tune -- --dry_run --heads=12")
+
+
+def test_bench_refuses_backends_beside_its_positional_backend(bin_dir):
+    """``tools/kda bench reference --backends=triton`` measured triton without a word (a CLI
+    trial): refused, naming why."""
+    res = _run(bin_dir, "bench", "reference", "--heads=4", "--backends=triton")
+    assert res.returncode == 2
+    assert res.stderr == ("tools/kda bench: 'reference' names the backend; --backends is not "
+                          "taken here\n")
+    _stub(bin_dir, "bazel", 'echo "bazel $*" >> "$LOG"')
+    res = _run(bin_dir, "bench", "all", "--backends=triton,cuda")     # a choice among all
+    assert res.returncode == 0, res.stderr
+    call = (bin_dir.parent / "log").read_text().splitlines()[-1]
+    assert call.endswith("//tools/bench:all_backends -- --backends=triton,cuda")
