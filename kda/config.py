@@ -280,3 +280,8 @@ class KdaArgs(NamedTuple):
     def num_requests(self) -> int:
         """R, the batch's request count (``state_indices.shape[0]``; host metadata only)."""
         return self.state_indices.shape[0]
+
+
+#: The fields of :class:`KdaArgs` a step may write in place (record mode: the records, not
+#: the state).
+WRITTEN = ("out", "state", "conv_state", "v_record", "kg_record")

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from kda.config import GATE_RANK, HEAD_DIM, KdaArgs, KdaConfig
+from kda.config import GATE_RANK, HEAD_DIM, WRITTEN, KdaArgs, KdaConfig
 
 D = HEAD_DIM
 
@@ -275,10 +275,6 @@ def expected_after(cfg: KdaConfig, args: KdaArgs, steps: int = 1):
 def args_to(args: KdaArgs, device) -> KdaArgs:
     """Move every tensor to ``device`` preserving strides."""
     return KdaArgs(*[_restrided(t, lambda b: b.to(device)) for t in args])
-
-
-#: The buffers a step may write.
-WRITTEN = ("out", "state", "conv_state", "v_record", "kg_record")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

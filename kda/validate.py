@@ -9,11 +9,12 @@ behaviour is defined by the contract (dead items, clamped counts) instead.
 from __future__ import annotations
 
 import numbers
+import operator
 from typing import Optional, Sequence
 
 import torch
 
-from kda.config import GATE_RANK, HEAD_DIM, KdaArgs, KdaConfig, dtype_name, is_bool
+from kda.config import GATE_RANK, HEAD_DIM, WRITTEN, KdaArgs, KdaConfig, dtype_name, is_bool
 from kda.errors import KdaArgumentError
 
 D = HEAD_DIM
@@ -372,6 +373,9 @@ def validate_args(cfg: KdaConfig, args: KdaArgs, config_name: Optional[str] = No
     _check_no_overlap(args)
 
 
+_written = operator.attrgetter(*WRITTEN)
+
+
 def write_mode(args: KdaArgs) -> tuple:
     """What decides whether PyTorch lets the written buffers be updated in place now: grad mode,
     inference mode, and each one's ``requires_grad`` and ``is_inference()`` (part of the object
@@ -381,8 +385,7 @@ def write_mode(args: KdaArgs) -> tuple:
     grad = torch.is_grad_enabled()
     return (grad,) + tuple((grad and t.requires_grad, t.is_inference())
                            if isinstance(t, torch.Tensor) else None
-                           for t in (args.conv_state, args.state, args.v_record, args.kg_record,
-                                     args.out))
+                           for t in _written(args))
 
 
 def check_writable(args: KdaArgs, traced: bool = False) -> None:
@@ -399,9 +402,9 @@ def check_writable(args: KdaArgs, traced: bool = False) -> None:
     grad = torch.is_grad_enabled()
     inference = not traced and not torch.is_inference_mode_enabled()
     record = args.v_record is not None or args.kg_record is not None
-    names = ("out", "conv_state") + (("v_record", "kg_record") if record else ()) \
-        + (("state",) if traced or not record else ())
-    for name in names:
+    for name in WRITTEN:
+        if name == "state" and record and not traced:
+            continue
         t = getattr(args, name)
         if not isinstance(t, torch.Tensor):
             continue
@@ -471,7 +474,7 @@ def may_overlap(a: torch.Tensor, b: torch.Tensor, spans=None) -> bool:
 def _check_no_overlap(args: KdaArgs) -> None:
     """The written buffers must not share memory with each other or with any input."""
     spans = {n: (t, _span(t)) for n, t in args._asdict().items() if t is not None and t.numel()}
-    for wname in ("out", "state", "conv_state", "v_record", "kg_record"):
+    for wname in WRITTEN:
         if wname not in spans:
             continue
         w, wspan = spans[wname]

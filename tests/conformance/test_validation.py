@@ -13,7 +13,7 @@ import torch
 import kda
 from kda.config import KdaConfig
 from kda.errors import KdaBackendError
-from kda.testing import CaseSpec, bits_equal, clone_args, make_case
+from kda.testing import WRITTEN, CaseSpec, bits_equal, clone_args, make_case
 from kda.errors import KdaArgumentError
 
 CFG1 = KdaConfig(num_heads=2, T=1, window=3)
@@ -133,7 +133,7 @@ BAD_SCALARS = [
 
 
 def _assert_untouched(args, before):
-    for name in ("out", "state", "conv_state", "v_record", "kg_record"):
+    for name in WRITTEN:
         assert bits_equal(getattr(args, name), getattr(before, name)), f"{name} was written"
 
 

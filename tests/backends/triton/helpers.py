@@ -5,12 +5,10 @@ import torch
 
 from kda.backends.triton.backend import interpreter_enabled
 from kda.reference import reference_step
-from kda.testing import CaseSpec, bits_equal, clone_args, compare_step, make_case
+from kda.testing import WRITTEN, CaseSpec, bits_equal, clone_args, compare_step, make_case
 
 #: True under ``TRITON_INTERPRET=1`` (the CPU; the Bazel targets set it).
 INTERP = interpreter_enabled()
-#: The buffers a step writes.
-WRITTEN = ("out", "state", "conv_state", "v_record", "kg_record")
 
 
 def device() -> torch.device:
