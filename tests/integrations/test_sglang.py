@@ -174,13 +174,16 @@ def sglang_decode(t, conv_states, ssm_states):
     return y.to(torch.bfloat16).view(N, dim)
 
 
-def run_adapter(t, backend="reference", out=None):
+def run_adapter(t, out=None, step=None, **kw):
+    """decode_step on ``t``'s tensors: with the layer's eps and gate and the reference backend
+    (``kw`` overrides), or with ``step`` and only the arguments in ``kw``."""
+    if step is None:
+        kw = {"norm_eps": t.norm_eps, "lower_bound": t.lower_bound, "backend": "reference", **kw}
     return adapter.decode_step(
         t.qkv, t.f_a, t.beta, conv_weight=adapter.conv_weight(t.conv_weights),
         conv_bias=t.bias, A_log=t.A_log, dt_bias=t.dt_bias, conv_states=t.conv_states,
         ssm_states=t.ssm_states, cache_indices=t.cache_indices, f_b=t.fg_b_weight[0],
-        output_gate=t.output_gate, norm_weight=t.norm_weight, norm_eps=t.norm_eps,
-        lower_bound=t.lower_bound, out=out, backend=backend)
+        output_gate=t.output_gate, norm_weight=t.norm_weight, out=out, step=step, **kw)
 
 
 def within(actual, expected, tol) -> str:
@@ -465,14 +468,6 @@ def _step_for(t, **over):
     return kda.KdaDecode(cfg, backend="reference")
 
 
-def _decode_with_step(t, step, **kw):
-    return adapter.decode_step(
-        t.qkv, t.f_a, t.beta, conv_weight=adapter.conv_weight(t.conv_weights),
-        conv_bias=t.bias, A_log=t.A_log, dt_bias=t.dt_bias, conv_states=t.conv_states,
-        ssm_states=t.ssm_states, cache_indices=t.cache_indices, f_b=t.fg_b_weight[0],
-        output_gate=t.output_gate, norm_weight=t.norm_weight, step=step, **kw)
-
-
 @pytest.mark.parametrize("kw,arg", [(dict(lower_bound=-5.0), "lower_bound"),
                                     (dict(norm_eps=0.5), "norm_eps"),
                                     (dict(backend="cuda"), "backend")])
@@ -484,12 +479,12 @@ def test_decode_step_refuses_scalars_its_step_does_not_hold(kw, arg):
     step = _step_for(t)
     before = (t.conv_states.clone(), t.ssm_states.clone())
     with pytest.raises(KdaArgumentError) as e:
-        _decode_with_step(t, step, **kw)
+        run_adapter(t, step=step, **kw)
     assert e.value.arg == arg, str(e.value)
     assert torch.equal(t.conv_states, before[0]) and torch.equal(t.ssm_states, before[1])
     s = sglang_layer(H=4, N=3)
     ref = run_adapter(s)
-    out = _decode_with_step(t, step, lower_bound=None, norm_eps=t.norm_eps)
+    out = run_adapter(t, step=step, lower_bound=None, norm_eps=t.norm_eps)
     assert torch.equal(out, ref) and torch.equal(t.ssm_states, s.ssm_states)
 
 
