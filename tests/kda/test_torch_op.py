@@ -330,7 +330,7 @@ def test_compiled_step_refuses_a_state_that_requires_grad(form, record):
     cfg = KdaConfig(num_heads=2, T=1, window=3, record=record)
     a = make_case(CaseSpec(cfg, R=2, seed=12))
     a.state.requires_grad_(True)
-    extra = dict(v_record=a.v_record, kg_record=a.kg_record) if record else {}
+    extra = dict(v_record=a.v_record, kg_record=a.kg_record)        # (None without record)
     if form == "function":
         fn = lambda *t: kda.kda_decode(*t, out=a.out, backend="reference", **extra)
     else:
@@ -348,10 +348,7 @@ def test_compiled_step_refuses_a_state_that_requires_grad(form, record):
             assert bits_equal(getattr(a, name), getattr(before, name)), name
         torch._dynamo.reset()
         torch.compile(fn, fullgraph=True)(*_args(a))
-        fn_eager = (lambda *t: kda.kda_decode(*t, out=expected.out, backend="reference",
-                                              **({} if not record else dict(
-                                                  v_record=expected.v_record,
-                                                  kg_record=expected.kg_record))))
-        fn_eager(*_args(expected))
+        kda.kda_decode(*_args(expected), out=expected.out, backend="reference",
+                       v_record=expected.v_record, kg_record=expected.kg_record)
         for name in ("conv_state", "out") + (("v_record",) if record else ("state",)):
             assert bits_equal(getattr(a, name), getattr(expected, name)), name
